@@ -1,0 +1,1 @@
+"""rollserve.client: the thin trainer-side library (no transformers)."""

@@ -1,0 +1,1 @@
+"""rollserve.server: the rollout service (transformers models behind gRPC)."""
