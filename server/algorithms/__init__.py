@@ -1,0 +1,1 @@
+"""RL math on experience tensors: KL estimators, reward shaping, advantages, presets."""

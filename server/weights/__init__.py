@@ -1,0 +1,1 @@
+"""Weight updates: safetensors stream staging, verification, atomic swap, LoRA merge."""
