@@ -1,1 +1,87 @@
-"""RL math on experience tensors: KL estimators, reward shaping, advantages, presets."""
+"""RL math on experience tensors: KL estimators, reward shaping, advantages, presets.
+
+Plain torch functions with shapes in comments and no hidden state; `shape_experience` chains
+them for one request under an `AlgorithmConfig` built by `resolve_algorithm`. The presets and
+the default preset are documented in presets.py (the one place).
+"""
+
+from __future__ import annotations
+
+from rollserve.server.algorithms.advantages import (
+    WHITENINGS,
+    clip_advantages,
+    cumulative_returns,
+    gae,
+    whiten,
+)
+from rollserve.server.algorithms.filters import (
+    clip_filter_weights,
+    dynamic_sampling_mask,
+    high_entropy_mask,
+)
+from rollserve.server.algorithms.groups import (
+    ESTIMATORS,
+    GROUP_ESTIMATORS,
+    check_group_size,
+    group_shaped_reward,
+)
+from rollserve.server.algorithms.kl import (
+    KL_ESTIMATORS,
+    coati_logged_kl,
+    kl_estimate,
+    sequence_kl_reward,
+)
+from rollserve.server.algorithms.masking import last_valid_column, masked_row_mean
+from rollserve.server.algorithms.presets import (
+    DEFAULT_PRESET,
+    PRESET_NAMES,
+    PRESETS,
+    AlgorithmConfig,
+    preset_config,
+)
+from rollserve.server.algorithms.resolve import KL_MODES, resolve_algorithm
+from rollserve.server.algorithms.rewards import (
+    OVERLONG_VARIANTS,
+    REWARD_PLACEMENTS,
+    clip_reward,
+    overlong_penalty,
+    place_reward,
+    token_rewards,
+)
+from rollserve.server.algorithms.shaping import ShapedExperience, shape_experience
+
+__all__ = [
+    "AlgorithmConfig",
+    "DEFAULT_PRESET",
+    "ESTIMATORS",
+    "GROUP_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "KL_MODES",
+    "OVERLONG_VARIANTS",
+    "PRESETS",
+    "PRESET_NAMES",
+    "REWARD_PLACEMENTS",
+    "ShapedExperience",
+    "WHITENINGS",
+    "check_group_size",
+    "clip_advantages",
+    "clip_filter_weights",
+    "clip_reward",
+    "coati_logged_kl",
+    "cumulative_returns",
+    "dynamic_sampling_mask",
+    "gae",
+    "group_shaped_reward",
+    "high_entropy_mask",
+    "kl_estimate",
+    "last_valid_column",
+    "masked_row_mean",
+    "overlong_penalty",
+    "place_reward",
+    "preset_config",
+    "resolve_algorithm",
+    "sequence_kl_reward",
+    "shape_experience",
+    "token_rewards",
+    "whiten",
+]

@@ -1,0 +1,102 @@
+"""Advantages and returns from token rewards: GAE, cumulative returns, whitening, clipping.
+
+GAE serves all three frameworks. OpenRLHF and LightRFT multiply the values and rewards by the
+action mask first; ColossalChat runs the same recursion with no mask inside, but its inputs are
+already masked (values = critic * m, rewards 0 past the response end), so masking them again
+changes nothing and one function reproduces all three (tests/test_algorithms_advantages.py
+checks this against coati's unmasked loop).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "WHITENINGS",
+    "gae",
+    "cumulative_returns",
+    "whiten",
+    "clip_advantages",
+]
+
+WHITENINGS = ("none", "global", "global_mean", "unbiased")
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over all A columns. (B, A) x 3 -> (advantages, returns)
+
+    V <- V * m and r <- r * m, then backwards with V_A = 0:
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        adv_t   = delta_t + gamma * lam * adv_{t+1}
+    returns = adv + V (the masked V). Masked columns still carry the recursion, as upstream.
+    """
+    m = mask.to(rewards.dtype)
+    values = values.to(rewards.dtype) * m  # (B, A)
+    rewards = rewards * m  # (B, A)
+    num_actions = rewards.shape[-1]
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])  # (B,) V_A = 0
+    running = torch.zeros_like(rewards[:, 0])  # (B,) adv_{t+1}
+    for t in reversed(range(num_actions)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+        next_value = values[:, t]
+    return advantages, advantages + values
+
+
+def cumulative_returns(rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float) -> torch.Tensor:
+    """REINFORCE returns G_t = r_t * m_t + gamma * G_{t+1}, G_A = 0. (B, A) x 2 -> (B, A)"""
+    rewards = rewards * mask.to(rewards.dtype)  # (B, A)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])  # (B,)
+    for t in reversed(range(rewards.shape[-1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    return returns
+
+
+def whiten(
+    advantages: torch.Tensor, mask: torch.Tensor, mode: str, *, eps: float = 1e-8
+) -> torch.Tensor:
+    """Normalise advantages with statistics over the valid entries of all rows. (B, A) -> (B, A)
+
+    "global" (OpenRLHF, LightRFT cross-batch): mu = sum(A m) / sum(m), biased
+    var = sum((A - mu)^2 m) / sum(m), A <- (A - mu) * rsqrt(max(var, 1e-8)).
+    "global_mean": A <- A - mu (OpenRLHF's no_std_norm).
+    "unbiased" (LightRFT advantages_norm): A <- (A - mu) / (std_unbiased + eps).
+    Every mode transforms EVERY column, masked ones included (a trailing 0 becomes -mu * ...),
+    as upstream does; the trainer's loss masks them. With no valid entry the input is returned
+    unchanged; "unbiased" with a single valid entry only subtracts the mean (std undefined).
+    """
+    if mode == "none":
+        return advantages
+    if mode not in WHITENINGS:
+        raise ValueError(f"unknown whitening {mode!r}; expected one of {WHITENINGS}")
+    m = mask.to(advantages.dtype)
+    count = m.sum()
+    if count.item() == 0:
+        return advantages
+    mean = (advantages * m).sum() / count
+    centred = advantages - mean  # (B, A)
+    if mode == "global_mean":
+        return centred
+    if mode == "global":
+        var = (centred.square() * m).sum() / count
+        return centred * torch.rsqrt(var.clamp(min=1e-8))
+    if count.item() < 2:
+        return centred
+    std = advantages[mask.bool()].std()  # Bessel-corrected
+    return centred / (std + eps)
+
+
+def clip_advantages(advantages: torch.Tensor, clip: float) -> torch.Tensor:
+    """Clamp to [-clip, clip]; clip <= 0 disables. (B, A) -> (B, A)"""
+    return advantages.clamp(min=-clip, max=clip) if clip > 0 else advantages

@@ -1,0 +1,244 @@
+"""The resolved algorithm options (`AlgorithmConfig`) and the three named presets.
+
+A preset is a complete AlgorithmConfig holding one framework's defaults, plus per-estimator
+overrides for the defaults that depend on the estimator (ColossalChat's GRPO branch differs
+from its PPO branch). Sources and formulas: /work/shared/reference/experience_math.md
+(sections 1-3; the table in section 4 lists every difference).
+
+    option                     coati (V2)        openrlhf              lightrft
+    estimator (critic / none)  gae / group_norm  gae / group_norm      group_norm / group_norm
+    gamma, lam                 1, 0.95           1, 1                  1, 0.95
+    kl_coef                    0.01              0.01                  0.01
+    kl_estimator, clamp        k1, none          k1, +-10              k3, none
+    KL masked before transform yes (-b*d*m)      no (log-probs zeroed) yes
+    kl_mode                    reward; sequence  reward                reward
+                               for group est.
+    returned kl                coati's logged    the estimator         the estimator
+                               e^g - 1 - d
+    reward_placement           every             last                  last
+    reward_clip                5; 0 for group    10                    0 (off)
+    whitening                  none              global for gae,       global for gae,
+                                                 reinforce,            reinforce,
+                                                 reinforce_baseline    reinforce_baseline
+    group_std_eps              1e-4              1e-9                  1e-9
+    gamma forced to 1 for      (none)            rloo, group_norm,     reinforce_baseline
+                                                 dr_grpo, r._baseline
+    group advantage            broadcast over A  cumulative returns    cumulative returns
+    overlong penalty variant   capped            capped (DAPO)         uncapped
+    log-probs / temperature    raw logits        logits / temperature  raw logits
+    invalid log-prob columns   kept              zeroed                kept
+
+Where a framework has no such option (coati has no overlong penalty, dr_grpo, ...), its
+preset uses the nearest convention of that framework and the table says which.
+
+Reproduced quirks (experience_math.md section 5): coati's reward on every valid token (5.2),
+coati's logged KL with its d >= 10 guard (5.3), OpenRLHF's whitening of masked columns and
+signed +-10 clamp of k1 (5.4), LightRFT's uncapped overlong penalty (section 3.5).
+Deliberately NOT reproduced, because they are bugs rather than conventions: LightRFT popping
+gamma after the first micro-batch (5.5; every row here uses the configured gamma), LightRFT's
+CPGD estimator giving identically zero advantages (5.5; CPGD is not offered), LightRFT's second
+whitening in its replay buffer (trainer-side, and "grpo" vs "group_norm" naming), LightRFT's
+running reward normalisation (state across requests; not offered), and NaN for a
+zero-variance group or n = 1 (we return 0). Also different by design: the advantage clip is
+always applied after whitening (the proto's contract), where LightRFT clips before its
+cross-batch whitening.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from rollserve.server.algorithms.groups import ESTIMATORS, GROUP_ESTIMATORS
+
+__all__ = [
+    "AlgorithmConfig",
+    "PRESETS",
+    "PRESET_NAMES",
+    "DEFAULT_PRESET",
+    "preset_config",
+]
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Every algorithm option, resolved: what shape_experience and the engine do for a request."""
+
+    preset: str
+    estimator: str  # one of groups.ESTIMATORS
+    gamma: float  # as requested; see effective_gamma for the one used
+    lam: float
+    kl_coef: float  # beta; 0 disables the KL term
+    kl_estimator: str  # "k1" | "k2" | "k3"
+    kl_clamp: float  # symmetric clamp of the per-token KL; 0 disables
+    kl_mask_first: bool  # multiply the log-ratio by the action mask before the estimator
+    kl_mode: str  # "reward" | "loss" | "sequence"
+    coati_logged_kl: bool  # return coati's logged e^g - 1 - d as `kl` (when kl_estimator is k1)
+    reward_placement: str  # "last" | "every"
+    reward_clip: float  # clip of the (group-shaped) scalar reward; 0 disables
+    whitening: str  # "none" | "global" | "global_mean" | "unbiased"
+    whiten_estimators: frozenset[str]  # estimators the whitening applies to
+    whiten_eps: float  # added to the unbiased std by "unbiased" whitening
+    advantage_clip: float  # 0 disables
+    group_std_eps: float  # added to the group std by group_norm
+    gamma_one_estimators: frozenset[str]  # estimators for which gamma is forced to 1
+    broadcast_group_advantage: bool  # coati GRPO: group advantage repeated over all A columns
+    high_entropy_token_ratio: float  # 0 disables info["high_entropy_mask"]
+    dynamic_sampling: bool
+    overlong_buffer: int  # tokens; 0 disables the overlong penalty
+    overlong_factor: float
+    overlong_variant: str  # "capped" (OpenRLHF) | "uncapped" (LightRFT)
+    clip_filter_eps: float  # 0 disables info["clip_filter_weight"]
+    clip_filter_lambda: float  # weight of zero-variance prompts (LightRFT's `lamda`)
+    logprobs_use_temperature: bool  # divide logits by the sampling temperature for log-probs
+    zero_invalid_logprobs: bool  # store 0 in the log-prob columns outside the action mask
+
+    @property
+    def is_group_estimator(self) -> bool:
+        return self.estimator in GROUP_ESTIMATORS
+
+    @property
+    def effective_gamma(self) -> float:
+        """The discount actually used: 1 for the preset's gamma-forced estimators."""
+        return 1.0 if self.estimator in self.gamma_one_estimators else self.gamma
+
+    @property
+    def effective_whitening(self) -> str:
+        """The whitening actually applied to this estimator's advantages."""
+        return self.whitening if self.estimator in self.whiten_estimators else "none"
+
+    @property
+    def broadcasts_sequence_advantage(self) -> bool:
+        """coati GRPO: one advantage per row over all columns; only when the KL is not per token."""
+        return self.broadcast_group_advantage and self.is_group_estimator and self.kl_mode != "reward"
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.estimator == "gae"
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.high_entropy_token_ratio > 0
+
+    @property
+    def uses_overlong_penalty(self) -> bool:
+        return self.overlong_buffer > 0 and self.overlong_factor > 0
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One framework's defaults: a base config plus estimator-dependent overrides."""
+
+    base: AlgorithmConfig
+    estimator_without_critic: str
+    overrides: Mapping[str, Mapping[str, Any]]  # estimator -> {AlgorithmConfig field: value}
+
+
+_COATI = AlgorithmConfig(
+    preset="coati",
+    estimator="gae",
+    gamma=1.0,
+    lam=0.95,
+    kl_coef=0.01,
+    kl_estimator="k1",
+    kl_clamp=0.0,
+    kl_mask_first=True,
+    kl_mode="reward",
+    coati_logged_kl=True,
+    reward_placement="every",
+    reward_clip=5.0,
+    whitening="none",
+    whiten_estimators=frozenset(),
+    whiten_eps=1e-8,
+    advantage_clip=0.0,
+    group_std_eps=1e-4,
+    gamma_one_estimators=frozenset(),
+    broadcast_group_advantage=True,
+    high_entropy_token_ratio=0.0,
+    dynamic_sampling=False,
+    overlong_buffer=0,
+    overlong_factor=0.0,
+    overlong_variant="capped",
+    clip_filter_eps=0.0,
+    clip_filter_lambda=1.0,
+    logprobs_use_temperature=False,
+    zero_invalid_logprobs=False,
+)
+
+_OPENRLHF = replace(
+    _COATI,
+    preset="openrlhf",
+    lam=1.0,
+    kl_clamp=10.0,
+    kl_mask_first=False,
+    coati_logged_kl=False,
+    reward_placement="last",
+    reward_clip=10.0,
+    whitening="global",
+    whiten_estimators=frozenset({"gae", "reinforce", "reinforce_baseline"}),
+    group_std_eps=1e-9,
+    gamma_one_estimators=frozenset({"rloo", "reinforce_baseline", "group_norm", "dr_grpo"}),
+    broadcast_group_advantage=False,
+    logprobs_use_temperature=True,
+    zero_invalid_logprobs=True,
+)
+
+_LIGHTRFT = replace(
+    _COATI,
+    preset="lightrft",
+    estimator="group_norm",
+    kl_estimator="k3",
+    coati_logged_kl=False,
+    reward_placement="last",
+    reward_clip=0.0,
+    whitening="global",
+    whiten_estimators=frozenset({"gae", "reinforce", "reinforce_baseline"}),
+    group_std_eps=1e-9,
+    gamma_one_estimators=frozenset({"reinforce_baseline"}),
+    broadcast_group_advantage=False,
+    overlong_variant="uncapped",
+)
+
+_COATI_GRPO = MappingProxyType({"kl_mode": "sequence", "reward_clip": 0.0})
+
+PRESETS: Mapping[str, Preset] = MappingProxyType(
+    {
+        # coati's GRPO branch folds the KL into the sequence reward and does not clip.
+        "coati": Preset(_COATI, "group_norm", MappingProxyType({e: _COATI_GRPO for e in GROUP_ESTIMATORS})),
+        "openrlhf": Preset(_OPENRLHF, "group_norm", MappingProxyType({})),
+        # LightRFT's GAE path adds 1e-9 to the std in advantages_norm; its REINFORCE path 1e-8.
+        "lightrft": Preset(
+            _LIGHTRFT, "group_norm", MappingProxyType({"gae": MappingProxyType({"whiten_eps": 1e-9})})
+        ),
+    }
+)
+PRESET_NAMES: tuple[str, ...] = tuple(sorted(PRESETS))
+
+DEFAULT_PRESET = "openrlhf"
+"""The preset of a request that names none (reported by Health.default_preset).
+
+This is the one place the default is chosen. OpenRLHF because it is the most widely used of
+the three and the convention LightRFT inherits, its defaults are guards rather than surprises
+(last-token reward, reward clip +-10, KL clamp +-10, global whitening for the critic and
+REINFORCE estimators), and none of its reproduced behaviour is a bug we would have to skip.
+Its PPO default needs a critic; without one the default estimator is group_norm (GRPO).
+Its temperature convention (log-probs of logits / temperature) is a no-op at the default
+sampling temperature of 1.
+"""
+
+
+def preset_config(name: str, estimator: str | None = None, *, has_critic: bool = True) -> AlgorithmConfig:
+    """A preset's config for an estimator (default: the preset's own for this critic setup)."""
+    preset = PRESETS[name]
+    if estimator is None:
+        estimator = preset.base.estimator
+        if estimator == "gae" and not has_critic:
+            estimator = preset.estimator_without_critic
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown estimator {estimator!r}; expected one of {ESTIMATORS}")
+    return replace(preset.base, estimator=estimator, **preset.overrides.get(estimator, {}))

@@ -1,0 +1,192 @@
+"""The one entry point the experience maker calls after generation and scoring.
+
+`shape_experience` turns scored rows into the RL fields of an Experience, in this order (the
+order OpenRLHF and LightRFT apply their steps; coati's two branches are special cases):
+
+ 1. zero the log-probs outside the action mask (zero_invalid_logprobs, OpenRLHF);
+ 2. per-token KL (B, A) with the configured estimator, mask-first and clamp;
+ 3. overlong penalty on the scalar reward (length = valid action columns);
+ 4. kl_mode "sequence": add -beta * masked mean KL to the scalar reward (coati GRPO);
+    the result is the stored `reward`;
+ 5. dynamic sampling: zero the action mask of groups whose raw rewards are all 0 or all 1
+    (the KL of step 2 keeps the original mask, as in LightRFT, which computes it earlier);
+ 6. group estimator on the scalar reward, then the reward clip;
+ 7. token reward: placed scalar, minus beta * KL when kl_mode is "reward";
+ 8. advantages: coati's broadcast of the group advantage, GAE, or cumulative returns;
+ 9. whitening (if it applies to the estimator), then the advantage clip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollserve.server.algorithms.advantages import clip_advantages, cumulative_returns, gae, whiten
+from rollserve.server.algorithms.filters import (
+    clip_filter_weights,
+    dynamic_sampling_mask,
+    high_entropy_mask,
+)
+from rollserve.server.algorithms.groups import check_group_size, group_shaped_reward
+from rollserve.server.algorithms.kl import coati_logged_kl, kl_estimate, sequence_kl_reward
+from rollserve.server.algorithms.masking import float_dtype, masked_row_mean
+from rollserve.server.algorithms.presets import AlgorithmConfig
+from rollserve.server.algorithms.rewards import clip_reward, overlong_penalty, token_rewards
+
+__all__ = ["ShapedExperience", "shape_experience"]
+
+
+@dataclass(frozen=True)
+class ShapedExperience:
+    """The RL fields of B rows, as the configured framework would store them."""
+
+    action_log_probs: torch.Tensor  # (B, A) zeroed off-mask when zero_invalid_logprobs
+    base_action_log_probs: torch.Tensor | None  # (B, A) likewise; None without a reference
+    kl: torch.Tensor  # (B, A) per-token KL as returned (coati: its logged quantity)
+    token_rewards: torch.Tensor  # (B, A)
+    advantages: torch.Tensor  # (B, A)
+    returns: torch.Tensor  # (B, A)
+    reward: torch.Tensor  # (B,) after the overlong penalty and the sequence KL, before groups
+    action_mask: torch.Tensor  # (B, A) bool, possibly zeroed by dynamic sampling
+    info: dict[str, torch.Tensor]  # leading dim B: "kl", "return", option-dependent extras
+
+
+def _check_inputs(
+    log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    others: dict[str, torch.Tensor | None],
+) -> None:
+    if log_probs.ndim != 2 or mask.shape != log_probs.shape:
+        raise ValueError(f"action_log_probs {tuple(log_probs.shape)} and action_mask "
+                         f"{tuple(mask.shape)} must both be (B, A)")
+    if rewards.shape != log_probs.shape[:1]:
+        raise ValueError(f"rewards {tuple(rewards.shape)} must be (B,) = ({log_probs.shape[0]},)")
+    for name, tensor in others.items():
+        if tensor is not None and tensor.shape != log_probs.shape:
+            raise ValueError(f"{name} {tuple(tensor.shape)} must match action_log_probs (B, A)")
+
+
+def _token_kl(
+    cfg: AlgorithmConfig, log_probs: torch.Tensor, ref: torch.Tensor | None, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL used for shaping, KL returned); both (B, A), zeros without a reference."""
+    if ref is None:
+        zeros = torch.zeros_like(log_probs)
+        return zeros, zeros
+    kl = kl_estimate(
+        log_probs,
+        ref,
+        estimator=cfg.kl_estimator,
+        mask=mask if cfg.kl_mask_first else None,
+        clamp=cfg.kl_clamp,
+    )
+    if cfg.coati_logged_kl and cfg.kl_estimator == "k1":
+        return kl, coati_logged_kl(log_probs, ref, mask)
+    return kl, kl
+
+
+def _advantages(
+    cfg: AlgorithmConfig,
+    shaped: torch.Tensor,
+    rewards_bt: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) before whitening; all (B, A)."""
+    if cfg.broadcasts_sequence_advantage:
+        # coati GRPO: the row's advantage on every column, masked or not; returns = advantages.
+        adv = shaped[:, None].expand_as(rewards_bt).clone()
+        return adv, adv.clone()
+    if cfg.estimator == "gae":
+        if values is None:
+            raise ValueError("estimator 'gae' needs values (B, A) from the critic")
+        return gae(rewards_bt, values, mask, gamma=cfg.effective_gamma, lam=cfg.lam)
+    returns = cumulative_returns(rewards_bt, mask, gamma=cfg.effective_gamma)
+    return returns.clone(), returns
+
+
+def shape_experience(
+    cfg: AlgorithmConfig,
+    *,
+    action_log_probs: torch.Tensor,
+    base_action_log_probs: torch.Tensor | None,
+    action_mask: torch.Tensor,
+    values: torch.Tensor | None,
+    rewards: torch.Tensor,
+    group_size: int,
+    max_new_tokens: int,
+    entropy: torch.Tensor | None = None,
+) -> ShapedExperience:
+    """KL, token rewards, advantages and returns of B rows (whole groups, consecutive).
+
+    Whitening statistics span all B rows, so pass the whole request, not one micro-batch.
+    Raises InvalidArgument for a group size the estimator cannot use (rloo with n = 1) and
+    ValueError for inputs that break this function's contract (shapes, missing tensors).
+    """
+    _check_inputs(action_log_probs, action_mask, rewards,
+                  {"base_action_log_probs": base_action_log_probs, "values": values,
+                   "entropy": entropy})
+    check_group_size(cfg.estimator, group_size, batch_rows=action_log_probs.shape[0])
+    if base_action_log_probs is None and cfg.needs_reference:
+        raise ValueError("kl_coef > 0 needs base_action_log_probs from the reference model")
+    if entropy is None and cfg.needs_entropy:
+        raise ValueError("high_entropy_token_ratio > 0 needs the action entropy")
+    dtype = float_dtype(action_log_probs)
+    mask = action_mask.bool()
+    log_probs = action_log_probs.to(dtype)
+    ref = None if base_action_log_probs is None else base_action_log_probs.to(dtype)
+    if cfg.zero_invalid_logprobs:
+        log_probs = log_probs * mask
+        ref = None if ref is None else ref * mask
+
+    kl, kl_out = _token_kl(cfg, log_probs, ref, mask)  # (B, A) x 2
+    info: dict[str, torch.Tensor] = {}
+    reward = rewards.to(dtype)  # (B,)
+    if cfg.uses_overlong_penalty:
+        reward = reward + overlong_penalty(
+            mask.sum(dim=-1).to(dtype),
+            max_new_tokens=max_new_tokens,
+            buffer_tokens=cfg.overlong_buffer,
+            factor=cfg.overlong_factor,
+            variant=cfg.overlong_variant,
+        )
+    if cfg.kl_mode == "sequence":
+        info["sequence_kl"] = sequence_kl_reward(kl, mask, cfg.kl_coef)  # (B,)
+        reward = reward + info["sequence_kl"]
+
+    shaped_mask = dynamic_sampling_mask(rewards, mask, group_size) if cfg.dynamic_sampling else mask
+    shaped = group_shaped_reward(reward, group_size, cfg.estimator, eps=cfg.group_std_eps)
+    shaped = clip_reward(shaped, cfg.reward_clip)  # (B,)
+    rewards_bt = token_rewards(
+        shaped,
+        shaped_mask,
+        placement=cfg.reward_placement,
+        kl=kl if cfg.kl_mode == "reward" else None,
+        kl_coef=cfg.kl_coef,
+    )  # (B, A)
+    advantages, returns = _advantages(cfg, shaped, rewards_bt, values, shaped_mask)
+    advantages = whiten(advantages, shaped_mask, cfg.effective_whitening, eps=cfg.whiten_eps)
+    advantages = clip_advantages(advantages, cfg.advantage_clip)
+
+    info["kl"] = masked_row_mean(kl_out, mask)  # (B,)
+    info["return"] = rewards_bt.sum(dim=-1)  # (B,) all columns, as OpenRLHF logs it
+    if cfg.needs_entropy:
+        assert entropy is not None
+        info["high_entropy_mask"] = high_entropy_mask(entropy, shaped_mask, cfg.high_entropy_token_ratio)
+    if cfg.clip_filter_eps > 0:
+        info["clip_filter_weight"] = clip_filter_weights(
+            rewards, group_size, cfg.clip_filter_eps, zero_var_weight=cfg.clip_filter_lambda
+        )
+    return ShapedExperience(
+        action_log_probs=log_probs,
+        base_action_log_probs=ref,
+        kl=kl_out,
+        token_rewards=rewards_bt,
+        advantages=advantages,
+        returns=returns,
+        reward=reward,
+        action_mask=shaped_mask,
+        info=info,
+    )
