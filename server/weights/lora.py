@@ -1,0 +1,175 @@
+"""LoRA adapters in PEFT naming, merged into the model's weights: W = W_base + (alpha / r) * B @ A.
+
+Adapters are absolute, not incremental. The first time an adapter touches a module, LoraState
+keeps a host copy of that module's weight (its base); every merge computes W from that copy, so:
+
+* sending the same adapter twice gives bit-identical weights (idempotent);
+* a different adapter replaces the previous one: modules it touches are re-merged from their
+  bases, and modules only the previous adapter touched get their base back (and are forgotten);
+* a later FULL or PARTIAL update that writes a module's weight makes the written value the new
+  truth: apply forgets that module's base, and the next adapter captures the new weight as base.
+
+Names: "base_model.model.<module>.lora_A.weight" and "...lora_B.weight" (the prefix is optional),
+where "<module>.weight" is a 2-D floating weight of the model. A is (r, in), B is (out, r); with
+fan_in_fan_out the weight is stored (in, out) (GPT-2's Conv1D) and the delta is transposed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from rollserve.client.errors import InvalidArgument
+from rollserve.server.weights.header import StreamEntry, preview
+from rollserve.server.weights.options import LoraParams
+
+if TYPE_CHECKING:
+    from rollserve.server.weights.verify import ModelSpec, TargetTensor
+
+__all__ = ["PEFT_PREFIX", "LoraState", "LoraTarget", "apply_lora", "merged_weight", "plan_lora"]
+
+PEFT_PREFIX = "base_model.model."
+_FACTOR_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One module's adapter: its weight and the two factors in the file."""
+
+    weight: TargetTensor
+    a: StreamEntry  # (r, in)
+    b: StreamEntry  # (out, r)
+
+
+def _module_of(name: str, spec: ModelSpec) -> tuple[str, str] | None:
+    """(module name, "A" | "B") for a PEFT factor name of one of the model's weights, else None."""
+    for suffix, factor in _FACTOR_SUFFIXES.items():
+        if not name.endswith(suffix):
+            continue
+        module = name[: -len(suffix)]
+        candidates = [module]
+        if module.startswith(PEFT_PREFIX):
+            candidates.insert(0, module[len(PEFT_PREFIX) :])
+        for candidate in candidates:
+            if f"{candidate}.weight" in spec.tensors:
+                return candidate, factor
+    return None
+
+
+def _check_pair(weight: TargetTensor, a: StreamEntry, b: StreamEntry, params: LoraParams) -> LoraTarget:
+    if len(weight.shape) != 2 or not weight.dtype.is_floating_point:
+        raise InvalidArgument(f"{weight.name}: LoRA needs a 2-D floating weight")
+    for factor in (a, b):
+        if not factor.dtype.is_floating_point:
+            raise InvalidArgument(f"{factor.name}: LoRA factors must be floating, got {factor.dtype_name}")
+    rows, cols = weight.shape
+    fan_in, fan_out = (rows, cols) if params.fan_in_fan_out else (cols, rows)
+    rank = params.rank
+    if a.shape != (rank, fan_in):
+        raise InvalidArgument(
+            f"{a.name}: shape {list(a.shape)}, expected [rank {rank}, in {fan_in}] for "
+            f"{weight.name} {list(weight.shape)}"
+        )
+    if b.shape != (fan_out, rank):
+        raise InvalidArgument(
+            f"{b.name}: shape {list(b.shape)}, expected [out {fan_out}, rank {rank}] for "
+            f"{weight.name} {list(weight.shape)}"
+        )
+    return LoraTarget(weight, a, b)
+
+
+def plan_lora(entries: Sequence[StreamEntry], spec: ModelSpec, params: LoraParams) -> tuple[LoraTarget, ...]:
+    """Pair every A with its B, map them onto the model's weights and check the shapes."""
+    factors: dict[str, dict[str, StreamEntry]] = {}
+    unknown = []
+    for entry in entries:
+        found = _module_of(entry.name, spec)
+        if found is None:
+            unknown.append(entry.name)
+            continue
+        module, factor = found
+        slot = factors.setdefault(module, {})
+        if factor in slot:
+            raise InvalidArgument(f"two lora_{factor} tensors for {module}: {slot[factor].name}, {entry.name}")
+        slot[factor] = entry
+    if unknown:
+        raise InvalidArgument(
+            f"{len(unknown)} tensor(s) are not LoRA factors of the model's weights (expected "
+            f"'<module>.lora_A.weight' / '<module>.lora_B.weight'): {preview(unknown)}"
+        )
+    missing = [
+        f"{module}.lora_{'B' if 'A' in slot else 'A'}.weight"
+        for module, slot in factors.items()
+        if len(slot) != 2
+    ]
+    if missing:
+        raise InvalidArgument(f"{len(missing)} LoRA factor(s) missing: {preview(missing)}")
+    return tuple(
+        _check_pair(spec.tensors[f"{module}.weight"], slot["A"], slot["B"], params)
+        for module, slot in factors.items()
+    )
+
+
+def merged_weight(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, scale: float, fan_in_fan_out: bool
+) -> torch.Tensor:
+    """base + scale * B @ A, computed in float32 and cast to the base's dtype."""
+    delta = b.float() @ a.float()  # (out, r) @ (r, in) -> (out, in)
+    if fan_in_fan_out:
+        delta = delta.T  # the weight is stored (in, out)
+    return (base.float() + scale * delta).to(base.dtype)
+
+
+class LoraState:
+    """Host copies of the base weights of the modules the current adapter modifies, per model.
+
+    Used only by apply, on the engine thread; not thread-safe. One instance per model.
+    """
+
+    def __init__(self) -> None:
+        self._bases: dict[str, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._bases)
+
+    def names(self) -> frozenset[str]:
+        """State-dict names of the weights that currently hold a merged adapter."""
+        return frozenset(self._bases)
+
+    def base(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The base of `name`, captured from `weight` (on the host) the first time it is asked."""
+        if name not in self._bases:
+            self._bases[name] = weight.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+        return self._bases[name]
+
+    def forget(self, name: str) -> None:
+        """Drop the base of `name`: its current value is the truth from now on."""
+        self._bases.pop(name, None)
+
+
+def apply_lora(
+    model_tensors: Mapping[str, torch.Tensor],
+    targets: Sequence[LoraTarget],
+    staged: Mapping[str, torch.Tensor],
+    state: LoraState,
+    params: LoraParams,
+) -> None:
+    """Merge the adapter into the weights (the caller holds torch.no_grad); it replaces the last one."""
+    touched = set()
+    for target in targets:
+        name = target.weight.name
+        weight = model_tensors[name]
+        base = state.base(name, weight)
+        merged = merged_weight(
+            base, staged[target.a.name], staged[target.b.name],
+            scale=params.scale, fan_in_fan_out=params.fan_in_fan_out,
+        )  # fmt: skip
+        # Merged on the host and copied in one go: no device temporaries.
+        weight.copy_(merged)
+        touched.add(name)
+    for name in state.names() - touched:
+        model_tensors[name].copy_(state.base(name, model_tensors[name]))
+        state.forget(name)

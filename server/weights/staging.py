@@ -1,0 +1,157 @@
+"""stage_update: turn an UpdateWeights request stream into a verified StagedUpdate; then apply it.
+
+Staging runs on the gRPC handler thread and never writes the model: the bytes land in one host
+arena (at most one staging copy of the target, plus the chunk in flight), and every check runs
+before the StagedUpdate exists. apply runs on the engine thread between batches, which is what
+makes the swap atomic for generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from rollserve.client.errors import FailedPrecondition, InvalidArgument
+from rollserve.server.weights.header import DEFAULT_MAX_HEADER_BYTES
+from rollserve.server.weights.lora import LoraState, apply_lora
+from rollserve.server.weights.options import UpdateOptions, update_options
+from rollserve.server.weights.stream import SafetensorsStager
+from rollserve.server.weights.verify import TargetTensor, UpdateChecks, UpdatePlan, model_spec
+from rollserve.v1 import rollout_pb2 as pb
+
+__all__ = ["AppliedUpdate", "StagedUpdate", "UpdateStager", "stage_update"]
+
+
+@dataclass(frozen=True)
+class AppliedUpdate:
+    """What apply did: tensors of the file applied, and the file's size in bytes."""
+
+    tensors: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class StagedUpdate:
+    """A fully received and verified update, waiting in host memory to be applied."""
+
+    target: int  # pb.ModelRole as sent (UNSPECIFIED means the actor; the servicer resolves it)
+    version: int
+    options: UpdateOptions
+    plan: UpdatePlan
+    tensors: Mapping[str, torch.Tensor]  # wire dtype and shape, views into one host arena
+    lora_state: LoraState | None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.options.total_bytes
+
+    def apply(self, model: torch.nn.Module) -> AppliedUpdate:
+        """Copy the staged tensors into the model (casting floats to each parameter's dtype).
+
+        All validation happened while staging, and the pre-pass below re-checks that the model
+        still has every target, before the first write. The only failure left is running out of
+        memory for one tensor's temporary: a host-side cast (or LoRA merge) of a single tensor;
+        nothing is allocated on the device, since each tensor is cast on the host and copied into
+        the existing parameter storage.
+        """
+        model_tensors = _resolve(model, self._targets())
+        with torch.no_grad():
+            if self.options.mode == pb.UPDATE_MODE_LORA:
+                assert self.lora_state is not None and self.options.lora is not None
+                apply_lora(model_tensors, self.plan.lora, self.tensors, self.lora_state, self.options.lora)
+            else:
+                for entry, target in self.plan.copies:
+                    _copy_into(model_tensors[target.name], self.tensors[entry.name])
+                    if self.lora_state is not None:
+                        # A written weight is the new truth; a later adapter merges onto it.
+                        self.lora_state.forget(target.name)
+        return AppliedUpdate(tensors=len(self.tensors), bytes=self.total_bytes)
+
+    def _targets(self) -> list[TargetTensor]:
+        return [target for _, target in self.plan.copies] + [t.weight for t in self.plan.lora]
+
+
+def _resolve(model: torch.nn.Module, targets: list[TargetTensor]) -> dict[str, torch.Tensor]:
+    """The model's live tensors by name, after checking they still match what was verified."""
+    live = model.state_dict(keep_vars=True)
+    for target in targets:
+        tensor = live.get(target.name)
+        if tensor is None or tuple(tensor.shape) != target.shape or tensor.dtype != target.dtype:
+            raise FailedPrecondition(f"{target.name}: the model changed after the update was staged")
+    return live
+
+
+def _copy_into(destination: torch.Tensor, staged: torch.Tensor) -> None:
+    # Cast on the host (a temporary the size of one tensor) so the device needs no temporaries.
+    source = staged if staged.dtype == destination.dtype else staged.to(destination.dtype)
+    destination.copy_(source)
+
+
+class UpdateStager:
+    """Stages one update chunk by chunk; for servicers that parse the wire themselves."""
+
+    def __init__(
+        self,
+        header: pb.WeightsHeader,
+        model: torch.nn.Module,
+        lora_state: LoraState | None,
+        *,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    ) -> None:
+        self._options = update_options(header)
+        if self._options.mode == pb.UPDATE_MODE_LORA and lora_state is None:
+            raise ValueError("a LoraState is required to stage a LoRA update")
+        self._lora_state = lora_state
+        self._checks = UpdateChecks(model_spec(model), self._options)
+        self._stager = SafetensorsStager(
+            self._options.total_bytes,
+            self._checks,
+            max_header_bytes=max_header_bytes,
+            sha256_hex=self._options.sha256,
+        )
+
+    def feed(self, offset: int, data: bytes | memoryview, crc32: int | None = None) -> None:
+        self._stager.feed(offset, data, crc32)
+
+    def finish(self) -> StagedUpdate:
+        staged = self._stager.finish()
+        assert self._checks.plan is not None
+        return StagedUpdate(
+            target=self._options.target,
+            version=self._options.version,
+            options=self._options,
+            plan=self._checks.plan,
+            tensors=staged.tensors,
+            lora_state=self._lora_state,
+        )
+
+
+def stage_update(
+    requests: Iterable[pb.UpdateWeightsRequest],
+    model: torch.nn.Module,
+    lora_state: LoraState | None,
+    *,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+) -> StagedUpdate:
+    """Read a header, then chunks, until the stream ends; verify everything; touch no weights.
+
+    Bad content raises InvalidArgument. An exception from the iterator itself (a cancelled call or
+    a deadline) propagates unchanged. Either way the staging buffers are dropped with the stager.
+    """
+    stream = iter(requests)
+    first = next(stream, None)
+    if first is None or first.WhichOneof("payload") != "header":
+        raise InvalidArgument("the first UpdateWeights message must be a header")
+    stager = UpdateStager(first.header, model, lora_state, max_header_bytes=max_header_bytes)
+    for request in stream:
+        kind = request.WhichOneof("payload")
+        if kind != "chunk":
+            raise InvalidArgument(
+                "a second header in one UpdateWeights stream" if kind == "header" else "an empty message"
+            )
+        chunk = request.chunk
+        # upb copies `data` on every access: read it once.
+        stager.feed(chunk.offset, chunk.data, chunk.crc32 if chunk.HasField("crc32") else None)
+    return stager.finish()

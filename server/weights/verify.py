@@ -1,0 +1,191 @@
+"""Verify an incoming file against the target model before anything is applied.
+
+Names (by mode), shapes and dtypes are checked as soon as the header is parsed, so a wrong file
+is refused before its data is received; values (finite, in range, valid bools) are checked per
+tensor as its last byte arrives. Only the model's metadata is read here, never written.
+
+Dtype rules (wire dtype -> parameter or buffer dtype):
+
+* A floating tensor (F16, BF16, F32, F64) may update any floating parameter. It is staged in its
+  wire dtype and cast to the parameter's dtype when applied, e.g. float32 into a bfloat16 model.
+  When the parameter's dtype has a smaller range (float32 into float16), a finite value beyond
+  the parameter dtype's largest finite value is refused, since the cast would make it infinite.
+* Integer and bool tensors must match the parameter's dtype exactly (no silent wrap-around).
+* Integer or bool tensors for a floating parameter, and floating tensors for an integer or bool
+  buffer, are refused.
+* NaN and infinity in floating tensors are refused unless header.allow_non_finite, which also
+  lifts the range rule above. Bool tensors must hold only 0 and 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from rollserve.client.errors import InvalidArgument
+from rollserve.server.weights.header import StreamEntry, check_manifest, preview
+from rollserve.server.weights.lora import LoraTarget, plan_lora
+from rollserve.server.weights.options import UpdateOptions
+from rollserve.v1 import rollout_pb2 as pb
+
+__all__ = [
+    "ModelSpec",
+    "TargetTensor",
+    "UpdateChecks",
+    "UpdatePlan",
+    "ValueRule",
+    "check_values",
+    "model_spec",
+    "plan_update",
+]
+
+# Elements per block when scanning values: bounds the temporaries to a few MiB per tensor.
+_SCAN_BLOCK_ELEMENTS = 1 << 20
+
+
+@dataclass(frozen=True)
+class TargetTensor:
+    """A parameter or buffer of the model, by its state-dict name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model's state-dict metadata; tied names (one tensor under several names) share a root."""
+
+    tensors: Mapping[str, TargetTensor]
+    root: Mapping[str, str]  # name -> first name of its tied group (itself when untied)
+
+
+def model_spec(model: torch.nn.Module) -> ModelSpec:
+    """Read names, shapes and dtypes of the model's state dict (persistent buffers included)."""
+    tensors: dict[str, TargetTensor] = {}
+    root: dict[str, str] = {}
+    first_by_storage: dict[tuple[object, ...], str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        tensors[name] = TargetTensor(name, tuple(tensor.shape), tensor.dtype)
+        root[name] = name
+        if tensor.numel() and tensor.device.type != "meta":
+            key = (tensor.device, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+            root[name] = first_by_storage.setdefault(key, name)
+    return ModelSpec(MappingProxyType(tensors), MappingProxyType(root))
+
+
+@dataclass(frozen=True)
+class ValueRule:
+    """What to check in a tensor's values once it has arrived."""
+
+    check_finite: bool
+    max_abs: float | None = None  # largest finite value the parameter's dtype can hold
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """What apply will do: copy file tensors into targets, or merge LoRA factors into weights."""
+
+    copies: tuple[tuple[StreamEntry, TargetTensor], ...]
+    lora: tuple[LoraTarget, ...]
+    rules: Mapping[str, ValueRule]  # file tensor name -> value checks
+
+
+def _dtype_rule(entry: StreamEntry, target: TargetTensor, allow_non_finite: bool) -> ValueRule:
+    """Apply the module docstring's dtype rules; the returned rule checks the values later."""
+    if target.dtype.is_floating_point != entry.dtype.is_floating_point:
+        kind = "floating" if entry.dtype.is_floating_point else "integer/bool"
+        raise InvalidArgument(
+            f"{entry.name}: {kind} tensor ({entry.dtype_name}) cannot update a {target.dtype} tensor"
+        )
+    if not target.dtype.is_floating_point:
+        if entry.dtype != target.dtype:
+            raise InvalidArgument(
+                f"{entry.name}: dtype {entry.dtype_name} must equal the model's {target.dtype}"
+            )
+        return ValueRule(check_finite=False)
+    if allow_non_finite:
+        return ValueRule(check_finite=False)
+    target_max = torch.finfo(target.dtype).max
+    narrowing = target_max < torch.finfo(entry.dtype).max
+    return ValueRule(check_finite=True, max_abs=target_max if narrowing else None)
+
+
+def _plan_copies(
+    entries: Sequence[StreamEntry], spec: ModelSpec, options: UpdateOptions
+) -> UpdatePlan:
+    names = [e.name for e in entries]
+    unknown = [n for n in names if n not in spec.tensors]
+    if unknown:
+        raise InvalidArgument(f"{len(unknown)} unknown tensor name(s): {preview(unknown)}")
+    if options.mode == pb.UPDATE_MODE_FULL:
+        covered = {spec.root[n] for n in names}
+        missing = [n for n in spec.tensors if spec.root[n] == n and n not in covered]
+        if missing:
+            raise InvalidArgument(
+                f"full update misses {len(missing)} tensor(s) of the model: {preview(missing)}"
+            )
+    copies = []
+    rules = {}
+    for entry in entries:
+        target = spec.tensors[entry.name]
+        if entry.shape != target.shape:
+            raise InvalidArgument(
+                f"{entry.name}: shape {list(entry.shape)} differs from the model's {list(target.shape)}"
+            )
+        rules[entry.name] = _dtype_rule(entry, target, options.allow_non_finite)
+        copies.append((entry, target))
+    return UpdatePlan(tuple(copies), (), MappingProxyType(rules))
+
+
+def plan_update(entries: Sequence[StreamEntry], spec: ModelSpec, options: UpdateOptions) -> UpdatePlan:
+    """Check the file's tensors against the model for the header's mode; InvalidArgument if not."""
+    if not entries:
+        raise InvalidArgument("the safetensors file holds no tensors")
+    if options.mode == pb.UPDATE_MODE_LORA:
+        assert options.lora is not None
+        targets = plan_lora(entries, spec, options.lora)
+        rule = ValueRule(check_finite=not options.allow_non_finite)
+        return UpdatePlan((), targets, MappingProxyType({e.name: rule for e in entries}))
+    return _plan_copies(entries, spec, options)
+
+
+def check_values(name: str, tensor: torch.Tensor, rule: ValueRule) -> None:
+    """Refuse bools other than 0/1, and (per rule) NaN, infinity or values out of range."""
+    if tensor.dtype == torch.bool:
+        if tensor.numel() and int(tensor.view(torch.uint8).max()) > 1:
+            raise InvalidArgument(f"{name}: bool tensor holds bytes other than 0 and 1")
+        return
+    if not rule.check_finite or not tensor.dtype.is_floating_point:
+        return
+    limit = rule.max_abs if rule.max_abs is not None else torch.finfo(tensor.dtype).max
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), _SCAN_BLOCK_ELEMENTS):
+        # amax propagates NaN, so one reduction answers both questions.
+        largest = float(flat[start : start + _SCAN_BLOCK_ELEMENTS].abs().amax())
+        if largest != largest or largest == float("inf"):
+            raise InvalidArgument(f"{name}: NaN or infinite values (header.allow_non_finite is off)")
+        if largest > limit:
+            raise InvalidArgument(
+                f"{name}: value {largest:g} is beyond the model dtype's largest finite value {limit:g}"
+            )
+
+
+class UpdateChecks:
+    """The StreamChecks of one update: manifest and plan at the header, value rules per tensor."""
+
+    def __init__(self, spec: ModelSpec, options: UpdateOptions) -> None:
+        self._spec = spec
+        self._options = options
+        self.plan: UpdatePlan | None = None
+
+    def check_header(self, entries: Sequence[StreamEntry]) -> None:
+        check_manifest(entries, self._options.manifest)
+        self.plan = plan_update(entries, self._spec, self._options)
+
+    def check_tensor(self, entry: StreamEntry, tensor: torch.Tensor) -> None:
+        assert self.plan is not None
+        check_values(entry.name, tensor, self.plan.rules[entry.name])
