@@ -1,4 +1,4 @@
-"""The tensor codec: torch tensors <-> `rollserve.v1.Tensor` {dtype, shape, raw little-endian bytes}.
+"""The tensor codec: torch tensors <-> `rollserve.v1.Tensor` {dtype, shape, little-endian bytes}.
 
 Encoding makes one host copy (device tensors first come to the CPU). Decoding validates dtype,
 shape and byte length before it touches the data, then wraps the received bytes without copying.
@@ -10,9 +10,8 @@ import math
 import sys
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Mapping
 
 import torch
 from google.protobuf.message import Message

@@ -61,8 +61,18 @@ def test_dtype_table_covers_every_proto_dtype_with_its_itemsize() -> None:
     named = {v for v in pb.DType.values() if v != pb.DTYPE_UNSPECIFIED}
     assert set(TORCH_DTYPES) == named and len(ALL_DTYPES) == 10
     # The proto's comments fix the widths; they must agree with torch's.
-    expected = {"BOOL": 1, "UINT8": 1, "INT8": 1, "INT16": 2, "INT32": 4, "INT64": 8,
-                "FLOAT16": 2, "BFLOAT16": 2, "FLOAT32": 4, "FLOAT64": 8}
+    expected = {
+        "BOOL": 1,
+        "UINT8": 1,
+        "INT8": 1,
+        "INT16": 2,
+        "INT32": 4,
+        "INT64": 8,
+        "FLOAT16": 2,
+        "BFLOAT16": 2,
+        "FLOAT32": 4,
+        "FLOAT64": 8,
+    }
     for short, size in expected.items():
         wire = pb.DType.Value(f"DTYPE_{short}")
         assert ITEMSIZES[wire] == size == TORCH_DTYPES[wire].itemsize
@@ -102,7 +112,11 @@ def tensors(draw: st.DrawFn, shape_strategy: st.SearchStrategy = shapes) -> torc
         raw = bytes(draw(st.lists(st.integers(0, 1), min_size=numel, max_size=numel)))
     else:
         raw = draw(st.binary(min_size=numel * dtype.itemsize, max_size=numel * dtype.itemsize))
-    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    flat = (
+        torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if raw
+        else torch.empty(0, dtype=torch.uint8)
+    )
     return flat.view(dtype).reshape(shape)
 
 
@@ -148,7 +162,9 @@ def test_known_wire_bytes() -> None:
     assert msg.dtype == pb.DTYPE_INT32 and list(msg.shape) == [3, 2]
     assert msg.data == struct.pack("<6i", 0, 3, 1, 4, 2, 5)
     assert encode_tensor(torch.tensor(1.0, dtype=torch.bfloat16)).data == b"\x80\x3f"
-    assert encode_tensor(torch.tensor([1.0, -2.0], dtype=torch.float16)).data == struct.pack("<2e", 1.0, -2.0)
+    assert encode_tensor(torch.tensor([1.0, -2.0], dtype=torch.float16)).data == struct.pack(
+        "<2e", 1.0, -2.0
+    )
     assert encode_tensor(torch.tensor([True, False])).data == b"\x01\x00"
 
 
@@ -168,7 +184,12 @@ def test_integer_extremes_survive(dtype: torch.dtype) -> None:
 
 
 def test_zero_dim_and_empty_tensors() -> None:
-    for t in [torch.tensor(3.5), torch.tensor(True), torch.zeros(0), torch.zeros(2, 0, 3, dtype=torch.int64)]:
+    for t in [
+        torch.tensor(3.5),
+        torch.tensor(True),
+        torch.zeros(0),
+        torch.zeros(2, 0, 3, dtype=torch.int64),
+    ]:
         msg = encode_tensor(t)
         assert list(msg.shape) == list(t.shape)
         assert_bit_equal(wire_round_trip(t), t)
@@ -190,7 +211,10 @@ def test_decoded_tensor_is_writable_and_independent() -> None:
     assert second[0] == 0 and decode_tensor(msg)[0] == 0  # writes never reach the message
     one = decode_tensor(encode_tensor(torch.tensor([7], dtype=torch.uint8)))
     one[0] = 8  # a 1-byte payload is a CPython-shared bytes object: it must have been copied
-    assert bytes([7]) == b"\x07" and decode_tensor(encode_tensor(torch.tensor([7], dtype=torch.uint8)))[0] == 7
+    assert (
+        bytes([7]) == b"\x07"
+        and decode_tensor(encode_tensor(torch.tensor([7], dtype=torch.uint8)))[0] == 7
+    )
 
 
 # ------------------------------------------------------------------------------------------
