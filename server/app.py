@@ -1,0 +1,231 @@
+"""Build and run the gRPC server: Rollout, grpc.health.v1 and reflection on one port.
+
+Order of a start: bind and start serving first (health answers NOT_SERVING while models load, so
+probes see a live but unready process), then load the models, then SERVING. Order of a stop:
+NOT_SERVING everywhere, keep answering for `drain_delay_s` so load balancers notice, then stop
+accepting calls and give in-flight ones `shutdown_grace_s` to finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import FrameType
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from rollserve.server.config import ServerConfig
+from rollserve.server.models import ModelSet, Phase, ServerState, check_model_dirs, load_models
+from rollserve.server.servicer import RolloutServicer
+from rollserve.v1 import rollout_pb2 as pb
+from rollserve.v1 import rollout_pb2_grpc
+
+__all__ = ["BindError", "RolloutServer", "ROLLOUT_SERVICE", "grpc_server_options", "serve"]
+
+_LOG = logging.getLogger("rollserve.server")
+ROLLOUT_SERVICE = pb.DESCRIPTOR.services_by_name["Rollout"].full_name  # "rollserve.v1.Rollout"
+_HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# grpc.health.v1 names: "" is the whole server (what Kubernetes and grpc_health_probe ask).
+_HEALTH_NAMES = ("", ROLLOUT_SERVICE)
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class BindError(RuntimeError):
+    """The address could not be bound (in use, bad host, no permission)."""
+
+
+def grpc_server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """Channel arguments of the server (values from reference/transport.md)."""
+    return [
+        # Finite on purpose: bulk data streams in ~1 MiB messages, never one giant message.
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        # Accept the clients' keepalive pings (every 30 s) on long streams, even when idle.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        # grpc enables SO_REUSEPORT by default: a second server on a busy port would then
+        # "succeed" and split traffic with the first. Fail loudly instead.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class RolloutServer:
+    """One rollout server: `start() -> port`, `stop(grace_s)`, `wait()`; usable in-process."""
+
+    def __init__(self, config: ServerConfig, *, models: ModelSet | None = None) -> None:
+        # `models`: already loaded models to serve (tests share one set between servers).
+        self.config = config
+        self.state = ServerState(config)
+        self.port: int | None = None
+        self._preloaded = models
+        self._server: grpc.Server | None = None
+        self._health = health.HealthServicer()
+        self.state.on_phase_change(self._mirror_health)
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+
+    def start(self) -> int:
+        """Bind, load the models and report SERVING; returns the bound port."""
+        port = self.bind()
+        self.load()
+        return port
+
+    def bind(self) -> int:
+        """Start answering on the configured address (NOT_SERVING until `load` finishes)."""
+        for name in _HEALTH_NAMES:
+            self._health.set(name, _NOT_SERVING)
+        server = grpc.server(
+            ThreadPoolExecutor(self.config.max_workers, thread_name_prefix="rollserve-rpc"),
+            options=grpc_server_options(self.config),
+        )
+        rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(self.state), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (ROLLOUT_SERVICE, _HEALTH_SERVICE, reflection.SERVICE_NAME), server
+        )
+        self.port = _bind(server, self.config.host, self.config.port)
+        server.start()
+        self._server = server
+        if self.config.port_file is not None:
+            _write_port_file(Path(self.config.port_file), self.port)
+        _LOG.info("listening on %s (not serving until models load)", self.address)
+        return self.port
+
+    def load(self) -> None:
+        """Load the models (unless given) and move to SERVING or WAITING_FOR_WEIGHTS."""
+        started_s = time.monotonic()
+        models = self._preloaded if self._preloaded is not None else load_models(self.config)
+        self.state.set_models(models)
+        ready = Phase.WAITING_FOR_WEIGHTS if self.config.wait_for_weights else Phase.SERVING
+        self.state.set_phase(ready)
+        actor = models.actor
+        _LOG.info(
+            "rollserve ready on %s: %s, actor %s (%s, %s, %d params) on %s, loaded in %.1f s",
+            self.address,
+            ready.value,
+            actor.source,
+            actor.architecture,
+            actor.dtype,
+            actor.num_parameters,
+            models.device_label,
+            time.monotonic() - started_s,
+        )
+
+    def stop(self, grace_s: float | None = None, *, drain_delay_s: float = 0.0) -> None:
+        """Report NOT_SERVING, wait drain_delay_s, then stop with grace_s for in-flight calls."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
+        self.state.set_phase(Phase.DRAINING)
+        if self._server is None:
+            return
+        if drain_delay_s > 0:
+            _LOG.info("draining: NOT_SERVING for %.1f s before refusing calls", drain_delay_s)
+            time.sleep(drain_delay_s)
+        _LOG.info("stopping: in-flight calls get %.1f s", grace_s)
+        self._server.stop(grace_s).wait()
+        _LOG.info("stopped")
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the server stops (or timeout_s passes); True when it stopped."""
+        if self._server is None:
+            return True
+        timed_out = self._server.wait_for_termination(timeout_s)  # grpc returns "timed out"
+        return not timed_out
+
+    @property
+    def address(self) -> str:
+        return f"{_host_for_address(self.config.host)}:{self.port}"
+
+    def __enter__(self) -> RolloutServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop(0)
+
+    def _mirror_health(self, phase: Phase) -> None:
+        if phase is Phase.DRAINING:
+            # Permanent NOT_SERVING for every name; later set() calls are ignored.
+            self._health.enter_graceful_shutdown()
+            return
+        serving = phase is Phase.SERVING
+        status = health_pb2.HealthCheckResponse.SERVING if serving else _NOT_SERVING
+        for name in _HEALTH_NAMES:
+            self._health.set(name, status)
+
+
+def _host_for_address(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _bind(server: grpc.Server, host: str, port: int) -> int:
+    address = f"{_host_for_address(host)}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpcio raises on failure; older versions returned 0
+        raise BindError(f"cannot bind {address}: {exc}") from None
+    if bound == 0:
+        raise BindError(f"cannot bind {address}")
+    return bound
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    # Write then rename, so a reader polling for the file never sees it half written.
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+class _StopWhileLoading(BaseException):
+    """Raised by the signal handler to abandon a model load; nothing is in flight yet."""
+
+
+def serve(config: ServerConfig) -> int:
+    """Run a server until SIGTERM/SIGINT, then drain and stop gracefully; returns the exit code.
+
+    Raises ModelLoadError or BindError for startup failures (the CLI prints them).
+    """
+    _configure_logging(config.log_level)
+    check_model_dirs(config)
+    server = RolloutServer(config)
+    stop_requested = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        _LOG.info("received %s", signal.Signals(signum).name)
+        stop_requested.set()
+        if server.state.phase is Phase.LOADING:
+            raise _StopWhileLoading()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        server.start()
+        while not stop_requested.wait(1.0):
+            pass
+    except _StopWhileLoading:
+        _LOG.info("stop requested while loading models")
+        server.stop(0)
+        return 0
+    except BaseException:
+        server.stop(0)
+        raise
+    server.stop(config.shutdown_grace_s, drain_delay_s=config.drain_delay_s)
+    return 0
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )

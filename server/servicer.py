@@ -1,0 +1,95 @@
+"""The rollserve.v1.Rollout servicer: a few lines of glue per RPC (KServe style).
+
+Decoding, validation and the engine live elsewhere; this module maps state to messages and lets
+`status.handles_errors` turn exceptions into statuses.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+from collections.abc import Iterator
+
+import grpc
+from rollserve.client.errors import Unimplemented
+from rollserve.server.models import Phase, ServerState
+from rollserve.server.status import handles_errors
+from rollserve.v1 import rollout_pb2 as pb
+from rollserve.v1 import rollout_pb2_grpc
+
+__all__ = ["RolloutServicer", "health_response", "server_version"]
+
+_STATUS = {
+    Phase.LOADING: pb.SERVING_STATUS_LOADING,
+    Phase.SERVING: pb.SERVING_STATUS_SERVING,
+    Phase.WAITING_FOR_WEIGHTS: pb.SERVING_STATUS_WAITING_FOR_WEIGHTS,
+    Phase.DRAINING: pb.SERVING_STATUS_DRAINING,
+}
+_ROLE = {
+    "actor": pb.MODEL_ROLE_ACTOR,
+    "reference": pb.MODEL_ROLE_REFERENCE,
+    "critic": pb.MODEL_ROLE_CRITIC,
+    "reward": pb.MODEL_ROLE_REWARD,
+}
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    """Serves the three RPCs of rollserve.v1.Rollout from a shared ServerState."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+
+    @handles_errors
+    def MakeExperience(
+        self, request: pb.MakeExperienceRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.MakeExperienceResponse]:
+        raise Unimplemented("MakeExperience is not implemented yet")
+        yield  # a generator, like the real streaming handler will be
+
+    @handles_errors
+    def UpdateWeights(
+        self, request_iterator: Iterator[pb.UpdateWeightsRequest], context: grpc.ServicerContext
+    ) -> pb.UpdateWeightsResponse:
+        raise Unimplemented("UpdateWeights is not implemented yet")
+
+    @handles_errors
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
+        return health_response(self._state)
+
+
+def health_response(state: ServerState) -> pb.HealthResponse:
+    """Readiness, versions and model facts; reads state only, never the device."""
+    config = state.config
+    response = pb.HealthResponse(
+        status=_STATUS[state.phase],
+        policy_version=state.policy_version("actor"),
+        queue_depth=state.queue_depth(),
+        uptime_s=state.uptime_s,
+        server_version=server_version(),
+        default_preset=config.default_preset,
+    )
+    models = state.models
+    if models is None:  # still loading: nothing more is known yet
+        return response
+    response.device = models.device_label
+    response.vocab_size = models.vocab_size
+    response.max_context_tokens = models.max_context_tokens
+    for model in models.loaded():
+        response.models.add(
+            role=_ROLE[model.role],
+            source=model.source,
+            architecture=model.architecture,
+            dtype=model.dtype,
+            num_parameters=model.num_parameters,
+            policy_version=state.policy_version(model.role),
+        )
+    return response
+
+
+@functools.cache
+def server_version() -> str:
+    """The installed rollserve distribution's version ("unknown" when run from a bare tree)."""
+    try:
+        return importlib.metadata.version("rollserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

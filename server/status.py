@@ -1,0 +1,65 @@
+"""The one place that turns exceptions into gRPC statuses (DESIGN.md section 6).
+
+Servicer methods are decorated with `@handles_errors`. A `RolloutError` travels as its own code
+and message; anything else is a bug and travels as INTERNAL with a generic message, while the
+traceback goes to the server log only (no stack traces or internal names on the wire).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import grpc
+from rollserve.client.errors import RolloutError
+
+__all__ = ["INTERNAL_MESSAGE", "handles_errors", "rpc_errors"]
+
+_LOG = logging.getLogger(__name__)
+INTERNAL_MESSAGE = "internal server error (see the server log)"
+_Handler = TypeVar("_Handler", bound=Callable[..., Any])
+
+
+@contextmanager
+def rpc_errors(context: grpc.ServicerContext, method: str) -> Iterator[None]:
+    """Abort the call with the status an exception escaping the block maps to."""
+    try:
+        yield
+    except RolloutError as exc:
+        _LOG.info("%s failed: %s %s", method, exc.code.name, exc.message)
+        context.abort(exc.code, exc.message)
+    except Exception:
+        if context.code() is not None:
+            # The handler (or grpc) already set a status, e.g. via context.abort: keep it.
+            raise
+        if not context.is_active():
+            # The client cancelled or the deadline passed: nobody is left to tell.
+            _LOG.debug("%s ended after the call was cancelled", method, exc_info=True)
+            return
+        _LOG.exception("%s failed with an unexpected error", method)
+        context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+
+def handles_errors(handler: _Handler) -> _Handler:
+    """Decorate a servicer method (unary or server-streaming generator) with `rpc_errors`."""
+    method = handler.__name__
+
+    if inspect.isgeneratorfunction(handler):
+
+        @functools.wraps(handler)
+        def stream_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            with rpc_errors(context, method):
+                yield from handler(self, request, context)
+
+        return stream_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(handler)
+    def unary_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        with rpc_errors(context, method):
+            return handler(self, request, context)
+
+    return unary_wrapper  # type: ignore[return-value]
