@@ -53,8 +53,10 @@ class AdaptiveKLController:
         return self.value
 
     def __repr__(self) -> str:
-        return (f"AdaptiveKLController(value={self.value!r}, target={self.target!r}, "
-                f"horizon={self.horizon!r})")
+        return (
+            f"AdaptiveKLController(value={self.value!r}, target={self.target!r}, "
+            f"horizon={self.horizon!r})"
+        )
 
 
 def mean_kl(*experiences: Any) -> float:

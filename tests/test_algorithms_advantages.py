@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-
 from rollserve.client.errors import InvalidArgument
 from rollserve.server.algorithms import (
     check_group_size,
@@ -79,7 +78,9 @@ def test_gae_on_coati_premasked_inputs_equals_coati_loop() -> None:
     values = torch.randn(3, 5, dtype=F64) * mask
     rewards = torch.randn(3, 5, dtype=F64) * mask
     adv, _ = gae(rewards, values, mask, gamma=0.99, lam=0.95)
-    expected = [_coati_gae(r, v, 0.99, 0.95) for r, v in zip(rewards.tolist(), values.tolist())]
+    expected = [
+        _coati_gae(r, v, 0.99, 0.95) for r, v in zip(rewards.tolist(), values.tolist(), strict=True)
+    ]
     torch.testing.assert_close(adv, _t(expected))
 
 
@@ -91,7 +92,9 @@ def test_gae_on_coati_premasked_inputs_equals_coati_loop() -> None:
 def test_cumulative_returns_by_hand() -> None:
     # r = [1, 2, 3], m = [1, 1, 0], gamma 0.5: r * m = [1, 2, 0]; G2 = 0, G1 = 2, G0 = 1 + 1 = 2.
     # Row 1, gamma 0.5, full mask, r = [0, 0, 4]: G = [1, 2, 4].
-    got = cumulative_returns(_t([[1, 2, 3], [0, 0, 4]]), torch.tensor([[1, 1, 0], [1, 1, 1]]), gamma=0.5)
+    got = cumulative_returns(
+        _t([[1, 2, 3], [0, 0, 4]]), torch.tensor([[1, 1, 0], [1, 1, 1]]), gamma=0.5
+    )
     torch.testing.assert_close(got, _t([[2.0, 2.0, 0.0], [1.0, 2.0, 4.0]]))
 
 

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import torch
+from rollserve.server.algorithms import (
+    clip_filter_weights,
+    dynamic_sampling_mask,
+    high_entropy_mask,
+)
 
-from rollserve.server.algorithms import clip_filter_weights, dynamic_sampling_mask, high_entropy_mask
-
-ENTROPY = torch.tensor([[0.5, 2.0, 1.0, 3.0, 9.0], [1.0, 1.0, 0.2, 0.0, 0.0], [4.0, 4.0, 4.0, 4.0, 4.0]])
+ENTROPY = torch.tensor(
+    [[0.5, 2.0, 1.0, 3.0, 9.0], [1.0, 1.0, 0.2, 0.0, 0.0], [4.0, 4.0, 4.0, 4.0, 4.0]]
+)
 MASK = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
 
 

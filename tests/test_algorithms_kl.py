@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-
 from rollserve.server.algorithms import coati_logged_kl, kl_estimate, sequence_kl_reward
 
 # Row 0: a masked last column with d != 0; row 1: d = 12.9 (past the clamp and coati's guard)
@@ -21,14 +20,17 @@ MASK = [[True, True, False], [True, True, True]]
 
 
 def _d() -> list[list[float]]:
-    return [[a - b for a, b in zip(r1, r2)] for r1, r2 in zip(LOG_PROBS, REF_LOG_PROBS)]
+    return [
+        [a - b for a, b in zip(r1, r2, strict=True)]
+        for r1, r2 in zip(LOG_PROBS, REF_LOG_PROBS, strict=True)
+    ]
 
 
 def _expected(estimator: str, *, masked: bool, clamp: float) -> list[list[float]]:
     out = []
-    for row_d, row_m in zip(_d(), MASK):
+    for row_d, row_m in zip(_d(), MASK, strict=True):
         row = []
-        for d, m in zip(row_d, row_m):
+        for d, m in zip(row_d, row_m, strict=True):
             d = d * m if masked else d
             value = {"k1": d, "k2": d * d / 2, "k3": math.exp(-d) - 1 + d}[estimator]
             if clamp > 0:
@@ -99,10 +101,17 @@ def test_coati_logged_kl_orientation_and_guard() -> None:
     lp, ref, mask = _tensors()
     got = coati_logged_kl(lp, ref, mask)
     expected = []
-    for row_d, row_m in zip(_d(), MASK):
+    for row_d, row_m in zip(_d(), MASK, strict=True):
         # e^g - 1 - d with g = d if d < 10 else 0, times the mask.
-        expected.append([(math.exp(d if d < 10 else 0.0) - 1 - d) * m for d, m in zip(row_d, row_m)])
-    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+        expected.append(
+            [
+                (math.exp(d if d < 10 else 0.0) - 1 - d) * m
+                for d, m in zip(row_d, row_m, strict=True)
+            ]
+        )
+    torch.testing.assert_close(
+        got, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12
+    )
     # The guard: d = 12.9 gives -d, a negative "KL" (experience_math.md 5.3).
     assert got[1, 0].item() == pytest.approx(-12.9)
     # Orientation: for d = 0.2 it is e^0.2 - 1.2, not the usual e^-0.2 - 0.8.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from rollserve.server.algorithms import (
     clip_reward,
     last_valid_column,
@@ -44,24 +43,39 @@ def test_token_rewards_subtract_beta_kl_everywhere(placement: str) -> None:
     got = token_rewards(REWARD, MASK, placement=placement, kl=kl, kl_coef=0.1)
     placed = place_reward(REWARD, MASK, placement).tolist()
     # Not re-masked: the KL of masked columns stays (the returns mask the rewards later).
-    expected = [[p - 0.1 * k for p, k in zip(pr, kr)] for pr, kr in zip(placed, kl.tolist())]
+    expected = [
+        [p - 0.1 * k for p, k in zip(pr, kr, strict=True)]
+        for pr, kr in zip(placed, kl.tolist(), strict=True)
+    ]
     torch.testing.assert_close(got, torch.tensor(expected, dtype=F64))
-    assert torch.equal(token_rewards(REWARD, MASK, placement=placement), place_reward(REWARD, MASK, placement))
+    assert torch.equal(
+        token_rewards(REWARD, MASK, placement=placement), place_reward(REWARD, MASK, placement)
+    )
 
 
 def test_overlong_penalty_variants() -> None:
     # Budget 10, buffer 4, factor 1: excess x = L - 6.
     lengths = torch.tensor([5.0, 6.0, 8.0, 10.0, 13.0])
-    capped = overlong_penalty(lengths, max_new_tokens=10, buffer_tokens=4, factor=1.0, variant="capped")
-    uncapped = overlong_penalty(lengths, max_new_tokens=10, buffer_tokens=4, factor=1.0, variant="uncapped")
+    capped = overlong_penalty(
+        lengths, max_new_tokens=10, buffer_tokens=4, factor=1.0, variant="capped"
+    )
+    uncapped = overlong_penalty(
+        lengths, max_new_tokens=10, buffer_tokens=4, factor=1.0, variant="uncapped"
+    )
     # x = [-1, 0, 2, 4, 7]: capped -min(x, 4)/4 for x > 0; uncapped min(0, -x/4).
     assert capped.tolist() == [0.0, 0.0, -0.5, -1.0, -1.0]
     assert uncapped.tolist() == [0.0, 0.0, -0.5, -1.0, -1.75]
-    half = overlong_penalty(lengths, max_new_tokens=10, buffer_tokens=4, factor=0.5, variant="capped")
+    half = overlong_penalty(
+        lengths, max_new_tokens=10, buffer_tokens=4, factor=0.5, variant="capped"
+    )
     assert half.tolist() == [0.0, 0.0, -0.25, -0.5, -0.5]
 
 
 def test_overlong_penalty_disabled() -> None:
     lengths = torch.tensor([100.0])
-    assert overlong_penalty(lengths, max_new_tokens=10, buffer_tokens=0, factor=1.0, variant="capped").tolist() == [0.0]
-    assert overlong_penalty(lengths, max_new_tokens=10, buffer_tokens=4, factor=0.0, variant="uncapped").tolist() == [0.0]
+    assert overlong_penalty(
+        lengths, max_new_tokens=10, buffer_tokens=0, factor=1.0, variant="capped"
+    ).tolist() == [0.0]
+    assert overlong_penalty(
+        lengths, max_new_tokens=10, buffer_tokens=4, factor=0.0, variant="uncapped"
+    ).tolist() == [0.0]

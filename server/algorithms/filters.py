@@ -1,9 +1,8 @@
-"""LightRFT's sample and token filters: high-entropy tokens, dynamic sampling, clip-filter weights."""
+"""LightRFT's filters: high-entropy tokens, dynamic sampling and clip-filter weights."""
 
 from __future__ import annotations
 
 import torch
-
 from rollserve.server.algorithms.groups import group_view
 
 __all__ = ["high_entropy_mask", "dynamic_sampling_mask", "clip_filter_weights"]
@@ -31,7 +30,9 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, ratio: float) -
     return (rank < k[:, None]).to(torch.float32)  # (B, A)
 
 
-def dynamic_sampling_mask(reward: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
+def dynamic_sampling_mask(
+    reward: torch.Tensor, mask: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """Zero the action mask of every group whose rewards are all 0 or all 1.
 
     reward: (B,) raw recipe reward; mask: (B, A) -> (B, A) bool. Such groups carry no learning

@@ -16,7 +16,6 @@ group mean is the reward itself.
 from __future__ import annotations
 
 import torch
-
 from rollserve.client.errors import InvalidArgument
 
 __all__ = [
@@ -47,7 +46,9 @@ def check_group_size(estimator: str, group_size: int, batch_rows: int | None = N
 def group_view(values: torch.Tensor, group_size: int) -> torch.Tensor:
     """(B,) -> (B / n, n), one row per prompt."""
     if values.ndim != 1 or values.shape[0] % group_size != 0:
-        raise ValueError(f"expected (B,) with B a multiple of {group_size}, got {tuple(values.shape)}")
+        raise ValueError(
+            f"expected (B,) with B a multiple of {group_size}, got {tuple(values.shape)}"
+        )
     return values.view(-1, group_size)
 
 

@@ -46,14 +46,16 @@ cross-batch whitening.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from rollserve.server.algorithms.groups import ESTIMATORS, GROUP_ESTIMATORS
 
 __all__ = [
     "AlgorithmConfig",
+    "Preset",
     "PRESETS",
     "PRESET_NAMES",
     "DEFAULT_PRESET",
@@ -111,7 +113,9 @@ class AlgorithmConfig:
     @property
     def broadcasts_sequence_advantage(self) -> bool:
         """coati GRPO: one advantage per row over all columns; only when the KL is not per token."""
-        return self.broadcast_group_advantage and self.is_group_estimator and self.kl_mode != "reward"
+        return (
+            self.broadcast_group_advantage and self.is_group_estimator and self.kl_mode != "reward"
+        )
 
     @property
     def needs_critic(self) -> bool:
@@ -209,11 +213,15 @@ _COATI_GRPO = MappingProxyType({"kl_mode": "sequence", "reward_clip": 0.0})
 PRESETS: Mapping[str, Preset] = MappingProxyType(
     {
         # coati's GRPO branch folds the KL into the sequence reward and does not clip.
-        "coati": Preset(_COATI, "group_norm", MappingProxyType({e: _COATI_GRPO for e in GROUP_ESTIMATORS})),
+        "coati": Preset(
+            _COATI, "group_norm", MappingProxyType({e: _COATI_GRPO for e in GROUP_ESTIMATORS})
+        ),
         "openrlhf": Preset(_OPENRLHF, "group_norm", MappingProxyType({})),
         # LightRFT's GAE path adds 1e-9 to the std in advantages_norm; its REINFORCE path 1e-8.
         "lightrft": Preset(
-            _LIGHTRFT, "group_norm", MappingProxyType({"gae": MappingProxyType({"whiten_eps": 1e-9})})
+            _LIGHTRFT,
+            "group_norm",
+            MappingProxyType({"gae": MappingProxyType({"whiten_eps": 1e-9})}),
         ),
     }
 )
@@ -232,7 +240,9 @@ sampling temperature of 1.
 """
 
 
-def preset_config(name: str, estimator: str | None = None, *, has_critic: bool = True) -> AlgorithmConfig:
+def preset_config(
+    name: str, estimator: str | None = None, *, has_critic: bool = True
+) -> AlgorithmConfig:
     """A preset's config for an estimator (default: the preset's own for this critic setup)."""
     preset = PRESETS[name]
     if estimator is None:

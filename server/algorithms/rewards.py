@@ -13,7 +13,6 @@ result, then the token reward (B, A) = -beta * kl + R placed on the action colum
 from __future__ import annotations
 
 import torch
-
 from rollserve.server.algorithms.masking import last_valid_column
 
 __all__ = [
@@ -56,11 +55,15 @@ def overlong_penalty(
     excess = response_length.to(dtype) - (max_new_tokens - buffer_tokens)  # (B,)
     if variant == "capped":
         excess = excess.clamp(max=buffer_tokens)
-        penalty = torch.where(excess > 0, -excess / buffer_tokens * factor, torch.zeros_like(excess))
+        penalty = torch.where(
+            excess > 0, -excess / buffer_tokens * factor, torch.zeros_like(excess)
+        )
     elif variant == "uncapped":
         penalty = (-excess / buffer_tokens * factor).clamp(max=0.0)
     else:
-        raise ValueError(f"unknown overlong variant {variant!r}; expected one of {OVERLONG_VARIANTS}")
+        raise ValueError(
+            f"unknown overlong variant {variant!r}; expected one of {OVERLONG_VARIANTS}"
+        )
     return penalty  # (B,)
 
 

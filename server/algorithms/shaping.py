@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from rollserve.server.algorithms.advantages import clip_advantages, cumulative_returns, gae, whiten
 from rollserve.server.algorithms.filters import (
     clip_filter_weights,
@@ -53,19 +52,28 @@ class ShapedExperience:
 
 
 def _check_inputs(
+    cfg: AlgorithmConfig,
+    group_size: int,
     log_probs: torch.Tensor,
     mask: torch.Tensor,
     rewards: torch.Tensor,
     others: dict[str, torch.Tensor | None],
 ) -> None:
     if log_probs.ndim != 2 or mask.shape != log_probs.shape:
-        raise ValueError(f"action_log_probs {tuple(log_probs.shape)} and action_mask "
-                         f"{tuple(mask.shape)} must both be (B, A)")
+        raise ValueError(
+            f"action_log_probs {tuple(log_probs.shape)} and action_mask "
+            f"{tuple(mask.shape)} must both be (B, A)"
+        )
     if rewards.shape != log_probs.shape[:1]:
         raise ValueError(f"rewards {tuple(rewards.shape)} must be (B,) = ({log_probs.shape[0]},)")
     for name, tensor in others.items():
         if tensor is not None and tensor.shape != log_probs.shape:
             raise ValueError(f"{name} {tuple(tensor.shape)} must match action_log_probs (B, A)")
+    check_group_size(cfg.estimator, group_size, batch_rows=log_probs.shape[0])
+    if others["base_action_log_probs"] is None and cfg.needs_reference:
+        raise ValueError("kl_coef > 0 needs base_action_log_probs from the reference model")
+    if others["entropy"] is None and cfg.needs_entropy:
+        raise ValueError("high_entropy_token_ratio > 0 needs the action entropy")
 
 
 def _token_kl(
@@ -107,6 +115,48 @@ def _advantages(
     return returns.clone(), returns
 
 
+def _scalar_reward(
+    cfg: AlgorithmConfig,
+    rewards: torch.Tensor,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    max_new_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(stored reward (B,), sequence KL term (B,) or None): steps 3 and 4."""
+    reward = rewards.to(kl.dtype)  # (B,)
+    if cfg.uses_overlong_penalty:
+        reward = reward + overlong_penalty(
+            mask.sum(dim=-1).to(kl.dtype),
+            max_new_tokens=max_new_tokens,
+            buffer_tokens=cfg.overlong_buffer,
+            factor=cfg.overlong_factor,
+            variant=cfg.overlong_variant,
+        )
+    if cfg.kl_mode != "sequence":
+        return reward, None
+    sequence_kl = sequence_kl_reward(kl, mask, cfg.kl_coef)  # (B,)
+    return reward + sequence_kl, sequence_kl
+
+
+def _extras(
+    cfg: AlgorithmConfig,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    entropy: torch.Tensor | None,
+    group_size: int,
+) -> dict[str, torch.Tensor]:
+    """The option-dependent LightRFT info tensors."""
+    extras: dict[str, torch.Tensor] = {}
+    if entropy is not None and cfg.needs_entropy:
+        ratio = cfg.high_entropy_token_ratio
+        extras["high_entropy_mask"] = high_entropy_mask(entropy, mask, ratio)  # (B, A)
+    if cfg.clip_filter_eps > 0:
+        extras["clip_filter_weight"] = clip_filter_weights(
+            rewards, group_size, cfg.clip_filter_eps, zero_var_weight=cfg.clip_filter_lambda
+        )  # (B,)
+    return extras
+
+
 def shape_experience(
     cfg: AlgorithmConfig,
     *,
@@ -125,14 +175,8 @@ def shape_experience(
     Raises InvalidArgument for a group size the estimator cannot use (rloo with n = 1) and
     ValueError for inputs that break this function's contract (shapes, missing tensors).
     """
-    _check_inputs(action_log_probs, action_mask, rewards,
-                  {"base_action_log_probs": base_action_log_probs, "values": values,
-                   "entropy": entropy})
-    check_group_size(cfg.estimator, group_size, batch_rows=action_log_probs.shape[0])
-    if base_action_log_probs is None and cfg.needs_reference:
-        raise ValueError("kl_coef > 0 needs base_action_log_probs from the reference model")
-    if entropy is None and cfg.needs_entropy:
-        raise ValueError("high_entropy_token_ratio > 0 needs the action entropy")
+    others = {"base_action_log_probs": base_action_log_probs, "values": values, "entropy": entropy}
+    _check_inputs(cfg, group_size, action_log_probs, action_mask, rewards, others)
     dtype = float_dtype(action_log_probs)
     mask = action_mask.bool()
     log_probs = action_log_probs.to(dtype)
@@ -142,20 +186,7 @@ def shape_experience(
         ref = None if ref is None else ref * mask
 
     kl, kl_out = _token_kl(cfg, log_probs, ref, mask)  # (B, A) x 2
-    info: dict[str, torch.Tensor] = {}
-    reward = rewards.to(dtype)  # (B,)
-    if cfg.uses_overlong_penalty:
-        reward = reward + overlong_penalty(
-            mask.sum(dim=-1).to(dtype),
-            max_new_tokens=max_new_tokens,
-            buffer_tokens=cfg.overlong_buffer,
-            factor=cfg.overlong_factor,
-            variant=cfg.overlong_variant,
-        )
-    if cfg.kl_mode == "sequence":
-        info["sequence_kl"] = sequence_kl_reward(kl, mask, cfg.kl_coef)  # (B,)
-        reward = reward + info["sequence_kl"]
-
+    reward, sequence_kl = _scalar_reward(cfg, rewards, kl, mask, max_new_tokens)  # (B,)
     shaped_mask = dynamic_sampling_mask(rewards, mask, group_size) if cfg.dynamic_sampling else mask
     shaped = group_shaped_reward(reward, group_size, cfg.estimator, eps=cfg.group_std_eps)
     shaped = clip_reward(shaped, cfg.reward_clip)  # (B,)
@@ -170,15 +201,13 @@ def shape_experience(
     advantages = whiten(advantages, shaped_mask, cfg.effective_whitening, eps=cfg.whiten_eps)
     advantages = clip_advantages(advantages, cfg.advantage_clip)
 
-    info["kl"] = masked_row_mean(kl_out, mask)  # (B,)
-    info["return"] = rewards_bt.sum(dim=-1)  # (B,) all columns, as OpenRLHF logs it
-    if cfg.needs_entropy:
-        assert entropy is not None
-        info["high_entropy_mask"] = high_entropy_mask(entropy, shaped_mask, cfg.high_entropy_token_ratio)
-    if cfg.clip_filter_eps > 0:
-        info["clip_filter_weight"] = clip_filter_weights(
-            rewards, group_size, cfg.clip_filter_eps, zero_var_weight=cfg.clip_filter_lambda
-        )
+    info = {
+        "kl": masked_row_mean(kl_out, mask),  # (B,)
+        "return": rewards_bt.sum(dim=-1),  # (B,) over all columns, as OpenRLHF logs it
+        **_extras(cfg, rewards, shaped_mask, entropy, group_size),
+    }
+    if sequence_kl is not None:
+        info["sequence_kl"] = sequence_kl
     return ShapedExperience(
         action_log_probs=log_probs,
         base_action_log_probs=ref,
