@@ -1,7 +1,8 @@
 """Experience (one micro-batch, the proto's Experience as torch tensors) and its buffer rows.
 
 Shapes: B rows, S = P + A token columns, A action columns; action column j refers to token
-S - A + j (see the row layout at the top of rollout.proto).
+P + j (see the row layout at the top of rollout.proto: prompts left-padded, responses
+right-padded, prefix action masks). Batches built here keep that layout.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-
 from rollserve.client.codec import decode_optional, decode_tensor, encode_tensor_into
 from rollserve.client.errors import InvalidArgument
 from rollserve.v1 import rollout_pb2 as pb
@@ -23,6 +23,7 @@ __all__ = [
     "experience_from_proto",
     "split_experience_batch",
     "make_experience_batch",
+    "concat_experiences",
 ]
 
 
@@ -289,30 +290,34 @@ def split_experience_batch(e: Experience) -> list[BufferItem]:
 
 
 def make_experience_batch(items: Sequence[BufferItem], pad_token_id: int = 0) -> Experience:
-    """Stack items into one Experience, LEFT-padding every per-step field to the longest item.
+    """Stack items into one Experience in the wire layout of rollout.proto (as the server does).
 
-    Sequence-axis fields are padded to the largest S (sequences with `pad_token_id`, the
-    attention mask with False), action-axis fields to the largest A (masks False, floats 0);
-    per-row scalars are stacked. Why left: ColossalChat left-pads only the action fields and
-    stacks the rest, which then must already agree. Left-padding every field generalises that
-    to items from micro-batches of different widths while keeping the invariant "action column
-    j <-> token S - A + j" for every row: a row with S_i, A_i moves right by S - S_i tokens and
-    A - A_i action columns, and S - S_i - (A - A_i) = P - P_i >= 0 for the batch's P = S - A.
-    The prompt stays left-padded and the response right-padded; a narrower row's valid action
-    columns then start at A - A_i rather than 0 (its mask is no longer a prefix), which every
-    masked computation handles. Items of one batch have equal widths, so this exactly inverts
-    `split_experience_batch`.
+    With P_i = S_i - A_i an item's prompt part is its first P_i tokens and its response part its
+    last A_i. The batch has P = max(P_i) and A = max(A_i), S = P + A: each row's prompt part is
+    LEFT-padded to P (sequences with `pad_token_id`, the attention mask with False), its response
+    part and every action-axis field are RIGHT-padded to A (masks False, floats 0), and per-row
+    scalars are stacked. So action column j <-> token P + j in every row and the action mask
+    stays a prefix mask.
 
-    Info tensors whose first per-row dim equals each item's A are left-padded like action
+    Why not ColossalChat's rule: it left-pads only the action fields (action column j <-> one
+    of the last A tokens), which for items of different widths turns prefix masks into suffix
+    masks and stops responses from being right-padded. Keeping the wire layout instead means a
+    trainer sees one layout whether a batch came from the server or from its replay buffer.
+    Items of one batch have equal widths, so this inverts `split_experience_batch` bit for bit.
+
+    Info tensors whose first per-row dim equals each item's A are right-padded like action
     fields; others must agree in shape and are stacked. Optional fields, info keys and
     response texts must be present in all items or in none (InvalidArgument otherwise).
     """
     if not items:
         raise InvalidArgument("make_experience_batch: no items")
     _check_same_presence(items)
-    width_s = max(item.sequences.shape[0] for item in items)
-    width_a = max(item.num_actions for item in items)
-    widths = {"S": width_s, "A": width_a}
+    prompt_widths = [item.sequences.shape[0] - item.num_actions for item in items]
+    width_p, width_a = max(prompt_widths), max(item.num_actions for item in items)
+    # A row's tokens are contiguous (prompt part then response part), so one shift places both:
+    # its prompt part ends at column P and its response part starts there.
+    starts = {"S": [width_p - p_i for p_i in prompt_widths], "A": [0] * len(items)}
+    widths = {"S": width_p + width_a, "A": width_a}
     fields: dict[str, torch.Tensor | None] = {}
     for spec in _STEP_SPECS:
         rows = [getattr(item, spec.name) for item in items]
@@ -320,7 +325,7 @@ def make_experience_batch(items: Sequence[BufferItem], pad_token_id: int = 0) ->
             fields[spec.name] = None
         elif spec.axis:
             fill = pad_token_id if spec.name == "sequences" else 0
-            fields[spec.name] = _left_pad_stack(rows, widths[spec.axis], fill)  # (B, S|A)
+            fields[spec.name] = _place_rows(rows, widths[spec.axis], starts[spec.axis], fill)
         else:
             fields[spec.name] = torch.stack(rows)  # (B,)
     device = items[0].sequences.device
@@ -330,6 +335,17 @@ def make_experience_batch(items: Sequence[BufferItem], pad_token_id: int = 0) ->
     info = {key: _batch_info(key, items, width_a) for key in items[0].info}
     texts = None if items[0].response_text is None else tuple(i.response_text for i in items)
     return Experience(**fields, info=info, response_texts=texts)  # type: ignore[arg-type]
+
+
+def concat_experiences(experiences: Sequence[Experience], pad_token_id: int = 0) -> Experience:
+    """Join micro-batches (e.g. one streamed response) row by row into one wire-layout Experience.
+
+    Same as `make_experience_batch` over the split rows of each experience, in order.
+    """
+    if not experiences:
+        raise InvalidArgument("concat_experiences: no experiences")
+    items = [item for e in experiences for item in split_experience_batch(e)]
+    return make_experience_batch(items, pad_token_id=pad_token_id)
 
 
 def _check_same_presence(items: Sequence[BufferItem]) -> None:
@@ -350,17 +366,22 @@ def _check_same_presence(items: Sequence[BufferItem]) -> None:
             )
 
 
-def _left_pad_stack(rows: Sequence[torch.Tensor], width: int, fill: int) -> torch.Tensor:
-    """Stack rows (n_i, *rest) into (len(rows), width, *rest), right-aligned, `fill` on the left."""
+def _place_rows(
+    rows: Sequence[torch.Tensor], width: int, starts: Sequence[int], fill: int
+) -> torch.Tensor:
+    """Stack rows (n_i, *rest) into (len(rows), width, *rest): row i fills columns
+    [starts[i], starts[i] + n_i), `fill` elsewhere."""
     first = rows[0]
+    if all(row.shape[0] == width for row in rows):
+        return torch.stack(list(rows))  # nothing to pad: every start is 0
     out = first.new_full((len(rows), width, *first.shape[1:]), fill)
-    for i, row in enumerate(rows):
-        out[i, width - row.shape[0] :] = row
+    for i, (row, start) in enumerate(zip(rows, starts, strict=True)):
+        out[i, start : start + row.shape[0]] = row
     return out
 
 
 def _batch_info(key: str, items: Sequence[BufferItem], width_a: int) -> torch.Tensor:
-    """Batch one info key: left-pad along an action axis, else stack equal shapes."""
+    """Batch one info key: right-pad along an action axis, else stack equal shapes."""
     rows = [item.info[key] for item in items]
     name = f"info[{key!r}]"
     if any(row.dtype != rows[0].dtype for row in rows):
@@ -371,7 +392,7 @@ def _batch_info(key: str, items: Sequence[BufferItem], width_a: int) -> torch.Te
         for row, item in zip(rows, items, strict=True)
     )
     if has_action_axis and rest_agrees:
-        return _left_pad_stack(rows, width_a, 0)  # (B, A, ...)
+        return _place_rows(rows, width_a, [0] * len(rows), 0)  # (B, A, ...)
     if all(row.shape == rows[0].shape for row in rows):
         return torch.stack(rows)  # (B, ...)
     shapes = [tuple(row.shape) for row in rows]

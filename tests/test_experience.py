@@ -1,4 +1,4 @@
-"""Experience and BufferItem: validation, wire round trips, split/batch with left padding."""
+"""Experience and BufferItem: validation, wire round trips, split/batch in the wire layout."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from rollserve.client.codec import encode_tensor_into
 from rollserve.client.errors import InvalidArgument, TensorCodecError
 from rollserve.client.experience import (
     BufferItem,
     Experience,
+    concat_experiences,
     experience_from_proto,
     experience_to_proto,
     make_experience_batch,
@@ -49,6 +49,26 @@ class Batch:
     responses: list[list[int]]
 
 
+def wire_layout(
+    prompts: list[list[int]], responses: list[list[int]], pad: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sequences, attention_mask, action_mask as rollout.proto lays them out (the server's layout).
+
+    Prompts left-padded to P = longest prompt, responses right-padded to A = longest response,
+    prefix action masks.
+    """
+    b, p, a = len(prompts), max(map(len, prompts)), max(map(len, responses))
+    sequences = torch.full((b, p + a), pad, dtype=torch.int64)  # (B, S)
+    attention_mask = torch.zeros(b, p + a, dtype=torch.bool)  # (B, S)
+    action_mask = torch.zeros(b, a, dtype=torch.bool)  # (B, A)
+    for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        row = torch.tensor(prompt + response, dtype=torch.int64)
+        sequences[i, p - len(prompt) : p + len(response)] = row
+        attention_mask[i, p - len(prompt) : p + len(response)] = True
+        action_mask[i, : len(response)] = True
+    return sequences, attention_mask, action_mask
+
+
 def build_batch(
     prompt_lens: list[int],
     response_lens: list[int],
@@ -60,23 +80,16 @@ def build_batch(
     version: int = 3,
     first_prompt: int = 0,
 ) -> Batch:
-    """Prompts left-padded to P, responses right-padded to A, prefix action masks, random floats.
+    """The wire layout (see `wire_layout`) with random tokens and random floats.
 
     Floats are random on masked columns too, so any stripping or shuffling shows.
     """
     gen = torch.Generator().manual_seed(seed)
-    b, p, a = len(prompt_lens), max(prompt_lens), max(response_lens)
+    b, a = len(prompt_lens), max(response_lens)
     tokens = lambda n: torch.randint(3, 259, (n,), generator=gen).tolist()  # noqa: E731
     prompts = [tokens(n) for n in prompt_lens]
     responses = [tokens(n) for n in response_lens]
-    sequences = torch.full((b, p + a), pad, dtype=torch.int64)  # (B, S)
-    attention_mask = torch.zeros(b, p + a, dtype=torch.bool)  # (B, S)
-    action_mask = torch.zeros(b, a, dtype=torch.bool)  # (B, A)
-    for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
-        row = torch.tensor(prompt + response, dtype=torch.int64)
-        sequences[i, p - len(prompt) : p + len(response)] = row
-        attention_mask[i, p - len(prompt) : p + len(response)] = True
-        action_mask[i, : len(response)] = True
+    sequences, attention_mask, action_mask = wire_layout(prompts, responses, pad)
     randn = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     exp = Experience(
         sequences=sequences,
@@ -94,6 +107,7 @@ def build_batch(
             "response_length": torch.tensor(response_lens, dtype=torch.float32),
             "truncated": torch.tensor([n == a for n in response_lens]),
             "high_entropy_mask": randn(b, a) > 0,
+            "token_pair": randn(b, a, 2),  # an action axis with a trailing dim
             "reward/reward_model": randn(b),
         },
         policy_version=torch.full((b,), version, dtype=torch.int64),
@@ -286,45 +300,129 @@ def test_batching_the_split_rows_reproduces_the_experience(
     assert_same_experience(make_experience_batch(split_experience_batch(exp)), exp)
 
 
-def _check_row_left_padded(
-    merged: Experience, row: int, source: Experience, source_row: int, response: list[int], pad: int
+ACTION_FIELDS = (
+    "action_mask",
+    "action_log_probs",
+    "base_action_log_probs",
+    "values",
+    "kl",
+    "advantages",
+    "returns",
+    "action_entropy",
+)
+
+
+def _check_row_in_wire_layout(
+    merged: Experience, row: int, source: Batch, source_row: int, pad: int
 ) -> None:
-    s, a = merged.sequences.shape[1], merged.num_actions
-    s_i, a_i = source.sequences.shape[1], source.num_actions
-    for name in ("sequences", "attention_mask"):
-        got, want = getattr(merged, name)[row], getattr(source, name)[source_row]
-        assert torch.equal(got[s - s_i :], want), name
-        assert (got[: s - s_i] == (pad if name == "sequences" else 0)).all(), name
-    for name in ("action_mask", "action_log_probs", "values", "kl", "advantages", "returns"):
-        got, want = getattr(merged, name)[row], getattr(source, name)[source_row]
-        assert_bit_equal(got[a - a_i :], want, name)
-        assert (got[: a - a_i] == 0).all(), name
-    got = merged.info["high_entropy_mask"][row]
-    assert torch.equal(got[a - a_i :], source.info["high_entropy_mask"][source_row])
-    assert not got[: a - a_i].any()
-    # The alignment invariant: action column j holds token S - A + j, the row's response.
-    columns = merged.action_mask[row].nonzero().flatten().tolist()
-    assert [int(merged.sequences[row, s - a + j]) for j in columns] == response
+    """Exact placement of every field of one merged row, taken from row `source_row` of `source`."""
+    src = source.experience
+    p, a = merged.prompt_width, merged.num_actions
+    p_i, a_i = src.prompt_width, src.num_actions
+    for name, fill in (("sequences", pad), ("attention_mask", False)):
+        got, want = getattr(merged, name)[row], getattr(src, name)[source_row]
+        assert (got[: p - p_i] == fill).all(), name  # left pad of the prompt part
+        assert torch.equal(got[p - p_i : p], want[:p_i]), name  # prompt part ends at P
+        assert torch.equal(got[p : p + a_i], want[p_i:]), name  # response part starts at P
+        assert (got[p + a_i :] == fill).all(), name  # right pad of the response part
+    for name in ACTION_FIELDS:
+        got, want = getattr(merged, name)[row], getattr(src, name)[source_row]
+        assert_bit_equal(got[:a_i], want, name)
+        assert (got[a_i:] == 0).all(), name
+    for key in ("high_entropy_mask", "token_pair"):
+        got, want = merged.info[key][row], src.info[key][source_row]
+        assert_bit_equal(got[:a_i], want, f"info[{key}]")
+        assert (got[a_i:] == 0).all(), f"info[{key}]"
+    for name in ("reward", "policy_version", "prompt_index"):
+        assert_bit_equal(getattr(merged, name)[row], getattr(src, name)[source_row], name)
+    for key in ("response_length", "truncated", "reward/reward_model"):
+        assert_bit_equal(merged.info[key][row], src.info[key][source_row], f"info[{key}]")
+    # Masks: attention is a suffix mask over the prompt columns and a prefix mask over the
+    # response columns; the action mask is a prefix mask equal to the latter.
+    prompt, response = source.prompts[source_row], source.responses[source_row]
+    attention = merged.attention_mask[row]
+    assert attention[:p].tolist() == [False] * (p - len(prompt)) + [True] * len(prompt)
+    want_actions = [True] * len(response) + [False] * (a - len(response))
+    assert attention[p:].tolist() == want_actions
+    assert merged.action_mask[row].tolist() == want_actions
+    # The alignment invariant: the token at P + j is the row's j-th response token.
+    assert [int(merged.sequences[row, p + j]) for j in range(len(response))] == response
+    assert merged.sequences[row, p - len(prompt) : p].tolist() == prompt
+
+
+def _assert_wire_layout(merged: Experience, rows: list[tuple[Batch, int]], pad: int) -> None:
+    """The merged masks and tokens are exactly what the server would lay out for these rows."""
+    prompts = [src.prompts[i] for src, i in rows]
+    responses = [src.responses[i] for src, i in rows]
+    sequences, attention_mask, action_mask = wire_layout(prompts, responses, pad)
+    assert torch.equal(merged.sequences, sequences)
+    assert torch.equal(merged.attention_mask, attention_mask)
+    assert torch.equal(merged.action_mask, action_mask)
 
 
 @pytest.mark.parametrize("pad", [0, 2])
-def test_mixing_batches_of_different_widths_left_pads_and_keeps_alignment(pad: int) -> None:
+def test_mixing_batches_of_different_widths_keeps_the_wire_layout(pad: int) -> None:
     narrow = build_batch([5, 2], [3, 1], seed=1, pad=pad, version=1)  # P=5, A=3, S=8
     wide = build_batch([1, 2, 1], [7, 4, 0], seed=2, pad=pad, version=2)  # P=2, A=7, S=9
-    items_n, items_w = (
-        split_experience_batch(narrow.experience),
-        split_experience_batch(wide.experience),
-    )
+    split = {id(narrow): split_experience_batch(narrow.experience)}
+    split[id(wide)] = split_experience_batch(wide.experience)
     order = [(narrow, 0), (wide, 0), (narrow, 1), (wide, 2), (wide, 1)]
-    items = [(items_n if src is narrow else items_w)[i] for src, i in order]
+    items = [split[id(src)][i] for src, i in order]
     merged = make_experience_batch(items, pad_token_id=pad)
-    assert merged.sequences.shape == (5, 9) and merged.num_actions == 7 and merged.prompt_width == 2
+    assert merged.sequences.shape == (5, 12)  # S = P + A with P = 5 (narrow), A = 7 (wide)
+    assert (merged.prompt_width, merged.num_actions) == (5, 7)
     for row, (src, i) in enumerate(order):
-        _check_row_left_padded(merged, row, src.experience, i, src.responses[i], pad)
-        assert merged.reward[row] == src.experience.reward[i]
-        assert merged.policy_version[row] == src.experience.policy_version[i]
-        assert merged.info["response_length"][row] == len(src.responses[i])
+        _check_row_in_wire_layout(merged, row, src, i, pad)
+    assert merged.info["token_pair"].shape == (5, 7, 2)
     assert merged.response_texts == tuple(items[r].response_text for r in range(5))
+    _assert_wire_layout(merged, order, pad)
+    # The merged batch is an ordinary one: splitting and re-batching it changes nothing.
+    assert_same_experience(make_experience_batch(split_experience_batch(merged), pad), merged)
+
+
+def test_a_wider_prompt_and_a_wider_response_from_different_items_both_widen_the_batch() -> None:
+    long_prompt = build_batch([6], [1], seed=3)  # P=6, A=1
+    long_response = build_batch([1], [6], seed=4)  # P=1, A=6
+    merged = concat_experiences([long_prompt.experience, long_response.experience])
+    # S = 12, though each item has S_i = 7: prompts and responses pad independently.
+    assert merged.sequences.shape == (2, 12) and merged.prompt_width == 6
+    _check_row_in_wire_layout(merged, 0, long_prompt, 0, 0)
+    _check_row_in_wire_layout(merged, 1, long_response, 0, 0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(1, 5), st.integers(0, 5)), min_size=1, max_size=3),
+        min_size=1,
+        max_size=4,
+    ),
+    st.integers(0, 3),
+    st.integers(0, 2**16),
+)
+def test_concat_experiences_joins_micro_batches_in_the_wire_layout(
+    batch_lengths: list[list[tuple[int, int]]], pad: int, seed: int
+) -> None:
+    batches = []
+    for k, lengths in enumerate(batch_lengths):
+        prompt_lens, response_lens = map(list, zip(*lengths, strict=True))
+        batches.append(build_batch(prompt_lens, response_lens, seed=seed + k, pad=pad, version=k))
+    merged = concat_experiences([b.experience for b in batches], pad_token_id=pad)
+    rows = [(b, i) for b in batches for i in range(b.experience.num_rows)]
+    assert merged.num_rows == len(rows)
+    assert merged.prompt_width == max(b.experience.prompt_width for b in batches)
+    assert merged.num_actions == max(b.experience.num_actions for b in batches)
+    for row, (src, i) in enumerate(rows):
+        _check_row_in_wire_layout(merged, row, src, i, pad)
+    items = [item for b in batches for item in split_experience_batch(b.experience)]
+    assert_same_experience(merged, make_experience_batch(items, pad_token_id=pad))
+
+
+def test_concat_of_one_experience_is_that_experience() -> None:
+    exp = build_batch([3, 1], [2, 4]).experience
+    assert_same_experience(concat_experiences([exp]), exp)
+    with pytest.raises(InvalidArgument, match="no experiences"):
+        concat_experiences([])
 
 
 def test_mixing_items_with_and_without_optional_parts_is_refused() -> None:
