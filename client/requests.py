@@ -68,7 +68,7 @@ def build_make_experience_request(
     stop_strings: Sequence[str] = (),
     seed: int | None = None,
     ignore_eos: bool = False,
-    logprobs_use_temperature: bool = False,
+    logprobs_use_temperature: bool | None = None,
     apply_chat_template: bool = False,
     preset: str | None = None,
     algorithm: Mapping[str, object] | None = None,
@@ -99,12 +99,12 @@ def build_make_experience_request(
         top_k=top_k,
         top_p=top_p,
         seed=seed,
+        logprobs_use_temperature=logprobs_use_temperature,
     )
     for sequence in stop_sequences:
         sampling.stop_sequences.add(token_ids=[int(t) for t in sequence])
     sampling.stop_strings.extend(stop_strings)
     sampling.ignore_eos = ignore_eos
-    sampling.logprobs_use_temperature = logprobs_use_temperature
     options = dict(algorithm or {})
     unknown = set(options) - _ALGORITHM_FIELDS
     if unknown:
