@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
-
 from rollserve.client.errors import InvalidArgument
 from rollserve.v1 import rollout_pb2 as pb
 
@@ -121,9 +120,15 @@ def safetensors_header(state_dict: StateDict) -> tuple[bytes, list[WeightSpec]]:
     for name in names:
         tensor = state_dict[name]
         nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
-        spec = WeightSpec(name, _NAMES_BY_TORCH[tensor.dtype], tuple(tensor.shape), cursor, cursor + nbytes)
+        spec = WeightSpec(
+            name, _NAMES_BY_TORCH[tensor.dtype], tuple(tensor.shape), cursor, cursor + nbytes
+        )
         specs.append(spec)
-        entries[name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [spec.begin, spec.end]}
+        entries[name] = {
+            "dtype": spec.dtype,
+            "shape": list(spec.shape),
+            "data_offsets": [spec.begin, spec.end],
+        }
         cursor += nbytes
     text = json.dumps(entries, separators=(",", ":")).encode("utf-8")
     # Pad with spaces (valid JSON whitespace) so the data section starts 8-byte aligned.
@@ -132,7 +137,7 @@ def safetensors_header(state_dict: StateDict) -> tuple[bytes, list[WeightSpec]]:
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A byte view of the tensor's elements in C order; copies only if not a contiguous CPU tensor."""
+    """The tensor's elements as bytes in C order; copies unless it is a contiguous CPU tensor."""
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         # One host copy, made contiguous on the way (no second copy for non-contiguous views).
@@ -156,8 +161,10 @@ def _pieces(state_dict: StateDict, header: bytes, specs: list[WeightSpec]) -> It
         del piece  # drop this tensor's host copy before the next one is made
 
 
-def iter_safetensors_bytes(state_dict: StateDict | torch.nn.Module, chunk_bytes: int) -> Iterator[bytes]:
-    """Yield the safetensors file of `state_dict` in chunks of exactly chunk_bytes (last shorter)."""
+def iter_safetensors_bytes(
+    state_dict: StateDict | torch.nn.Module, chunk_bytes: int
+) -> Iterator[bytes]:
+    """Yield the safetensors file of `state_dict` in chunks of chunk_bytes (the last shorter)."""
     if chunk_bytes < 1:
         raise InvalidArgument(f"chunk_bytes must be positive, got {chunk_bytes}")
     state_dict = _as_state_dict(state_dict)

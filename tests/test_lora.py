@@ -1,4 +1,4 @@
-"""LoRA updates on real tiny models: W = W_base + alpha / r * B @ A, absolute (idempotent, replacing)."""
+"""LoRA updates on real tiny models: W = W_base + alpha / r * B @ A, absolute and replacing."""
 
 from __future__ import annotations
 
@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
-from transformers.pytorch_utils import Conv1D
-
 from rollserve.client.errors import InvalidArgument
 from rollserve.client.weights import update_weights_requests
 from rollserve.server.weights import LoraState, stage_update
 from rollserve.server.weights.lora import merged_weight
 from rollserve.v1 import rollout_pb2 as pb
+from transformers import LlamaForCausalLM
+from transformers.pytorch_utils import Conv1D
 
 PREFIX = "base_model.model."
 RANK = 4
@@ -34,24 +33,40 @@ def weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def adapter(model: torch.nn.Module, modules: list[str], *, seed: int, rank: int = RANK, prefix: str = PREFIX) -> dict[str, torch.Tensor]:
+def adapter(
+    model: torch.nn.Module, modules: list[str], *, seed: int, rank: int = RANK, prefix: str = PREFIX
+) -> dict[str, torch.Tensor]:
     """A PEFT-named adapter with random (non-zero) A and B for each module's (out, in) weight."""
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for module in modules:
         out_features, in_features = model.get_submodule(module).weight.shape
-        tensors[f"{prefix}{module}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator)
-        tensors[f"{prefix}{module}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.1
+        tensors[f"{prefix}{module}.lora_A.weight"] = torch.randn(
+            rank, in_features, generator=generator
+        )
+        tensors[f"{prefix}{module}.lora_B.weight"] = (
+            torch.randn(out_features, rank, generator=generator) * 0.1
+        )
     return tensors
 
 
-def send_lora(model: torch.nn.Module, state: LoraState, tensors: dict[str, torch.Tensor], *, rank: int = RANK, alpha: float = ALPHA, fan_in_fan_out: bool = False) -> None:
+def send_lora(
+    model: torch.nn.Module,
+    state: LoraState,
+    tensors: dict[str, torch.Tensor],
+    *,
+    rank: int = RANK,
+    alpha: float = ALPHA,
+    fan_in_fan_out: bool = False,
+) -> None:
     lora = pb.LoraAdapter(rank=rank, alpha=alpha, fan_in_fan_out=fan_in_fan_out)
     requests = update_weights_requests(tensors, target="actor", version=1, mode="lora", lora=lora)
     stage_update(requests, model, state).apply(model)
 
 
-def expected(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, transpose: bool = False) -> torch.Tensor:
+def expected(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, transpose: bool = False
+) -> torch.Tensor:
     """The merge in float64, as an independent reference."""
     delta = (ALPHA / RANK) * (b.double() @ a.double())
     return base.double() + (delta.T if transpose else delta)
@@ -73,12 +88,20 @@ def test_merge_is_base_plus_scaled_b_a(actor: LlamaForCausalLM, dtype: torch.dty
     send_lora(model, LoraState(), tensors)
     after = weights_of(model)
     for module in (Q0, V1):
-        a, b = tensors[f"{PREFIX}{module}.lora_A.weight"], tensors[f"{PREFIX}{module}.lora_B.weight"]
+        a, b = (
+            tensors[f"{PREFIX}{module}.lora_A.weight"],
+            tensors[f"{PREFIX}{module}.lora_B.weight"],
+        )
         got = after[f"{module}.weight"]
         # Bit-exact against the documented float32 recipe, and close to a float64 reference.
-        assert torch.equal(got, merged_weight(base[f"{module}.weight"], a, b, scale=ALPHA / RANK, fan_in_fan_out=False))
+        assert torch.equal(
+            got,
+            merged_weight(base[f"{module}.weight"], a, b, scale=ALPHA / RANK, fan_in_fan_out=False),
+        )
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(got.double(), expected(base[f"{module}.weight"], a, b), rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(
+            got.double(), expected(base[f"{module}.weight"], a, b), rtol=tolerance, atol=tolerance
+        )
         assert not torch.equal(got, base[f"{module}.weight"])
     untouched = [n for n in base if n not in (f"{Q0}.weight", f"{V1}.weight")]
     assert all(torch.equal(after[n], base[n]) for n in untouched)
@@ -101,7 +124,13 @@ def test_a_second_adapter_replaces_the_first(actor: LlamaForCausalLM) -> None:
     second = adapter(model, [Q0], seed=1, prefix="")  # names without the PEFT prefix work too
     send_lora(model, state, second)
     after = weights_of(model)
-    want_q = merged_weight(base[f"{Q0}.weight"], second[f"{Q0}.lora_A.weight"], second[f"{Q0}.lora_B.weight"], scale=ALPHA / RANK, fan_in_fan_out=False)
+    want_q = merged_weight(
+        base[f"{Q0}.weight"],
+        second[f"{Q0}.lora_A.weight"],
+        second[f"{Q0}.lora_B.weight"],
+        scale=ALPHA / RANK,
+        fan_in_fan_out=False,
+    )
     assert torch.equal(after[f"{Q0}.weight"], want_q)  # from the base, not on top of adapter 1
     assert torch.equal(after[f"{V1}.weight"], base[f"{V1}.weight"])  # adapter 2 leaves v_proj alone
     assert state.names() == {f"{Q0}.weight"}
@@ -112,11 +141,19 @@ def test_a_partial_update_resets_the_base_of_what_it_writes(actor: LlamaForCausa
     tensors = adapter(model, [Q0], seed=0)
     send_lora(model, state, tensors)
     new_base = torch.full_like(model.get_submodule(Q0).weight, 0.25)
-    requests = update_weights_requests({f"{Q0}.weight": new_base}, target="actor", version=2, mode="partial")
+    requests = update_weights_requests(
+        {f"{Q0}.weight": new_base}, target="actor", version=2, mode="partial"
+    )
     stage_update(requests, model, state).apply(model)
     assert torch.equal(model.get_submodule(Q0).weight, new_base) and len(state) == 0
     send_lora(model, state, tensors)  # now merges onto the new base
-    want = merged_weight(new_base, tensors[f"{PREFIX}{Q0}.lora_A.weight"], tensors[f"{PREFIX}{Q0}.lora_B.weight"], scale=ALPHA / RANK, fan_in_fan_out=False)
+    want = merged_weight(
+        new_base,
+        tensors[f"{PREFIX}{Q0}.lora_A.weight"],
+        tensors[f"{PREFIX}{Q0}.lora_B.weight"],
+        scale=ALPHA / RANK,
+        fan_in_fan_out=False,
+    )
     assert torch.equal(model.get_submodule(Q0).weight, want)
 
 
@@ -135,8 +172,12 @@ def test_fan_in_fan_out_transposes_the_delta() -> None:
     base = model.c_attn.weight.detach().clone()  # (in 8, out 24)
     generator = torch.Generator().manual_seed(3)
     a, b = torch.randn(RANK, 8, generator=generator), torch.randn(24, RANK, generator=generator)
-    send_lora(model, state, {"c_attn.lora_A.weight": a, "c_attn.lora_B.weight": b}, fan_in_fan_out=True)
-    torch.testing.assert_close(model.c_attn.weight.double(), expected(base, a, b, transpose=True), rtol=1e-5, atol=1e-5)
+    send_lora(
+        model, state, {"c_attn.lora_A.weight": a, "c_attn.lora_B.weight": b}, fan_in_fan_out=True
+    )
+    torch.testing.assert_close(
+        model.c_attn.weight.double(), expected(base, a, b, transpose=True), rtol=1e-5, atol=1e-5
+    )
     # The merged layer computes what PEFT's unmerged LoRA computes: x W + b + s * x A^T B^T.
     x = torch.randn(5, 8, generator=generator)
     unmerged = x @ base + model.c_attn.bias + (ALPHA / RANK) * (x @ a.T @ b.T)
@@ -147,7 +188,12 @@ def test_fan_in_fan_out_shapes_are_checked() -> None:
     model = GPT2Block()
     a, b = torch.randn(RANK, 8), torch.randn(24, RANK)
     with pytest.raises(InvalidArgument, match="lora_A.weight: shape"):
-        send_lora(model, LoraState(), {"c_attn.lora_A.weight": a, "c_attn.lora_B.weight": b}, fan_in_fan_out=False)
+        send_lora(
+            model,
+            LoraState(),
+            {"c_attn.lora_A.weight": a, "c_attn.lora_B.weight": b},
+            fan_in_fan_out=False,
+        )
 
 
 def mutilate(tensors: dict[str, torch.Tensor], case: str) -> dict[str, torch.Tensor]:
@@ -179,7 +225,9 @@ def mutilate(tensors: dict[str, torch.Tensor], case: str) -> dict[str, torch.Ten
         ("nan", "NaN"),
     ],
 )
-def test_bad_adapters_are_refused_and_change_nothing(actor: LlamaForCausalLM, case: str, match: str) -> None:
+def test_bad_adapters_are_refused_and_change_nothing(
+    actor: LlamaForCausalLM, case: str, match: str
+) -> None:
     model, state = copy.deepcopy(actor), LoraState()
     send_lora(model, state, adapter(model, [Q0], seed=5))  # an adapter already merged
     before = state_hash(model)

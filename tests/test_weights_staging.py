@@ -13,12 +13,16 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from rollserve.client.errors import FailedPrecondition, InvalidArgument
-from rollserve.client.weights import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, iter_safetensors_bytes, update_weights_requests
+from rollserve.client.weights import (
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    iter_safetensors_bytes,
+    update_weights_requests,
+)
 from rollserve.server.weights import LoraState, stage_update
 from rollserve.v1 import rollout_pb2 as pb
+from transformers import LlamaConfig, LlamaForCausalLM
 
 Requests = list[pb.UpdateWeightsRequest]
 
@@ -73,8 +77,16 @@ def wide_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def make_requests(state_dict: object, *, chunk_bytes: int = MIN_CHUNK_BYTES, **overrides) -> Requests:
-    arguments = {"target": "actor", "version": 5, "mode": "full", "chunk_bytes": chunk_bytes, **overrides}
+def make_requests(
+    state_dict: object, *, chunk_bytes: int = MIN_CHUNK_BYTES, **overrides
+) -> Requests:
+    arguments = {
+        "target": "actor",
+        "version": 5,
+        "mode": "full",
+        "chunk_bytes": chunk_bytes,
+        **overrides,
+    }
     return list(update_weights_requests(state_dict, **arguments))
 
 
@@ -82,8 +94,10 @@ def cut_requests(header: pb.WeightsHeader, blob: bytes, cuts: list[int]) -> Requ
     """The header, then blob split at the given byte offsets (chunks of any size), with CRCs."""
     bounds = [0, *cuts, len(blob)]
     chunks = [
-        pb.UpdateWeightsRequest(chunk=pb.WeightsChunk(offset=a, data=blob[a:b], crc32=zlib.crc32(blob[a:b])))
-        for a, b in zip(bounds, bounds[1:])
+        pb.UpdateWeightsRequest(
+            chunk=pb.WeightsChunk(offset=a, data=blob[a:b], crc32=zlib.crc32(blob[a:b]))
+        )
+        for a, b in zip(bounds, bounds[1:], strict=False)
         if b > a
     ]
     return [pb.UpdateWeightsRequest(header=header), *chunks]
@@ -101,7 +115,9 @@ def blob_of(requests: Requests) -> bytes:
 
 @pytest.mark.parametrize("chunk_bytes", [MIN_CHUNK_BYTES, MAX_CHUNK_BYTES])
 @pytest.mark.parametrize("which", ["tiny_actor", "wide"])
-def test_full_round_trip_is_bit_exact(which: str, chunk_bytes: int, actor: LlamaForCausalLM, sender: LlamaForCausalLM) -> None:
+def test_full_round_trip_is_bit_exact(
+    which: str, chunk_bytes: int, actor: LlamaForCausalLM, sender: LlamaForCausalLM
+) -> None:
     if which == "wide":
         sender = wide_llama()
         receiver = wide_llama()
@@ -110,7 +126,9 @@ def test_full_round_trip_is_bit_exact(which: str, chunk_bytes: int, actor: Llama
                 parameter.zero_()
     else:
         receiver = copy.deepcopy(actor)
-    requests = make_requests(sender, chunk_bytes=chunk_bytes, version=12, target="actor", sha256=True)
+    requests = make_requests(
+        sender, chunk_bytes=chunk_bytes, version=12, target="actor", sha256=True
+    )
     before = state_hash(receiver)
     staged = stage_update(requests, receiver, LoraState())
     assert (staged.version, staged.target) == (12, pb.MODEL_ROLE_ACTOR)
@@ -121,20 +139,28 @@ def test_full_round_trip_is_bit_exact(which: str, chunk_bytes: int, actor: Llama
     assert_state_equal(receiver, sender)
 
 
-def test_small_uneven_chunks_round_trip(receiver: LlamaForCausalLM, sender: LlamaForCausalLM) -> None:
+def test_small_uneven_chunks_round_trip(
+    receiver: LlamaForCausalLM, sender: LlamaForCausalLM
+) -> None:
     staged = stage_update(small_chunk_requests(sender, 4093), receiver, None)
     staged.apply(receiver)
     assert_state_equal(receiver, sender)
 
 
-def test_a_file_written_by_safetensors_applies(receiver: LlamaForCausalLM, sender: LlamaForCausalLM) -> None:
+def test_a_file_written_by_safetensors_applies(
+    receiver: LlamaForCausalLM, sender: LlamaForCausalLM
+) -> None:
     blob = safetensors.torch.save(sender.state_dict())
-    header = pb.WeightsHeader(version=1, total_bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+    header = pb.WeightsHeader(
+        version=1, total_bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest()
+    )
     stage_update(cut_requests(header, blob, [100, 5000, 300_000]), receiver, None).apply(receiver)
     assert_state_equal(receiver, sender)
 
 
-def test_float32_update_is_cast_into_a_bfloat16_model(actor: LlamaForCausalLM, sender: LlamaForCausalLM) -> None:
+def test_float32_update_is_cast_into_a_bfloat16_model(
+    actor: LlamaForCausalLM, sender: LlamaForCausalLM
+) -> None:
     receiver = copy.deepcopy(actor).to(torch.bfloat16)
     staged = stage_update(make_requests(sender), receiver, None)
     assert all(t.dtype == torch.float32 for t in staged.tensors.values())  # staged as sent
@@ -142,7 +168,9 @@ def test_float32_update_is_cast_into_a_bfloat16_model(actor: LlamaForCausalLM, s
     assert_state_equal(receiver, {k: v.to(torch.bfloat16) for k, v in sender.state_dict().items()})
 
 
-def test_partial_update_changes_only_named_tensors(receiver: LlamaForCausalLM, sender: LlamaForCausalLM, actor: LlamaForCausalLM) -> None:
+def test_partial_update_changes_only_named_tensors(
+    receiver: LlamaForCausalLM, sender: LlamaForCausalLM, actor: LlamaForCausalLM
+) -> None:
     names = ["model.norm.weight", "model.layers.1.mlp.up_proj.weight"]
     subset = {n: sender.state_dict()[n] for n in names}
     stage_update(make_requests(subset, mode="partial"), receiver, None).apply(receiver)
@@ -158,7 +186,9 @@ def test_full_update_of_a_tied_model_accepts_either_name() -> None:
     )  # fmt: skip
     sender, receiver = LlamaForCausalLM(config), LlamaForCausalLM(config)
     state_dict = sender.state_dict()
-    without_head = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}  # as save_pretrained stores it
+    without_head = {
+        k: v for k, v in state_dict.items() if k != "lm_head.weight"
+    }  # as save_pretrained stores it
     stage_update(make_requests(without_head), receiver, None).apply(receiver)
     assert_state_equal(receiver, sender)
     assert receiver.lm_head.weight is receiver.model.embed_tokens.weight
@@ -167,7 +197,9 @@ def test_full_update_of_a_tied_model_accepts_either_name() -> None:
 # ---- every failure raises InvalidArgument and leaves the model bit for bit as it was ----------
 
 
-def with_tensor(sender: torch.nn.Module, name: str, tensor: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def with_tensor(
+    sender: torch.nn.Module, name: str, tensor: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
     state_dict = dict(sender.state_dict())
     if tensor is None:
         del state_dict[name]
@@ -184,7 +216,9 @@ def truncated_at(where: Callable[[bytes], int]) -> Callable[[Requests], Requests
     def edit(requests: Requests) -> Requests:
         blob = blob_of(requests)
         end = where(blob)
-        return cut_requests(requests[0].header, blob[:end], [c for c in (4, 20, 1000, 200_000) if c < end])
+        return cut_requests(
+            requests[0].header, blob[:end], [c for c in (4, 20, 1000, 200_000) if c < end]
+        )
 
     return edit
 
@@ -257,24 +291,60 @@ FAILURES: dict[str, tuple[Callable | None, Callable | None, str]] = {
     "reordered_chunks": (None, swap_chunks, "expected"),
     "duplicated_chunk": (None, lambda r: [*r[:2], r[1], *r[2:]], "each exactly once"),
     "missing_chunk": (None, lambda r: [r[0], r[1], *r[3:]], "in order"),
-    "extra_chunk": (None, lambda r: [*r, edit_chunk(1, offset=len(blob_of(r)))(r)[1]], "runs past total_bytes"),
+    "extra_chunk": (
+        None,
+        lambda r: [*r, edit_chunk(1, offset=len(blob_of(r)))(r)[1]],
+        "runs past total_bytes",
+    ),
     "bad_crc": (None, edit_chunk(2, crc32=lambda c: (c.crc32 + 1) % 2**32), "crc32 mismatch"),
     "flipped_byte_with_crc": (None, edit_chunk(2, data=flip_byte), "crc32 mismatch"),
     "flipped_byte_without_crc": (None, edit_chunk(2, data=flip_byte, crc32=None), "sha256"),
     "bad_sha256": (None, set_header(sha256="0" * 64), "sha256"),
     "malformed_sha256": (None, set_header(sha256="ABC"), "sha256"),
-    "total_bytes_too_small": (None, lambda r: set_header(total_bytes=r[0].header.total_bytes - 4)(r), "cover"),
-    "total_bytes_too_large": (None, lambda r: set_header(total_bytes=r[0].header.total_bytes + 4)(r), "cover"),
+    "total_bytes_too_small": (
+        None,
+        lambda r: set_header(total_bytes=r[0].header.total_bytes - 4)(r),
+        "cover",
+    ),
+    "total_bytes_too_large": (
+        None,
+        lambda r: set_header(total_bytes=r[0].header.total_bytes + 4)(r),
+        "cover",
+    ),
     "total_bytes_zero": (None, set_header(total_bytes=0), "total_bytes"),
-    "unknown_name": (lambda s: with_tensor(s, "model.extra.weight", torch.zeros(2)), None, "unknown tensor name.*model.extra.weight"),
-    "missing_name": (lambda s: with_tensor(s, "model.norm.weight", None), None, "misses 1 tensor.*model.norm.weight"),
-    "shape_mismatch": (lambda s: with_tensor(s, Q, torch.zeros(64, 63)), None, "shape \\[64, 63\\]"),
-    "int_for_float": (lambda s: with_tensor(s, Q, torch.zeros(64, 64, dtype=torch.int32)), None, "integer/bool"),
+    "unknown_name": (
+        lambda s: with_tensor(s, "model.extra.weight", torch.zeros(2)),
+        None,
+        "unknown tensor name.*model.extra.weight",
+    ),
+    "missing_name": (
+        lambda s: with_tensor(s, "model.norm.weight", None),
+        None,
+        "misses 1 tensor.*model.norm.weight",
+    ),
+    "shape_mismatch": (
+        lambda s: with_tensor(s, Q, torch.zeros(64, 63)),
+        None,
+        "shape \\[64, 63\\]",
+    ),
+    "int_for_float": (
+        lambda s: with_tensor(s, Q, torch.zeros(64, 64, dtype=torch.int32)),
+        None,
+        "integer/bool",
+    ),
     "nan": (poison(math.nan), None, "NaN or infinite"),
     "inf": (poison(-math.inf), None, "NaN or infinite"),
     "header_over_limit": (None, big_header_prefix, "over the limit"),
-    "manifest_shape": (None, lambda r: edit_manifest(r, "shape"), "manifest does not match.*differ"),
-    "manifest_extra": (None, lambda r: edit_manifest(r, "extra"), "manifest does not match.*model.ghost"),
+    "manifest_shape": (
+        None,
+        lambda r: edit_manifest(r, "shape"),
+        "manifest does not match.*differ",
+    ),
+    "manifest_extra": (
+        None,
+        lambda r: edit_manifest(r, "extra"),
+        "manifest does not match.*model.ghost",
+    ),
     "lora_in_full_mode": (None, set_header(lora=pb.LoraAdapter(rank=2, alpha=1.0)), "only allowed"),
     "lora_mode_without_lora": (None, set_header(mode=pb.UPDATE_MODE_LORA), "required"),
     "unknown_mode": (None, set_header(mode=7), "mode"),
@@ -282,7 +352,11 @@ FAILURES: dict[str, tuple[Callable | None, Callable | None, str]] = {
     "chunk_first": (None, lambda r: r[1:], "first UpdateWeights message must be a header"),
     "empty_stream": (None, lambda r: [], "must be a header"),
     "empty_message": (None, lambda r: [*r[:2], pb.UpdateWeightsRequest(), *r[2:]], "empty message"),
-    "empty_chunk": (None, lambda r: [*r[:2], edit_chunk(2, data=b"", crc32=0)(r)[2], *r[2:]], "empty chunk"),
+    "empty_chunk": (
+        None,
+        lambda r: [*r[:2], edit_chunk(2, data=b"", crc32=0)(r)[2], *r[2:]],
+        "empty chunk",
+    ),
 }
 
 
@@ -297,7 +371,9 @@ def edit_manifest(requests: Requests, case: str) -> Requests:
 
 
 @pytest.mark.parametrize("case", sorted(FAILURES))
-def test_failures_raise_and_leave_the_model_untouched(case: str, receiver: LlamaForCausalLM, sender: LlamaForCausalLM) -> None:
+def test_failures_raise_and_leave_the_model_untouched(
+    case: str, receiver: LlamaForCausalLM, sender: LlamaForCausalLM
+) -> None:
     make_state, edit, match = FAILURES[case]
     state_dict = make_state(sender) if make_state else sender
     requests = make_requests(state_dict, sha256=True)
@@ -310,19 +386,25 @@ def test_failures_raise_and_leave_the_model_untouched(case: str, receiver: Llama
     assert state_hash(receiver) == before
 
 
-def test_a_header_over_a_small_limit_is_refused(receiver: LlamaForCausalLM, sender: LlamaForCausalLM) -> None:
+def test_a_header_over_a_small_limit_is_refused(
+    receiver: LlamaForCausalLM, sender: LlamaForCausalLM
+) -> None:
     with pytest.raises(InvalidArgument, match="over the limit of 64"):
         stage_update(make_requests(sender), receiver, None, max_header_bytes=64)
 
 
-def test_non_finite_values_are_applied_when_allowed(receiver: LlamaForCausalLM, sender: LlamaForCausalLM) -> None:
+def test_non_finite_values_are_applied_when_allowed(
+    receiver: LlamaForCausalLM, sender: LlamaForCausalLM
+) -> None:
     state_dict = poison(math.nan)(sender)
     stage_update(make_requests(state_dict, allow_non_finite=True), receiver, None).apply(receiver)
     assert_state_equal(receiver, state_dict)
     assert torch.isnan(receiver.state_dict()[Q][3, 5])
 
 
-def test_an_iterator_error_propagates_and_nothing_is_applied(receiver: LlamaForCausalLM, sender: LlamaForCausalLM) -> None:
+def test_an_iterator_error_propagates_and_nothing_is_applied(
+    receiver: LlamaForCausalLM, sender: LlamaForCausalLM
+) -> None:
     class ClientCancelled(Exception):
         pass
 
@@ -373,7 +455,9 @@ def test_allowed_dtype_conversions_apply() -> None:
         "mask": torch.tensor([False, True]),
     }
     stage_update(make_requests(update), model, None).apply(model)
-    assert model.weight.dtype == torch.float16 and torch.equal(model.weight, torch.full((4, 3), 0.5, dtype=torch.float16))
+    assert model.weight.dtype == torch.float16 and torch.equal(
+        model.weight, torch.full((4, 3), 0.5, dtype=torch.float16)
+    )
     assert model.steps.tolist() == [9, 8, 7, 6, 5] and model.mask.tolist() == [False, True]
 
 
@@ -385,10 +469,25 @@ def test_a_bool_tensor_with_a_byte_other_than_0_or_1_is_refused() -> None:
         stage_update(cut_requests(requests[0].header, blob, []), model, None)
 
 
-def test_apply_refuses_a_model_that_changed_after_staging(receiver: LlamaForCausalLM, sender: LlamaForCausalLM) -> None:
+def test_apply_refuses_a_model_that_changed_after_staging(
+    receiver: LlamaForCausalLM, sender: LlamaForCausalLM
+) -> None:
     staged = stage_update(make_requests(sender), receiver, None)
     other = wide_llama()  # different shapes under the same names
     before = state_hash(other)
     with pytest.raises(FailedPrecondition, match="changed"):
         staged.apply(other)
     assert state_hash(other) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_sender_and_cuda_bfloat16_receiver(
+    actor: LlamaForCausalLM, sender: LlamaForCausalLM
+) -> None:
+    on_device = {k: v.cuda() for k, v in sender.state_dict().items()}
+    on_device[Q] = sender.state_dict()[Q].T.contiguous().cuda().T  # a non-contiguous device view
+    receiver = copy.deepcopy(actor).to("cuda", torch.bfloat16)
+    stage_update(make_requests(on_device), receiver, None).apply(receiver)
+    want = {k: v.to(torch.bfloat16) for k, v in sender.state_dict().items()}
+    assert_state_equal({k: v.cpu() for k, v in receiver.state_dict().items()}, want)

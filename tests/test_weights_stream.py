@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import pytest
 import safetensors.torch
 import torch
-
 from rollserve.client.errors import InvalidArgument
 from rollserve.client.weights import (
     MAX_CHUNK_BYTES,
@@ -59,9 +58,12 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 
 
 @pytest.mark.parametrize(
-    ("chunk_bytes", "rows"), [(1, 9), (13, 9), (4096, 700), (MIN_CHUNK_BYTES, 700), (MAX_CHUNK_BYTES, 700)]
+    ("chunk_bytes", "rows"),
+    [(1, 9), (13, 9), (4096, 700), (MIN_CHUNK_BYTES, 700), (MAX_CHUNK_BYTES, 700)],
 )
-def test_chunks_are_fixed_size_and_form_a_file_safetensors_loads(chunk_bytes: int, rows: int) -> None:
+def test_chunks_are_fixed_size_and_form_a_file_safetensors_loads(
+    chunk_bytes: int, rows: int
+) -> None:
     state_dict = tricky_state_dict(rows)
     chunks = list(iter_safetensors_bytes(state_dict, chunk_bytes))
     assert all(type(c) is bytes for c in chunks)
@@ -98,14 +100,25 @@ def test_a_module_streams_like_its_state_dict() -> None:
 def test_requests_carry_header_offsets_and_checksums() -> None:
     state_dict = tricky_state_dict()
     requests = list(
-        update_weights_requests(state_dict, target="critic", version=9, mode="partial", chunk_bytes=MIN_CHUNK_BYTES, sha256=True)
+        update_weights_requests(
+            state_dict,
+            target="critic",
+            version=9,
+            mode="partial",
+            chunk_bytes=MIN_CHUNK_BYTES,
+            sha256=True,
+        )
     )
     header = requests[0].header
     chunks = [r.chunk for r in requests[1:]]
     blob = b"".join(c.data for c in chunks)
     assert requests[0].WhichOneof("payload") == "header"
     assert all(r.WhichOneof("payload") == "chunk" for r in requests[1:])
-    assert (header.target, header.version, header.mode) == (pb.MODEL_ROLE_CRITIC, 9, pb.UPDATE_MODE_PARTIAL)
+    assert (header.target, header.version, header.mode) == (
+        pb.MODEL_ROLE_CRITIC,
+        9,
+        pb.UPDATE_MODE_PARTIAL,
+    )
     assert header.total_bytes == len(blob) and len(chunks) == -(-len(blob) // MIN_CHUNK_BYTES)
     assert header.sha256 == hashlib.sha256(blob).hexdigest()
     assert [c.offset for c in chunks] == [i * MIN_CHUNK_BYTES for i in range(len(chunks))]
@@ -119,7 +132,14 @@ def test_requests_carry_header_offsets_and_checksums() -> None:
 
 def test_optional_header_fields_can_be_left_out() -> None:
     requests = list(
-        update_weights_requests({"w": torch.ones(3)}, target=pb.MODEL_ROLE_ACTOR, version=1, mode=pb.UPDATE_MODE_FULL, crc32=False, manifest=False)
+        update_weights_requests(
+            {"w": torch.ones(3)},
+            target=pb.MODEL_ROLE_ACTOR,
+            version=1,
+            mode=pb.UPDATE_MODE_FULL,
+            crc32=False,
+            manifest=False,
+        )
     )
     assert not requests[0].header.manifest and not requests[0].header.sha256
     assert not requests[0].header.HasField("lora")
@@ -167,9 +187,15 @@ class Collect:
 
 def parse_blob(blob: bytes, chunk_bytes: int) -> dict[str, torch.Tensor]:
     checks = Collect()
-    stager = SafetensorsStager(len(blob), checks, max_header_bytes=1 << 20, sha256_hex=hashlib.sha256(blob).hexdigest())
+    stager = SafetensorsStager(
+        len(blob), checks, max_header_bytes=1 << 20, sha256_hex=hashlib.sha256(blob).hexdigest()
+    )
     for offset in range(0, len(blob), chunk_bytes):
-        stager.feed(offset, blob[offset : offset + chunk_bytes], zlib.crc32(blob[offset : offset + chunk_bytes]))
+        stager.feed(
+            offset,
+            blob[offset : offset + chunk_bytes],
+            zlib.crc32(blob[offset : offset + chunk_bytes]),
+        )
     staged = stager.finish()
     assert sorted(checks.checked) == sorted(checks.names) == sorted(staged.tensors)
     return dict(staged.tensors)
@@ -200,11 +226,20 @@ def test_misaligned_tensors_are_relocated_in_the_arena() -> None:
     f32 = torch.randn(2, 3)
     f64 = torch.randn(5, dtype=torch.float64)
     raw = lambda t: t.contiguous().view(torch.uint8).numpy().tobytes()  # noqa: E731
-    entries = {"b": ("BF16", [3], raw(bf16)), "f": ("F32", [2, 3], raw(f32)), "d": ("F64", [5], raw(f64)), "u": ("U8", [1], b"\x07")}
+    entries = {
+        "b": ("BF16", [3], raw(bf16)),
+        "f": ("F32", [2, 3], raw(f32)),
+        "d": ("F64", [5], raw(f64)),
+        "u": ("U8", [1], b"\x07"),
+    }
     blob = handmade_file(entries, ["u", "b", "f", "d"])
     for chunk_bytes in (1, 3, 64, len(blob)):
         got = parse_blob(blob, chunk_bytes)
-        assert torch.equal(got["b"], bf16) and torch.equal(got["f"], f32) and torch.equal(got["d"], f64)
+        assert (
+            torch.equal(got["b"], bf16)
+            and torch.equal(got["f"], f32)
+            and torch.equal(got["d"], f64)
+        )
         assert got["u"].tolist() == [7]
     assert_same(parse_blob(blob, 7), safetensors.torch.load(blob))
 
@@ -222,17 +257,54 @@ GOOD = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
         (b"not json", 16, "JSON"),
         (b"\xff\xfe", 16, "UTF-8"),
         (header_bytes([1, 2]), 16, "object"),
-        (header_bytes({"w": {"dtype": "F8_E4M3", "shape": [16], "data_offsets": [0, 16]}}), 16, "unsupported dtype"),
-        (header_bytes({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}), 16, "non-negative"),
-        (header_bytes({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}), 12, "expected 16"),
-        (header_bytes({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 0]}}), 16, "data_offsets"),
-        (header_bytes({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16], "x": 1}}), 16, "exactly"),
-        (header_bytes({**GOOD, "v": {"dtype": "F32", "shape": [1], "data_offsets": [20, 24]}}), 24, "gap"),
-        (header_bytes({**GOOD, "v": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}), 16, "overlap"),
+        (
+            header_bytes({"w": {"dtype": "F8_E4M3", "shape": [16], "data_offsets": [0, 16]}}),
+            16,
+            "unsupported dtype",
+        ),
+        (
+            header_bytes({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}),
+            16,
+            "non-negative",
+        ),
+        (
+            header_bytes({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}),
+            12,
+            "expected 16",
+        ),
+        (
+            header_bytes({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 0]}}),
+            16,
+            "data_offsets",
+        ),
+        (
+            header_bytes({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16], "x": 1}}),
+            16,
+            "exactly",
+        ),
+        (
+            header_bytes({**GOOD, "v": {"dtype": "F32", "shape": [1], "data_offsets": [20, 24]}}),
+            24,
+            "gap",
+        ),
+        (
+            header_bytes({**GOOD, "v": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}),
+            16,
+            "overlap",
+        ),
         (header_bytes(GOOD), 20, "cover 16 bytes"),
         (header_bytes({**GOOD, "__metadata__": {"k": 1}}), 16, "__metadata__"),
-        (b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', 8, "duplicate"),
-        (header_bytes({"": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}), 16, "empty tensor name"),
+        (
+            b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+            b'"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}',
+            8,
+            "duplicate",
+        ),
+        (
+            header_bytes({"": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}),
+            16,
+            "empty tensor name",
+        ),
     ],
 )
 def test_bad_headers_are_refused(raw: bytes, data_bytes: int, match: str) -> None:
@@ -244,4 +316,7 @@ def test_a_good_header_parses_in_data_order() -> None:
     document = {**GOOD, "first": {"dtype": "I64", "shape": [], "data_offsets": [0, 8]}}
     document["w"] = {"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 24]}
     entries = parse_header(header_bytes({"__metadata__": {"a": "b"}, **document}), 24)
-    assert [(e.name, e.dtype, e.shape) for e in entries] == [("first", torch.int64, ()), ("w", torch.float32, (2, 2))]
+    assert [(e.name, e.dtype, e.shape) for e in entries] == [
+        ("first", torch.int64, ()),
+        ("w", torch.float32, (2, 2)),
+    ]

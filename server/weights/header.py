@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
 from rollserve.client.errors import InvalidArgument
 from rollserve.client.weights import PROTO_DTYPES, SAFETENSORS_DTYPES
 from rollserve.v1 import rollout_pb2 as pb
@@ -156,4 +155,6 @@ def check_manifest(entries: Sequence[StreamEntry], manifest: Sequence[pb.TensorS
     if differ:
         problems.append(f"dtype or shape differ: {preview(differ)}")
     if problems:
-        raise InvalidArgument("manifest does not match the safetensors header; " + "; ".join(problems))
+        raise InvalidArgument(
+            "manifest does not match the safetensors header; " + "; ".join(problems)
+        )

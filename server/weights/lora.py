@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-
 from rollserve.client.errors import InvalidArgument
 from rollserve.server.weights.header import StreamEntry, preview
 from rollserve.server.weights.options import LoraParams
@@ -59,12 +58,16 @@ def _module_of(name: str, spec: ModelSpec) -> tuple[str, str] | None:
     return None
 
 
-def _check_pair(weight: TargetTensor, a: StreamEntry, b: StreamEntry, params: LoraParams) -> LoraTarget:
+def _check_pair(
+    weight: TargetTensor, a: StreamEntry, b: StreamEntry, params: LoraParams
+) -> LoraTarget:
     if len(weight.shape) != 2 or not weight.dtype.is_floating_point:
         raise InvalidArgument(f"{weight.name}: LoRA needs a 2-D floating weight")
     for factor in (a, b):
         if not factor.dtype.is_floating_point:
-            raise InvalidArgument(f"{factor.name}: LoRA factors must be floating, got {factor.dtype_name}")
+            raise InvalidArgument(
+                f"{factor.name}: LoRA factors must be floating, got {factor.dtype_name}"
+            )
     rows, cols = weight.shape
     fan_in, fan_out = (rows, cols) if params.fan_in_fan_out else (cols, rows)
     rank = params.rank
@@ -81,7 +84,9 @@ def _check_pair(weight: TargetTensor, a: StreamEntry, b: StreamEntry, params: Lo
     return LoraTarget(weight, a, b)
 
 
-def plan_lora(entries: Sequence[StreamEntry], spec: ModelSpec, params: LoraParams) -> tuple[LoraTarget, ...]:
+def plan_lora(
+    entries: Sequence[StreamEntry], spec: ModelSpec, params: LoraParams
+) -> tuple[LoraTarget, ...]:
     """Pair every A with its B, map them onto the model's weights and check the shapes."""
     factors: dict[str, dict[str, StreamEntry]] = {}
     unknown = []
@@ -93,7 +98,9 @@ def plan_lora(entries: Sequence[StreamEntry], spec: ModelSpec, params: LoraParam
         module, factor = found
         slot = factors.setdefault(module, {})
         if factor in slot:
-            raise InvalidArgument(f"two lora_{factor} tensors for {module}: {slot[factor].name}, {entry.name}")
+            raise InvalidArgument(
+                f"two lora_{factor} tensors for {module}: {slot[factor].name}, {entry.name}"
+            )
         slot[factor] = entry
     if unknown:
         raise InvalidArgument(
@@ -142,7 +149,9 @@ class LoraState:
     def base(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """The base of `name`, captured from `weight` (on the host) the first time it is asked."""
         if name not in self._bases:
-            self._bases[name] = weight.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+            self._bases[name] = weight.detach().to(
+                "cpu", memory_format=torch.contiguous_format, copy=True
+            )
         return self._bases[name]
 
     def forget(self, name: str) -> None:
@@ -157,16 +166,14 @@ def apply_lora(
     state: LoraState,
     params: LoraParams,
 ) -> None:
-    """Merge the adapter into the weights (the caller holds torch.no_grad); it replaces the last one."""
+    """Merge the adapter into the weights, replacing the last one (caller holds torch.no_grad)."""
     touched = set()
     for target in targets:
         name = target.weight.name
         weight = model_tensors[name]
         base = state.base(name, weight)
-        merged = merged_weight(
-            base, staged[target.a.name], staged[target.b.name],
-            scale=params.scale, fan_in_fan_out=params.fan_in_fan_out,
-        )  # fmt: skip
+        a, b = staged[target.a.name], staged[target.b.name]
+        merged = merged_weight(base, a, b, scale=params.scale, fan_in_fan_out=params.fan_in_fan_out)
         # Merged on the host and copied in one go: no device temporaries.
         weight.copy_(merged)
         touched.add(name)

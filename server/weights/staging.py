@@ -12,7 +12,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
-
 from rollserve.client.errors import FailedPrecondition, InvalidArgument
 from rollserve.server.weights.header import DEFAULT_MAX_HEADER_BYTES
 from rollserve.server.weights.lora import LoraState, apply_lora
@@ -60,7 +59,11 @@ class StagedUpdate:
         with torch.no_grad():
             if self.options.mode == pb.UPDATE_MODE_LORA:
                 assert self.lora_state is not None and self.options.lora is not None
-                apply_lora(model_tensors, self.plan.lora, self.tensors, self.lora_state, self.options.lora)
+                if not self.lora_state.names() <= model_tensors.keys():
+                    raise FailedPrecondition("the LoraState belongs to another model")
+                apply_lora(
+                    model_tensors, self.plan.lora, self.tensors, self.lora_state, self.options.lora
+                )
             else:
                 for entry, target in self.plan.copies:
                     _copy_into(model_tensors[target.name], self.tensors[entry.name])
@@ -79,7 +82,9 @@ def _resolve(model: torch.nn.Module, targets: list[TargetTensor]) -> dict[str, t
     for target in targets:
         tensor = live.get(target.name)
         if tensor is None or tuple(tensor.shape) != target.shape or tensor.dtype != target.dtype:
-            raise FailedPrecondition(f"{target.name}: the model changed after the update was staged")
+            raise FailedPrecondition(
+                f"{target.name}: the model changed after the update was staged"
+            )
     return live
 
 
@@ -149,7 +154,9 @@ def stage_update(
         kind = request.WhichOneof("payload")
         if kind != "chunk":
             raise InvalidArgument(
-                "a second header in one UpdateWeights stream" if kind == "header" else "an empty message"
+                "a second header in one UpdateWeights stream"
+                if kind == "header"
+                else "an empty message"
             )
         chunk = request.chunk
         # upb copies `data` on every access: read it once.

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
 from rollserve.client.errors import InvalidArgument
 from rollserve.server.weights.header import PREFIX_BYTES, StreamEntry, parse_header
 
@@ -49,7 +48,7 @@ class ArenaLayout:
 
 
 def plan_arena(entries: Sequence[StreamEntry], data_bytes: int) -> ArenaLayout:
-    """Give every tensor an itemsize-aligned place, keeping file offsets wherever they are aligned."""
+    """Give every tensor an itemsize-aligned place; keep file offsets wherever they are aligned."""
     offsets: list[int] = []
     segments: list[tuple[int, int, int]] = []
     shift = 0
@@ -77,7 +76,10 @@ class StagedFile:
 
 
 class SafetensorsStager:
-    """Takes the file's chunks in order; `finish` returns the staged tensors once all arrived."""
+    """Takes the file's chunks in order; `finish` returns the staged tensors once all arrived.
+
+    Any error is final: a stager that raised is dropped, never fed again.
+    """
 
     def __init__(
         self,
@@ -108,7 +110,8 @@ class SafetensorsStager:
 
     def feed(self, offset: int, data: bytes | memoryview, crc32: int | None = None) -> None:
         """Take the next chunk; offset must equal the bytes received so far."""
-        size = len(data)
+        view = memoryview(data).cast("B")
+        size = len(view)
         if offset != self._received:
             raise InvalidArgument(
                 f"chunk at offset {offset}, expected {self._received}: chunks must arrive in "
@@ -118,14 +121,14 @@ class SafetensorsStager:
             raise InvalidArgument(f"empty chunk at offset {offset}")
         if offset + size > self._total_bytes:
             raise InvalidArgument(
-                f"chunk at offset {offset} with {size} bytes runs past total_bytes {self._total_bytes}"
+                f"chunk at offset {offset} with {size} bytes runs past total_bytes "
+                f"{self._total_bytes}"
             )
-        if crc32 is not None and zlib.crc32(data) != crc32:
+        if crc32 is not None and zlib.crc32(view) != crc32:
             raise InvalidArgument(f"crc32 mismatch in the chunk at offset {offset}")
         if self._digest is not None:
-            self._digest.update(data)
+            self._digest.update(view)
         self._received += size
-        view = memoryview(data).cast("B")
         while view and self._arena is None:  # still in the length prefix or the JSON header
             take = self._head_target() - len(self._head)
             self._head += view[:take]
@@ -197,7 +200,9 @@ class SafetensorsStager:
         self._check_complete(end)
 
     def _check_complete(self, data_received: int) -> None:
-        while self._checked < len(self._entries) and self._entries[self._checked].end <= data_received:
+        while (
+            self._checked < len(self._entries) and self._entries[self._checked].end <= data_received
+        ):
             self._checks.check_tensor(self._entries[self._checked], self._tensor(self._checked))
             self._checked += 1
 
