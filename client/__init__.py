@@ -1,1 +1,68 @@
-"""rollserve.client: the thin trainer-side library (no transformers)."""
+"""rollserve.client: the thin trainer-side library of rollserve (grpcio, protobuf, torch,
+safetensors; never transformers).
+
+    from rollserve.client import RolloutClient
+    with RolloutClient("gpu-node:50051") as client:
+        client.wait_until_ready(timeout_s=120)
+        exp = client.make_experience(prompts, samples_per_prompt=4, rewards=["exact_match"],
+                                     gt_answers=answers)
+        ...train on exp...
+        client.update_weights(policy.state_dict(), version=step)
+"""
+
+from rollserve.client.client import RolloutClient
+from rollserve.client.codec import decode_tensor, encode_tensor
+from rollserve.client.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    RolloutError,
+    TensorCodecError,
+    Unauthenticated,
+    Unavailable,
+    Unimplemented,
+)
+from rollserve.client.experience import (
+    BufferItem,
+    Experience,
+    concat_experiences,
+    make_experience_batch,
+    split_experience_batch,
+)
+from rollserve.client.kl_controller import AdaptiveKLController, FixedKLController, mean_kl
+from rollserve.client.requests import build_make_experience_request
+from rollserve.client.results import HealthStatus, ModelStatus, UpdateResult
+
+__all__ = [
+    "RolloutClient",
+    "Experience",
+    "BufferItem",
+    "split_experience_batch",
+    "make_experience_batch",
+    "concat_experiences",
+    "build_make_experience_request",
+    "HealthStatus",
+    "ModelStatus",
+    "UpdateResult",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "mean_kl",
+    "encode_tensor",
+    "decode_tensor",
+    "RolloutError",
+    "InvalidArgument",
+    "FailedPrecondition",
+    "ResourceExhausted",
+    "Unavailable",
+    "Unauthenticated",
+    "PermissionDenied",
+    "DeadlineExceeded",
+    "Cancelled",
+    "Unimplemented",
+    "Internal",
+    "TensorCodecError",
+]

@@ -15,7 +15,6 @@ from types import MappingProxyType
 
 import torch
 from google.protobuf.message import Message
-
 from rollserve.client.errors import TensorCodecError
 from rollserve.v1 import rollout_pb2 as pb
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from rollserve.v1 import rollout_pb2 as pb
 
-__all__ = ["ModelStatus", "HealthStatus"]
+__all__ = ["ModelStatus", "HealthStatus", "UpdateResult"]
 
 
 def _enum_suffix(enum_type, value: int, prefix: str) -> str:
@@ -72,4 +72,32 @@ class HealthStatus:
             default_preset=msg.default_preset,
             vocab_size=msg.vocab_size,
             max_context_tokens=msg.max_context_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What an UpdateWeights call did."""
+
+    target: str  # "ACTOR", ...
+    version: int  # the version now serving
+    tensors: int
+    bytes: int
+    server_seconds: float  # from the header's arrival to the swap
+    wall_s: float  # on the client, from the first message to the reply
+
+    @property
+    def gb_per_s(self) -> float:
+        """Applied bandwidth, 1e9 bytes per second of client wall time."""
+        return self.bytes / max(self.wall_s, 1e-9) / 1e9
+
+    @classmethod
+    def from_proto(cls, msg: pb.UpdateWeightsResponse, *, wall_s: float) -> UpdateResult:
+        return cls(
+            target=_enum_suffix(pb.ModelRole, msg.target, "MODEL_ROLE_"),
+            version=msg.version,
+            tensors=msg.tensors,
+            bytes=msg.bytes,
+            server_seconds=msg.seconds,
+            wall_s=wall_s,
         )

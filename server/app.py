@@ -23,6 +23,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, Phase, ServerState, check_model_dirs, load_models
+from rollserve.server.experience_request import RequestDefaults
+from rollserve.server.maker import NaiveExperienceMaker
+from rollserve.server.rewards import RewardRegistry
+from rollserve.server.runtime import Runtime
 from rollserve.server.servicer import RolloutServicer
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
@@ -103,6 +107,7 @@ class RolloutServer:
         started_s = time.monotonic()
         models = self._preloaded if self._preloaded is not None else load_models(self.config)
         self.state.set_models(models)
+        self.state.runtime = build_runtime(self.state, models)
         ready = Phase.WAITING_FOR_WEIGHTS if self.config.wait_for_weights else Phase.SERVING
         self.state.set_phase(ready)
         actor = models.actor
@@ -133,6 +138,8 @@ class RolloutServer:
             time.sleep(drain_delay_s)
         _LOG.info("stopping: in-flight calls get %.1f s", grace_s)
         self._server.stop(grace_s).wait()
+        if self.state.runtime is not None:
+            self.state.runtime.close()
         _LOG.info("stopped")
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -162,6 +169,23 @@ class RolloutServer:
         status = health_pb2.HealthCheckResponse.SERVING if serving else _NOT_SERVING
         for name in _HEALTH_NAMES:
             self._health.set(name, status)
+
+
+def build_runtime(state: ServerState, models: ModelSet) -> Runtime:
+    """The engine, experience maker and updater for loaded models, configured from the flags."""
+    config = state.config
+    rewards = RewardRegistry.from_specs(
+        config.reward_fn, config.reward_endpoint, timeout_s=config.reward_timeout_s
+    )
+    defaults = RequestDefaults(
+        default_preset=state.default_preset,
+        max_new_tokens=config.max_new_tokens,
+        generate_batch_size=config.generate_batch_size,
+        forward_batch_size=config.forward_batch_size,
+        micro_batch_size=config.micro_batch_size,
+        max_request_rows=config.max_request_rows,
+    )
+    return Runtime(state, models, NaiveExperienceMaker(models, rewards, defaults))
 
 
 def _host_for_address(host: str) -> str:

@@ -58,7 +58,15 @@ class ServerConfig:
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     max_message_bytes: int = 64 * MIB  # both directions; finite on purpose
     max_new_tokens: int = 64
-    default_preset: str = "openrlhf"
+    default_preset: str | None = None  # None: rollserve.server.algorithms.DEFAULT_PRESET
+    generate_batch_size: int = 64  # rows per generation call when a request sets none
+    forward_batch_size: int = 16  # rows per scoring forward pass when a request sets none
+    micro_batch_size: int = 16  # rows per streamed message when a request sets none
+    max_request_rows: int = 4096  # prompts x samples_per_prompt accepted in one request
+    max_queue_depth: int = 64  # requests waiting for the engine before RESOURCE_EXHAUSTED
+    reward_fn: tuple[str, ...] = ()  # NAME=MODULE:FUNCTION reward sources
+    reward_endpoint: tuple[str, ...] = ()  # NAME=URL reward sources (JSON over HTTP POST)
+    reward_timeout_s: float = 30.0
     shutdown_grace_s: float = 10.0
     drain_delay_s: float = 0.0
     max_workers: int = 16
@@ -76,10 +84,17 @@ class ServerConfig:
         values: dict[str, Any] = {}
         for field in fields(cls):
             spec = _SPECS[field.name]
+            is_list = field.type.startswith("tuple")
             if hasattr(namespace, field.name):
-                values[field.name] = getattr(namespace, field.name)
+                value = getattr(namespace, field.name)
+                values[field.name] = tuple(value) if is_list else value
             elif environ.get(env_name(field.name), "") != "":
-                values[field.name] = _parse_env(field.name, spec, environ[env_name(field.name)])
+                raw = environ[env_name(field.name)]
+                if is_list:
+                    items = [item for item in raw.split(",") if item.strip()]
+                    values[field.name] = tuple(_parse_env(field.name, spec, i) for i in items)
+                else:
+                    values[field.name] = _parse_env(field.name, spec, raw)
         return cls(**values)
 
     def __post_init__(self) -> None:
@@ -90,7 +105,10 @@ class ServerConfig:
             if value is None or (field.type == "bool" and isinstance(value, bool)):
                 continue
             try:
-                normalized = _SPECS[field.name].parse(str(value))
+                if field.type.startswith("tuple"):
+                    normalized = tuple(_SPECS[field.name].parse(str(v)) for v in value)
+                else:
+                    normalized = _SPECS[field.name].parse(str(value))
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 raise ConfigError(f"{field.name}: {exc}") from None
             object.__setattr__(self, field.name, normalized)
@@ -134,6 +152,14 @@ def build_parser(prog: str = "rollserve serve") -> argparse.ArgumentParser:
         if field.type == "bool":
             parser.add_argument(
                 flag_name(field.name), action=argparse.BooleanOptionalAction, help=help_text
+            )
+        elif field.type.startswith("tuple"):
+            parser.add_argument(
+                flag_name(field.name),
+                type=spec.parse,
+                metavar=spec.metavar,
+                action="append",
+                help=f"{spec.help}; repeatable (environment: comma-separated)",
             )
         else:
             parser.add_argument(
@@ -229,6 +255,25 @@ def _non_empty(raw: str) -> str:
     return raw
 
 
+def _preset(raw: str) -> str:
+    # Imported here, not at module import: the preset table pulls in torch.
+    from rollserve.server.algorithms.presets import PRESET_NAMES
+
+    value = raw.strip().lower()
+    if value not in PRESET_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"preset must be one of {', '.join(PRESET_NAMES)}, got {raw!r}"
+        )
+    return value
+
+
+def _named(raw: str) -> str:
+    name, sep, value = raw.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {raw!r}")
+    return f"{name.strip()}={value.strip()}"
+
+
 def _bool(raw: str) -> bool:
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -249,7 +294,15 @@ _SPECS: dict[str, _Spec] = {
     "dtype": _Spec(_dtype, "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16", "DTYPE"),
     "max_message_bytes": _Spec(_byte_size, "max gRPC message size, send and receive", "BYTES"),
     "max_new_tokens": _Spec(_positive_int, "default response token budget", "N"),
-    "default_preset": _Spec(_non_empty, "algorithm preset used when a request names none", "NAME"),
+    "default_preset": _Spec(_preset, "algorithm preset when a request names none", "NAME"),
+    "generate_batch_size": _Spec(_positive_int, "default rows per generation call", "N"),
+    "forward_batch_size": _Spec(_positive_int, "default rows per scoring forward pass", "N"),
+    "micro_batch_size": _Spec(_positive_int, "default rows per streamed Experience", "N"),
+    "max_request_rows": _Spec(_positive_int, "most prompts x samples in one request", "N"),
+    "max_queue_depth": _Spec(_positive_int, "requests queued before RESOURCE_EXHAUSTED", "N"),
+    "reward_fn": _Spec(_named, "reward source NAME=MODULE:FUNCTION", "NAME=MODULE:FUNC"),
+    "reward_endpoint": _Spec(_named, "reward source NAME=URL (JSON over HTTP POST)", "NAME=URL"),
+    "reward_timeout_s": _Spec(_seconds, "timeout of one reward endpoint call", "S"),
     "shutdown_grace_s": _Spec(_seconds, "seconds in-flight calls get to finish on shutdown", "S"),
     "drain_delay_s": _Spec(_seconds, "seconds to report NOT_SERVING before refusing calls", "S"),
     "max_workers": _Spec(_positive_int, "gRPC handler threads", "N"),

@@ -16,11 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rollserve.server.config import ServerConfig
 from rollserve.server.default_model import BUILTIN_SOURCE, save_tiny_causal_lm
+
+if TYPE_CHECKING:
+    from rollserve.server.runtime import Runtime
 
 __all__ = [
     "ROLES",
@@ -276,6 +279,7 @@ class ServerState:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.models: ModelSet | None = None  # None while loading
+        self.runtime: Runtime | None = None  # engine, maker, updater; set once models load
         self._started_s = time.monotonic()
         self._lock = threading.Lock()
         self._phase = Phase.LOADING
@@ -321,4 +325,12 @@ class ServerState:
 
     def queue_depth(self) -> int:
         """Requests waiting for the engine; 0 until the engine exists."""
-        return 0
+        runtime = self.runtime
+        return 0 if runtime is None else runtime.engine.queue_depth
+
+    @property
+    def default_preset(self) -> str:
+        """The preset of requests that name none: the flag, else the algorithms' default."""
+        from rollserve.server.algorithms import DEFAULT_PRESET
+
+        return self.config.default_preset or DEFAULT_PRESET

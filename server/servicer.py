@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import threading
 from collections.abc import Iterator
 
 import grpc
-from rollserve.client.errors import Unimplemented
+from rollserve.client.errors import Unavailable
 from rollserve.server.models import Phase, ServerState
+from rollserve.server.runtime import Runtime
 from rollserve.server.status import handles_errors
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
@@ -43,18 +45,25 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def MakeExperience(
         self, request: pb.MakeExperienceRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.MakeExperienceResponse]:
-        raise Unimplemented("MakeExperience is not implemented yet")
-        yield  # a generator, like the real streaming handler will be
+        cancelled = threading.Event()
+        context.add_callback(cancelled.set)  # client gone or deadline: stop using the device
+        yield from self._runtime().stream_experience(request, cancelled)
 
     @handles_errors
     def UpdateWeights(
         self, request_iterator: Iterator[pb.UpdateWeightsRequest], context: grpc.ServicerContext
     ) -> pb.UpdateWeightsResponse:
-        raise Unimplemented("UpdateWeights is not implemented yet")
+        return self._runtime().update_weights(request_iterator)
 
     @handles_errors
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         return health_response(self._state)
+
+    def _runtime(self) -> Runtime:
+        runtime = self._state.runtime
+        if runtime is None:
+            raise Unavailable(f"the server is {self._state.phase.value}")
+        return runtime
 
 
 def health_response(state: ServerState) -> pb.HealthResponse:
@@ -66,7 +75,7 @@ def health_response(state: ServerState) -> pb.HealthResponse:
         queue_depth=state.queue_depth(),
         uptime_s=state.uptime_s,
         server_version=server_version(),
-        default_preset=config.default_preset,
+        default_preset=state.default_preset,
     )
     models = state.models
     if models is None:  # still loading: nothing more is known yet

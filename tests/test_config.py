@@ -21,7 +21,7 @@ def test_defaults() -> None:
     assert config.critic is None and config.reward_model is None
     assert (config.device, config.dtype) == ("auto", "auto")
     assert config.max_message_bytes == 64 * MIB
-    assert config.default_preset == "openrlhf"
+    assert config.default_preset is None  # the algorithms package's DEFAULT_PRESET
     assert (config.shutdown_grace_s, config.drain_delay_s) == (10.0, 0.0)
     assert config.wait_for_weights is False and config.port_file is None
 
@@ -53,6 +53,14 @@ SAMPLES = {
     "log_level": ("debug", "DEBUG"),
     "wait_for_weights": ("true", True),
     "port_file": ("/tmp/port", "/tmp/port"),
+    "generate_batch_size": ("8", 8),
+    "forward_batch_size": ("4", 4),
+    "micro_batch_size": ("2", 2),
+    "max_request_rows": ("10", 10),
+    "max_queue_depth": ("3", 3),
+    "reward_fn": ("len=pkg.mod:fn", ("len=pkg.mod:fn",)),
+    "reward_endpoint": ("r=http://127.0.0.1:1/x", ("r=http://127.0.0.1:1/x",)),
+    "reward_timeout_s": ("1.5", 1.5),
 }
 
 
@@ -194,3 +202,18 @@ def test_config_and_cli_import_neither_torch_nor_transformers() -> None:
         "heavy = {'torch', 'transformers'} & set(sys.modules); assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_list_fields_repeat_as_flags_and_split_in_environment() -> None:
+    config = ServerConfig.from_args(
+        ["--reward-fn", "a=m:f", "--reward-fn", "b=m:g"], {"ROLLSERVE_REWARD_ENDPOINT": "x=u1,y=u2"}
+    )
+    assert config.reward_fn == ("a=m:f", "b=m:g")
+    assert config.reward_endpoint == ("x=u1", "y=u2")
+    with pytest.raises(ConfigError, match="NAME=VALUE"):
+        ServerConfig.from_args(["--reward-fn", "nameless"], {})
+
+
+def test_unknown_preset_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="preset must be one of"):
+        ServerConfig.from_args(["--default-preset", "trl"], {})

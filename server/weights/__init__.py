@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from rollserve.server.weights.header import DEFAULT_MAX_HEADER_BYTES
 from rollserve.server.weights.lora import LoraState
-from rollserve.server.weights.staging import AppliedUpdate, StagedUpdate, UpdateStager, stage_update
+from rollserve.server.weights.staging import (
+    AppliedUpdate,
+    StagedUpdate,
+    UpdateStager,
+    read_header,
+    stage_chunks,
+    stage_update,
+)
 
 __all__ = [
     "DEFAULT_MAX_HEADER_BYTES",
@@ -19,5 +26,7 @@ __all__ = [
     "LoraState",
     "StagedUpdate",
     "UpdateStager",
+    "read_header",
+    "stage_chunks",
     "stage_update",
 ]

@@ -8,7 +8,7 @@ makes the swap atomic for generation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +20,14 @@ from rollserve.server.weights.stream import SafetensorsStager
 from rollserve.server.weights.verify import TargetTensor, UpdateChecks, UpdatePlan, model_spec
 from rollserve.v1 import rollout_pb2 as pb
 
-__all__ = ["AppliedUpdate", "StagedUpdate", "UpdateStager", "stage_update"]
+__all__ = [
+    "AppliedUpdate",
+    "StagedUpdate",
+    "UpdateStager",
+    "read_header",
+    "stage_chunks",
+    "stage_update",
+]
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,30 @@ class UpdateStager:
         )
 
 
+def read_header(stream: Iterator[pb.UpdateWeightsRequest]) -> pb.WeightsHeader:
+    """The first message of an UpdateWeights stream, which must be the header."""
+    first = next(stream, None)
+    if first is None or first.WhichOneof("payload") != "header":
+        raise InvalidArgument("the first UpdateWeights message must be a header")
+    return first.header
+
+
+def stage_chunks(stager: UpdateStager, stream: Iterator[pb.UpdateWeightsRequest]) -> StagedUpdate:
+    """Feed every remaining message (chunks only) to `stager`, then verify and finish."""
+    for request in stream:
+        kind = request.WhichOneof("payload")
+        if kind != "chunk":
+            raise InvalidArgument(
+                "a second header in one UpdateWeights stream"
+                if kind == "header"
+                else "an empty message"
+            )
+        chunk = request.chunk
+        # upb copies `data` on every access: read it once.
+        stager.feed(chunk.offset, chunk.data, chunk.crc32 if chunk.HasField("crc32") else None)
+    return stager.finish()
+
+
 def stage_update(
     requests: Iterable[pb.UpdateWeightsRequest],
     model: torch.nn.Module,
@@ -146,19 +177,6 @@ def stage_update(
     a deadline) propagates unchanged. Either way the staging buffers are dropped with the stager.
     """
     stream = iter(requests)
-    first = next(stream, None)
-    if first is None or first.WhichOneof("payload") != "header":
-        raise InvalidArgument("the first UpdateWeights message must be a header")
-    stager = UpdateStager(first.header, model, lora_state, max_header_bytes=max_header_bytes)
-    for request in stream:
-        kind = request.WhichOneof("payload")
-        if kind != "chunk":
-            raise InvalidArgument(
-                "a second header in one UpdateWeights stream"
-                if kind == "header"
-                else "an empty message"
-            )
-        chunk = request.chunk
-        # upb copies `data` on every access: read it once.
-        stager.feed(chunk.offset, chunk.data, chunk.crc32 if chunk.HasField("crc32") else None)
-    return stager.finish()
+    header = read_header(stream)
+    stager = UpdateStager(header, model, lora_state, max_header_bytes=max_header_bytes)
+    return stage_chunks(stager, stream)

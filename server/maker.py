@@ -1,0 +1,418 @@
+"""The experience maker: prompts in, Experience micro-batches out (ColossalChat's
+NaiveExperienceMaker, LightRFT's make_experience_list).
+
+One request runs as: expand prompts into groups of n samples -> per generation batch (whole
+groups): generate with the actor, score with actor / reference / critic (teacher forced), reward
+sources -> shape rewards, KL and advantages (algorithms.shape_experience) -> cut into
+micro-batches of whole groups, each trimmed to its own tight width, on the CPU.
+
+Shaping needs only a group at a time, so micro-batches stream as each generation batch is done,
+except when advantages are whitened, which takes statistics over the whole request.
+
+The gRPC servicer and the in-process API run this same code, so both give identical tensors
+for the same seed.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from rollserve.client.experience import Experience, concat_experiences
+from rollserve.client.requests import Prompts, build_make_experience_request
+from rollserve.server.algorithms import ShapedExperience, shape_experience
+from rollserve.server.experience_request import (
+    ExperienceSpec,
+    RequestDefaults,
+    decode_experience_request,
+)
+from rollserve.server.generation import GenerationOutput, generate
+from rollserve.server.models import ModelSet
+from rollserve.server.rewards import REWARD_MODEL_SOURCE, RewardRegistry
+from rollserve.server.scoring import action_log_probs, critic_values, reward_scores
+
+__all__ = ["ExperienceMaker", "NaiveExperienceMaker", "batch_seed"]
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def batch_seed(seed: int, batch_index: int) -> int:
+    """The generator seed of one generation batch: distinct per batch, fixed per request seed."""
+    return (seed * 1_000_003 + batch_index * 7_919) & _SEED_MASK
+
+
+@dataclass(frozen=True)
+class ScoredBatch:
+    """Generated and scored rows, before reward shaping. B rows, S = P + A."""
+
+    generation: GenerationOutput
+    prompt_index: torch.Tensor  # (B,) int64
+    actor_log_probs: torch.Tensor  # (B, A) teacher-forced
+    reference_log_probs: torch.Tensor | None  # (B, A)
+    values: torch.Tensor | None  # (B, A)
+    entropy: torch.Tensor | None  # (B, A)
+    rewards: torch.Tensor  # (B,) weighted sum of the recipe
+    reward_info: dict[str, torch.Tensor]  # "reward/<source>": (B,) raw values
+    texts: tuple[str, ...]  # decoded responses
+
+
+class ExperienceMaker(abc.ABC):
+    """In-process API with the shape of ColossalChat's experience makers."""
+
+    policy_version: int = 0
+
+    @abc.abstractmethod
+    def decode(self, request) -> ExperienceSpec:
+        """Validate a MakeExperienceRequest against this maker's models."""
+
+    @abc.abstractmethod
+    def iter_experience(
+        self,
+        spec: ExperienceSpec,
+        *,
+        policy_version: int,
+        cancelled: threading.Event | None = None,
+    ) -> Iterator[Experience]:
+        """Micro-batches of whole groups, in row order, on the CPU."""
+
+    def make_experience(self, prompts: Prompts, **options: object) -> Experience:
+        """All rows of one request as one Experience (options: build_make_experience_request)."""
+        spec = self.decode(build_make_experience_request(prompts, **options))
+        batches = list(self.iter_experience(spec, policy_version=self.policy_version))
+        return concat_experiences(batches, pad_token_id=self.pad_token_id)
+
+    @property
+    @abc.abstractmethod
+    def pad_token_id(self) -> int: ...
+
+
+class NaiveExperienceMaker(ExperienceMaker):
+    """Makes experience with the models of one ModelSet on their device."""
+
+    def __init__(
+        self, models: ModelSet, rewards: RewardRegistry, defaults: RequestDefaults
+    ) -> None:
+        self.models = models
+        self.rewards = rewards
+        self.defaults = defaults
+        self.tokenizer_lock = threading.Lock()
+
+    @property
+    def pad_token_id(self) -> int:
+        return int(self.models.tokenizer.pad_token_id)
+
+    def decode(self, request) -> ExperienceSpec:
+        return decode_experience_request(
+            request,
+            models=self.models,
+            rewards=self.rewards,
+            defaults=self.defaults,
+            tokenizer_lock=self.tokenizer_lock,
+        )
+
+    def iter_experience(
+        self,
+        spec: ExperienceSpec,
+        *,
+        policy_version: int,
+        cancelled: threading.Event | None = None,
+    ) -> Iterator[Experience]:
+        whole_request = spec.algorithm.effective_whitening != "none"
+        pending: list[ScoredBatch] = []
+        for index, rows in enumerate(_chunks(_row_prompts(spec), spec.generate_batch_rows)):
+            if cancelled is not None and cancelled.is_set():
+                return
+            scored = self._generate_and_score(spec, rows, batch_seed(spec.seed, index))
+            if whole_request:  # whitening statistics span every row of the request
+                pending.append(scored)
+                continue
+            yield from self._micro_batches(spec, scored, policy_version)
+        if pending:
+            yield from self._micro_batches(spec, _merge(pending, self.pad_token_id), policy_version)
+
+    # ---- one generation batch ---------------------------------------------------------------
+
+    def _generate_and_score(self, spec: ExperienceSpec, rows: list[int], seed: int) -> ScoredBatch:
+        models = self.models
+        generator = torch.Generator(device=models.device).manual_seed(seed)
+        generation = generate(
+            models.actor.module,
+            [spec.prompts[p] for p in rows],
+            spec.sampling,
+            pad_token_id=self.pad_token_id,
+            generator=generator,
+        )
+        seqs, mask = generation.sequences, generation.attention_mask
+        actions = generation.action_mask.shape[1]
+        score = dict(forward_batch_size=spec.forward_batch_rows)
+        temperature = spec.sampling.temperature
+        use_temperature = spec.sampling.logprobs_use_temperature and temperature > 0
+        cfg = spec.algorithm
+        logp, entropy = action_log_probs(
+            models.actor.module,
+            seqs,
+            mask,
+            actions,
+            temperature=temperature if use_temperature else None,
+            with_entropy=spec.return_entropy or cfg.needs_entropy,
+            **score,
+        )
+        reference = None
+        if models.reference is not None and (cfg.needs_reference or cfg.kl_mode == "loss"):
+            reference, _ = action_log_probs(
+                models.reference.module,
+                seqs,
+                mask,
+                actions,
+                temperature=temperature if use_temperature else None,
+                **score,
+            )
+        values = None
+        if cfg.needs_critic:
+            values = critic_values(models.critic.module, seqs, mask, actions, **score)
+        texts = self._decode_responses(generation)
+        rewards, reward_info = self._rewards(spec, rows, generation, texts)
+        return ScoredBatch(
+            generation=generation,
+            prompt_index=torch.tensor(rows, dtype=torch.int64),
+            actor_log_probs=logp,
+            reference_log_probs=reference,
+            values=values,
+            entropy=entropy,
+            rewards=rewards,
+            reward_info=reward_info,
+            texts=texts,
+        )
+
+    def _decode_responses(self, generation: GenerationOutput) -> tuple[str, ...]:
+        width = generation.prompt_width
+        lengths = generation.response_lengths.tolist()
+        rows = generation.sequences[:, width:].tolist()
+        with self.tokenizer_lock:
+            return tuple(
+                self.models.tokenizer.decode(ids[:n], skip_special_tokens=True)
+                for ids, n in zip(rows, lengths, strict=True)
+            )
+
+    def _rewards(
+        self,
+        spec: ExperienceSpec,
+        rows: list[int],
+        generation: GenerationOutput,
+        texts: tuple[str, ...],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        prompts: list[str] = []
+        if any(source != REWARD_MODEL_SOURCE for source, _ in spec.rewards):
+            with self.tokenizer_lock:
+                decoded = {p: self.models.tokenizer.decode(spec.prompts[p]) for p in set(rows)}
+            prompts = [decoded[p] for p in rows]
+        total = torch.zeros(len(rows), dtype=torch.float32)
+        info: dict[str, torch.Tensor] = {}
+        for source, weight in spec.rewards:
+            if source == REWARD_MODEL_SOURCE:
+                raw = reward_scores(
+                    self.models.reward.module,
+                    generation.sequences,
+                    generation.attention_mask,
+                    forward_batch_size=spec.forward_batch_rows,
+                ).cpu()
+            else:
+                gts = [spec.gt_answers[p] for p in rows]
+                scores = self.rewards.score(source, prompts, list(texts), gts)
+                raw = torch.tensor(scores, dtype=torch.float32)
+            info[f"reward/{source}"] = raw
+            total += weight * raw
+        return total, info
+
+    # ---- shaping and micro-batches ----------------------------------------------------------
+
+    def _micro_batches(
+        self, spec: ExperienceSpec, scored: ScoredBatch, policy_version: int
+    ) -> Iterator[Experience]:
+        generation = scored.generation
+        device = generation.action_log_probs.device
+        shaped = shape_experience(
+            spec.algorithm,
+            action_log_probs=scored.actor_log_probs,
+            base_action_log_probs=scored.reference_log_probs,
+            action_mask=generation.action_mask,
+            values=scored.values,
+            rewards=scored.rewards.to(device),
+            group_size=spec.samples_per_prompt,
+            max_new_tokens=spec.sampling.max_new_tokens,
+            entropy=scored.entropy,
+        )
+        full = _to_experience(spec, scored, shaped, policy_version)
+        total_tokens = generation.attention_mask.sum(-1).cpu()
+        for start in range(0, full.num_rows, spec.micro_batch_rows):
+            rows = slice(start, start + spec.micro_batch_rows)
+            yield _tight(_select_rows(full, rows), generation, rows, total_tokens[rows])
+
+
+def _row_prompts(spec: ExperienceSpec) -> list[int]:
+    """The prompt index of every row: each prompt repeated n times, consecutively (a group)."""
+    return [p for p in range(len(spec.prompts)) for _ in range(spec.samples_per_prompt)]
+
+
+def _chunks(items: Sequence[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(items), size):
+        yield list(items[start : start + size])
+
+
+def _to_experience(
+    spec: ExperienceSpec, scored: ScoredBatch, shaped: ShapedExperience, version: int
+) -> Experience:
+    """The whole generation batch as an Experience on the CPU (float32, bool masks)."""
+    generation = scored.generation
+    cpu: Callable[[torch.Tensor | None], torch.Tensor | None] = lambda t: (
+        None if t is None else t.detach().to("cpu")
+    )
+    rows = generation.sequences.shape[0]
+    info = {key: cpu(value) for key, value in shaped.info.items()}
+    info.update(scored.reward_info)
+    info["response_length"] = cpu(generation.response_lengths).to(torch.int64)
+    info["truncated"] = cpu(generation.truncated).to(torch.bool)
+    return Experience(
+        sequences=cpu(generation.sequences),
+        attention_mask=cpu(generation.attention_mask).bool(),
+        action_mask=cpu(shaped.action_mask).bool(),
+        action_log_probs=cpu(shaped.action_log_probs).float(),
+        base_action_log_probs=_float(cpu(shaped.base_action_log_probs)),
+        values=_float(cpu(scored.values)),
+        reward=cpu(shaped.reward).float(),
+        kl=cpu(shaped.kl).float(),
+        advantages=cpu(shaped.advantages).float(),
+        returns=cpu(shaped.returns).float(),
+        action_entropy=_float(cpu(scored.entropy)) if spec.return_entropy else None,
+        info=info,
+        policy_version=torch.full((rows,), version, dtype=torch.int64),
+        prompt_index=scored.prompt_index.clone(),
+        response_texts=scored.texts if spec.return_texts else None,
+    )
+
+
+def _float(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
+
+
+def _select_rows(e: Experience, rows: slice) -> Experience:
+    """Rows of an Experience (views)."""
+    changes: dict[str, object] = {}
+    for name in (
+        "sequences",
+        "attention_mask",
+        "action_mask",
+        "action_log_probs",
+        "base_action_log_probs",
+        "values",
+        "reward",
+        "kl",
+        "advantages",
+        "returns",
+        "action_entropy",
+        "policy_version",
+        "prompt_index",
+    ):
+        value = getattr(e, name)
+        changes[name] = None if value is None else value[rows]
+    changes["info"] = {key: value[rows] for key, value in e.info.items()}
+    changes["response_texts"] = None if e.response_texts is None else e.response_texts[rows]
+    return replace(e, **changes)
+
+
+def _tight(
+    e: Experience, generation: GenerationOutput, rows: slice, total_tokens: torch.Tensor
+) -> Experience:
+    """Trim the columns no row of this micro-batch uses: common left pad, common right pad."""
+    response_lengths = generation.response_lengths[rows].cpu()
+    prompt_lengths = total_tokens - response_lengths
+    width_p, width_a = int(prompt_lengths.max()), int(response_lengths.max())
+    first = generation.prompt_width - width_p
+    seq = slice(first, generation.prompt_width + width_a)
+    changes: dict[str, object] = {
+        "sequences": e.sequences[:, seq].contiguous(),
+        "attention_mask": e.attention_mask[:, seq].contiguous(),
+    }
+    for name in (
+        "action_mask",
+        "action_log_probs",
+        "base_action_log_probs",
+        "values",
+        "kl",
+        "advantages",
+        "returns",
+        "action_entropy",
+    ):
+        value = getattr(e, name)
+        changes[name] = None if value is None else value[:, :width_a].contiguous()
+    actions = e.num_actions
+    changes["info"] = {
+        key: value[:, :width_a].contiguous()
+        if value.ndim >= 2 and value.shape[1] == actions
+        else value.contiguous()
+        for key, value in e.info.items()
+    }
+    return replace(e, **changes)
+
+
+def _merge(batches: list[ScoredBatch], pad_token_id: int) -> ScoredBatch:
+    """Join generation batches into one, padding to a common layout (prompt left, response right)."""
+    if len(batches) == 1:
+        return batches[0]
+    width_p = max(b.generation.prompt_width for b in batches)
+    width_a = max(b.generation.action_mask.shape[1] for b in batches)
+
+    def actions(t: torch.Tensor | None, a: int, value: float = 0) -> torch.Tensor | None:
+        return None if t is None else torch.nn.functional.pad(t, (0, width_a - a), value=value)
+
+    def cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if parts[0] is None else torch.cat(parts)
+
+    gens, parts = [], {k: [] for k in ("logp", "ref", "values", "entropy")}
+    for b in batches:
+        g, a = b.generation, b.generation.action_mask.shape[1]
+        pad = (width_p - g.prompt_width, width_a - a)
+        gens.append(
+            replace(
+                g,
+                sequences=torch.nn.functional.pad(g.sequences, pad, value=pad_token_id),
+                attention_mask=torch.nn.functional.pad(g.attention_mask, pad, value=False),
+                action_mask=actions(g.action_mask, a, False),
+                action_log_probs=actions(g.action_log_probs, a),
+                prompt_width=width_p,
+            )
+        )
+        parts["logp"].append(actions(b.actor_log_probs, a))
+        parts["ref"].append(actions(b.reference_log_probs, a))
+        parts["values"].append(actions(b.values, a))
+        parts["entropy"].append(actions(b.entropy, a))
+    generation = replace(
+        gens[0],
+        **{
+            name: torch.cat([getattr(g, name) for g in gens])
+            for name in (
+                "sequences",
+                "attention_mask",
+                "action_mask",
+                "action_log_probs",
+                "response_lengths",
+                "truncated",
+            )
+        },
+    )
+    return ScoredBatch(
+        generation=generation,
+        prompt_index=torch.cat([b.prompt_index for b in batches]),
+        actor_log_probs=cat(parts["logp"]),
+        reference_log_probs=cat(parts["ref"]),
+        values=cat(parts["values"]),
+        entropy=cat(parts["entropy"]),
+        rewards=torch.cat([b.rewards for b in batches]),
+        reward_info={
+            k: torch.cat([b.reward_info[k] for b in batches]) for k in batches[0].reward_info
+        },
+        texts=tuple(t for b in batches for t in b.texts),
+    )

@@ -1,0 +1,142 @@
+"""What a serving server runs once its models are loaded: the engine, the experience maker and
+the weight updater, behind the two bulk RPCs. The servicer only decodes and encodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+from rollserve.client.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rollserve.client.experience import experience_to_proto
+from rollserve.server.engine import Engine
+from rollserve.server.maker import NaiveExperienceMaker
+from rollserve.server.models import LoadedModel, ModelSet, Phase, ServerState
+from rollserve.server.weights import (
+    LoraState,
+    StagedUpdate,
+    UpdateStager,
+    read_header,
+    stage_chunks,
+)
+from rollserve.v1 import rollout_pb2 as pb
+
+__all__ = ["Runtime"]
+
+_LOG = logging.getLogger(__name__)
+_ROLES = {
+    pb.MODEL_ROLE_UNSPECIFIED: "actor",
+    pb.MODEL_ROLE_ACTOR: "actor",
+    pb.MODEL_ROLE_CRITIC: "critic",
+    pb.MODEL_ROLE_REWARD: "reward",
+    pb.MODEL_ROLE_REFERENCE: "reference",
+}
+
+
+class Runtime:
+    """The engine thread plus the operations the Rollout RPCs run on it."""
+
+    def __init__(self, state: ServerState, models: ModelSet, maker: NaiveExperienceMaker) -> None:
+        self.state = state
+        self.models = models
+        self.maker = maker
+        self.engine = Engine(max_queue_depth=state.config.max_queue_depth)
+        self._update_lock = threading.Lock()  # one weight stream at a time
+        self._lora = {model.role: LoraState() for model in models.loaded()}
+
+    # ---- MakeExperience ----------------------------------------------------------------------
+
+    def stream_experience(
+        self, request: pb.MakeExperienceRequest, cancelled: threading.Event
+    ) -> Iterator[pb.MakeExperienceResponse]:
+        """Validate here, make on the engine thread, encode here as micro-batches arrive."""
+        self._check_accepting()
+        spec = self.maker.decode(request)
+
+        def produce():
+            version = self.state.policy_version("actor")  # read on the engine: no swap races it
+            if spec.min_policy_version > version:
+                raise FailedPrecondition(
+                    f"min_policy_version: {spec.min_policy_version} requested, the actor is at "
+                    f"version {version}"
+                )
+            yield from self.maker.iter_experience(spec, policy_version=version, cancelled=cancelled)
+
+        for index, experience in enumerate(self.engine.stream(produce, cancelled=cancelled)):
+            yield pb.MakeExperienceResponse(
+                experience=experience_to_proto(experience),
+                micro_batch_index=index,
+                num_micro_batches=spec.num_micro_batches,
+            )
+
+    def _check_accepting(self) -> None:
+        phase = self.state.phase
+        if phase is Phase.WAITING_FOR_WEIGHTS:
+            raise FailedPrecondition(
+                "the server is waiting for its first weights (--wait-for-weights); "
+                "call UpdateWeights first"
+            )
+        if phase is not Phase.SERVING:
+            raise Unavailable(f"the server is {phase.value}")
+
+    # ---- UpdateWeights -----------------------------------------------------------------------
+
+    def update_weights(
+        self, requests: Iterator[pb.UpdateWeightsRequest]
+    ) -> pb.UpdateWeightsResponse:
+        """Stage and verify on this thread, then swap on the engine thread between batches."""
+        with self._update_lock:
+            started_s = time.monotonic()
+            header = read_header(requests)
+            role, model = self._target(header)
+            self._check_version(role, header.version)  # before receiving any bulk bytes
+            stager = UpdateStager(header, model.module, self._lora[role])
+            staged = stage_chunks(stager, requests)
+            applied = self.engine.call(lambda: self._swap(role, model, staged))
+            seconds = time.monotonic() - started_s
+        _LOG.info(
+            "updated %s to version %d: %d tensors, %d bytes in %.2f s (%.2f GB/s)",
+            role,
+            header.version,
+            applied.tensors,
+            staged.total_bytes,
+            seconds,
+            staged.total_bytes / max(seconds, 1e-9) / 1e9,
+        )
+        return pb.UpdateWeightsResponse(
+            target=header.target or pb.MODEL_ROLE_ACTOR,
+            version=header.version,
+            tensors=applied.tensors,
+            bytes=staged.total_bytes,
+            seconds=seconds,
+        )
+
+    def _target(self, header: pb.WeightsHeader) -> tuple[str, LoadedModel]:
+        role = _ROLES.get(header.target)
+        if role is None:
+            raise InvalidArgument(f"header.target: unknown model role {header.target}")
+        model = getattr(self.models, role)
+        if model is None:
+            raise FailedPrecondition(f"header.target: this server has no {role} model loaded")
+        return role, model
+
+    def _check_version(self, role: str, version: int) -> None:
+        current = self.state.policy_version(role)
+        if version <= current:
+            raise FailedPrecondition(
+                f"header.version: {version} is not above the {role}'s current version {current}"
+            )
+
+    def _swap(self, role: str, model: LoadedModel, staged: StagedUpdate):
+        """On the engine thread: no experience job is running, so the swap is atomic for them."""
+        self._check_version(role, staged.version)
+        applied = staged.apply(model.module)
+        self.state.set_policy_version(role, staged.version)
+        if role == "actor" and self.state.phase is Phase.WAITING_FOR_WEIGHTS:
+            self.state.set_phase(Phase.SERVING)
+        return applied
+
+    def close(self) -> None:
+        self.engine.close(wait=False)
