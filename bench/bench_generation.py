@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 
 import torch
-
 from rollserve.server.generation import SamplingParams, generate, left_pad
 
 
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--reps", type=int, default=5)
@@ -86,7 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     model = build_model(
-        args.model_size, args.vocab, args.hidden, args.layers, getattr(torch, args.dtype), args.device
+        args.model_size,
+        args.vocab,
+        args.hidden,
+        args.layers,
+        getattr(torch, args.dtype),
+        args.device,
     )
     vocab = model.config.vocab_size
     prompts = ragged_prompts(args.batch, args.prompt_len, vocab, seed=1)
@@ -101,12 +105,19 @@ def main(argv: list[str] | None = None) -> int:
         out = generate(model, prompts, params, pad_token_id=0, generator=g)
         return int(out.response_lengths.sum())
 
+    # HF's defaults (top_k=50) must not leak in: pass every setting, greedy as do_sample=False.
+    sampling = {"do_sample": False}
+    if args.temperature > 0:
+        sampling = {
+            "do_sample": True, "temperature": args.temperature, "top_k": args.top_k,
+            "top_p": args.top_p,
+        }  # fmt: skip
+
     def hf() -> int:
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask.long(), do_sample=True,
-                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                max_new_tokens=args.new_tokens, pad_token_id=0,
+                input_ids=ids, attention_mask=mask.long(), max_new_tokens=args.new_tokens,
+                pad_token_id=0, **sampling,
             )  # fmt: skip
         return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 

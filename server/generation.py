@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
 from rollserve.client.errors import InvalidArgument
 
 __all__ = ["SamplingParams", "GenerationOutput", "generate", "left_pad"]
@@ -184,7 +183,7 @@ def _sample(
     return token, log_prob
 
 
-def _forward_kwargs(model: torch.nn.Module) -> dict[str, int]:
+def _prefill_kwargs(model: torch.nn.Module) -> dict[str, int]:
     """Ask only for the last position's logits in prefill when the model supports it."""
     params = inspect.signature(model.forward).parameters
     return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
@@ -212,9 +211,40 @@ class _Active:
     window: torch.Tensor  # (b, W) last W tokens, for stop matching
     finished: torch.Tensor  # (b,) bool
 
-    def select(self, keep: torch.Tensor) -> None:
+    def compact(self, cache: object) -> torch.Tensor:
+        """Drop finished rows from the state and the KV cache; return the kept cache rows."""
+        keep = (~self.finished).nonzero().squeeze(1)
+        cache.batch_select_indices(keep)  # type: ignore[attr-defined]
         for name in ("rows", "attention", "positions", "window", "finished"):
             setattr(self, name, getattr(self, name)[keep])
+        return keep
+
+
+@dataclass
+class _Outputs:
+    """Per-row results in batch order, filled one column per step (mutable, loop-local)."""
+
+    response: torch.Tensor  # (B, M) int64, pad where not generated
+    log_probs: torch.Tensor  # (B, M) float32, 0 where not generated
+    response_mask: torch.Tensor  # (B, M) bool
+    stopped: torch.Tensor  # (B,) bool, a stop sequence was hit
+
+    @classmethod
+    def empty(cls, batch: int, budget: int, pad_token_id: int, device: torch.device) -> _Outputs:
+        return cls(
+            response=torch.full((batch, budget), pad_token_id, dtype=torch.long, device=device),
+            log_probs=torch.zeros((batch, budget), dtype=torch.float32, device=device),
+            response_mask=torch.zeros((batch, budget), dtype=torch.bool, device=device),
+            stopped=torch.zeros(batch, dtype=torch.bool, device=device),
+        )
+
+    def record(
+        self, state: _Active, step: int, token: torch.Tensor, log_prob: torch.Tensor
+    ) -> None:
+        live = ~state.finished
+        self.response[state.rows, step] = token
+        self.log_probs[state.rows, step] = torch.where(live, log_prob, 0.0)
+        self.response_mask[state.rows, step] = live
 
 
 def generate(
@@ -225,7 +255,7 @@ def generate(
     pad_token_id: int,
     generator: torch.Generator,
 ) -> GenerationOutput:
-    """Sample responses for ragged prompts with a KV cache; `generator` lives on the model's device."""
+    """Sample responses for ragged prompts with a KV cache (`generator` on the model's device)."""
     device = model.get_input_embeddings().weight.device
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (B, P)
     _check_inputs(model, prompt_ids, params)
@@ -233,56 +263,41 @@ def generate(
     budget = params.max_new_tokens
     stops = _StopMatcher(params.stop_sequences, device)
     ban_ids = stops.single_ids if params.min_new_tokens > 0 and stops.single_ids.numel() else None
-
-    response = torch.full((batch, budget), pad_token_id, dtype=torch.long, device=device)
-    log_probs = torch.zeros((batch, budget), dtype=torch.float32, device=device)
-    response_mask = torch.zeros((batch, budget), dtype=torch.bool, device=device)
-    stopped = torch.zeros(batch, dtype=torch.bool, device=device)
-    attention = torch.zeros((batch, width + budget), dtype=torch.bool, device=device)
-    attention[:, :width] = prompt_mask
-    positions = (prompt_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, P)
+    outputs = _Outputs.empty(batch, budget, pad_token_id, device)
+    positions = (prompt_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, P), as in scoring
     state = _Active(
         rows=torch.arange(batch, device=device),
-        attention=attention,
+        attention=torch.cat([prompt_mask, prompt_mask.new_zeros((batch, budget))], dim=1),
         positions=positions[:, -1:] + 1,
         window=torch.full((batch, stops.width), pad_token_id, dtype=torch.long, device=device),
         finished=torch.zeros(batch, dtype=torch.bool, device=device),
     )
-
     with torch.inference_mode():
         out = model(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             position_ids=positions,
             use_cache=True,
-            **_forward_kwargs(model),
+            **_prefill_kwargs(model),
         )
-        cache, logits = out.past_key_values, out.logits[:, -1]  # (B, V)
         for step in range(budget):
             ban = ban_ids if step < params.min_new_tokens else None
-            token, log_prob = _sample(logits, params, ban, generator)
-            live = ~state.finished
-            token = torch.where(live, token, pad_token_id)
-            response[state.rows, step] = token
-            log_probs[state.rows, step] = torch.where(live, log_prob, 0.0)
-            response_mask[state.rows, step] = live
-            state.attention[:, width + step] = live
+            token, log_prob = _sample(out.logits[:, -1], params, ban, generator)  # (b,)
+            token = torch.where(state.finished, pad_token_id, token)
+            outputs.record(state, step, token, log_prob)
+            state.attention[:, width + step] = ~state.finished
             state.window = torch.cat([state.window[:, 1:], token[:, None]], dim=1)
-            if step + 1 > params.min_new_tokens:
-                state.finished |= stops.hits(state.window, step + 1) & live
-            if step + 1 == budget:
-                break
+            if step >= params.min_new_tokens:
+                state.finished |= stops.hits(state.window, step + 1)
             done = int(state.finished.sum())  # the one host sync per step
-            if done == state.rows.numel():
+            if step + 1 == budget or done == state.rows.numel():
                 break
+            cache = out.past_key_values
             if 2 * done >= state.rows.numel() and hasattr(cache, "batch_select_indices"):
-                # Drop finished rows from the cache once they are half of it: the copy is
-                # amortised and later steps run on the rows that still need tokens.
-                stopped[state.rows] = state.finished
-                keep = (~state.finished).nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                state.select(keep)
-                token = token[keep]
+                # Finished rows are half the cache: drop them, so later steps only compute
+                # rows that still need tokens (the copy is amortised by the halving).
+                outputs.stopped[state.rows] = state.finished
+                token = token[state.compact(cache)]
             out = model(
                 input_ids=token[:, None],
                 attention_mask=state.attention[:, : width + step + 1],
@@ -290,30 +305,24 @@ def generate(
                 past_key_values=cache,
                 use_cache=True,
             )
-            cache, logits = out.past_key_values, out.logits[:, -1]
             state.positions = state.positions + 1
-        stopped[state.rows] = state.finished
-        return _assemble(prompt_ids, prompt_mask, response, response_mask, log_probs, stopped)
+        outputs.stopped[state.rows] = state.finished
+        return _assemble(prompt_ids, prompt_mask, outputs)
 
 
 def _assemble(
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    response: torch.Tensor,
-    response_mask: torch.Tensor,
-    log_probs: torch.Tensor,
-    stopped: torch.Tensor,
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, outputs: _Outputs
 ) -> GenerationOutput:
     """Trim the response buffers to the longest response and join them to the prompts."""
-    lengths = response_mask.sum(-1)  # (B,)
+    lengths = outputs.response_mask.sum(-1)  # (B,)
     actions = int(lengths.max())
-    action_mask = response_mask[:, :actions]
+    action_mask = outputs.response_mask[:, :actions]
     return GenerationOutput(
-        sequences=torch.cat([prompt_ids, response[:, :actions]], dim=1),
+        sequences=torch.cat([prompt_ids, outputs.response[:, :actions]], dim=1),
         attention_mask=torch.cat([prompt_mask, action_mask], dim=1),
         action_mask=action_mask.clone(),
-        action_log_probs=log_probs[:, :actions].clone(),
+        action_log_probs=outputs.log_probs[:, :actions].clone(),
         prompt_width=prompt_ids.shape[1],
         response_lengths=lengths,
-        truncated=~stopped,
+        truncated=~outputs.stopped,
     )

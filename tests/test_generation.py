@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from rollserve.client.errors import InvalidArgument
 from rollserve.server.generation import GenerationOutput, SamplingParams, generate, left_pad
 from rollserve.server.scoring import action_log_probs, position_ids_from_mask
@@ -32,7 +31,7 @@ def run(actor, params: SamplingParams, seed: int = 0, prompts=PROMPTS) -> Genera
 def responses(out: GenerationOutput) -> list[list[int]]:
     """Valid response tokens of each row."""
     actions = out.sequences[:, out.prompt_width :]
-    return [row[mask].tolist() for row, mask in zip(actions, out.action_mask)]
+    return [row[mask].tolist() for row, mask in zip(actions, out.action_mask, strict=True)]
 
 
 def check_layout(out: GenerationOutput, prompts=PROMPTS) -> None:
@@ -48,7 +47,9 @@ def check_layout(out: GenerationOutput, prompts=PROMPTS) -> None:
     assert torch.equal(out.action_mask, columns[None] < out.response_lengths[:, None])  # prefix
     assert torch.equal(out.attention_mask[:, width:], out.action_mask)
     ids, mask = left_pad(prompts, PAD, torch.device("cpu"))
-    assert torch.equal(out.sequences[:, :width], ids) and torch.equal(out.attention_mask[:, :width], mask)
+    assert torch.equal(out.sequences[:, :width], ids) and torch.equal(
+        out.attention_mask[:, :width], mask
+    )
     assert (out.sequences[:, width:][~out.action_mask] == PAD).all()
     assert (out.action_log_probs[~out.action_mask] == 0).all()
     assert (out.action_log_probs[out.action_mask] <= 0).all()
@@ -59,7 +60,9 @@ SAMPLING_CASES = {
     "filters_tempered": SamplingParams(
         max_new_tokens=24, temperature=0.7, top_k=20, top_p=0.9, logprobs_use_temperature=True
     ),
-    "hot_tempered": SamplingParams(max_new_tokens=24, temperature=1.6, logprobs_use_temperature=True),
+    "hot_tempered": SamplingParams(
+        max_new_tokens=24, temperature=1.6, logprobs_use_temperature=True
+    ),
     "top_p_only": SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.8),
     "greedy": SamplingParams(max_new_tokens=24, temperature=0.0),
     "greedy_flag_ignored": SamplingParams(
@@ -92,7 +95,9 @@ def test_recorded_log_probs_equal_teacher_forced_rescoring(actor, case: str) -> 
 def test_log_probs_use_temperature_changes_the_numbers(actor) -> None:
     """Same seed, same tokens: only the stored log-probs differ, by the temperature rule."""
     plain = run(actor, SamplingParams(max_new_tokens=8, temperature=0.5))
-    tempered = run(actor, SamplingParams(max_new_tokens=8, temperature=0.5, logprobs_use_temperature=True))
+    tempered = run(
+        actor, SamplingParams(max_new_tokens=8, temperature=0.5, logprobs_use_temperature=True)
+    )
     assert torch.equal(plain.sequences, tempered.sequences)
     assert not torch.allclose(plain.action_log_probs, tempered.action_log_probs)
 
@@ -133,7 +138,7 @@ def test_greedy_with_eos_and_min_new_tokens_equals_hf_generate(actor, min_new_to
 
 
 def expected_cut(tokens: list[int], stops, min_new_tokens: int) -> tuple[list[int], bool]:
-    """Reference stop rule: cut after the earliest complete occurrence ending at index >= min_new."""
+    """Reference rule: cut after the earliest complete occurrence ending at index >= min_new."""
     for end in range(min_new_tokens, len(tokens)):
         for stop in stops:
             start = end + 1 - len(stop)
@@ -172,7 +177,7 @@ def test_stop_sequence_may_not_reach_back_into_the_prompt(actor) -> None:
     # A row whose (last prompt token, first response token) pair never recurs in its response.
     row = next(
         r for r, tokens in enumerate(free)
-        if (PROMPTS[r][-1], tokens[0]) not in set(zip(tokens, tokens[1:]))
+        if (PROMPTS[r][-1], tokens[0]) not in set(zip(tokens, tokens[1:], strict=False))
     )  # fmt: skip
     across = (PROMPTS[row][-1], free[row][0])
     out = run(actor, SamplingParams(max_new_tokens=8, temperature=0.0, stop_sequences=(across,)))
@@ -193,7 +198,9 @@ def test_min_new_tokens_bans_single_token_stops_while_sampling(actor) -> None:
     quick = run(actor, SamplingParams(max_new_tokens=16, stop_sequences=stops))
     assert int(quick.response_lengths.max()) < 5  # rows stop almost at once without the ban
     for seed in range(3):
-        out = run(actor, SamplingParams(max_new_tokens=16, min_new_tokens=5, stop_sequences=stops), seed)
+        out = run(
+            actor, SamplingParams(max_new_tokens=16, min_new_tokens=5, stop_sequences=stops), seed
+        )
         check_layout(out)
         for row, tokens in enumerate(responses(out)):
             assert all(t >= 200 or t < 3 for t in tokens[:5]), tokens

@@ -1,0 +1,234 @@
+"""Teacher-forced scoring in the rollout row layout: action log-probs, entropy, values, rewards.
+
+Layout (rollout.proto): sequences (B, S) = P left-padded prompt columns + A right-padded action
+columns. Action column j is token P + j and is scored by the output at position P + j - 1, so the
+action outputs are positions S - A - 1 .. S - 2. Position ids are cumsum(mask) - 1 clamped at 0,
+the rule generation uses, so a generated batch re-scores to the log-probs recorded while sampling.
+
+Memory. The float32 log-softmax over the vocabulary is the largest tensor in RLHF scoring. Here
+the model is asked only for the A + 1 positions we read (`logits_to_keep`), rows go through the
+model forward_batch_size at a time, and the float32 math runs over at most positions_per_chunk
+(row, column) pairs at once: log p = z[label] - logsumexp(z), never a full (B, S, V) float32
+log-softmax. Models are expected in eval mode (dropout off); nothing here changes their mode.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from rollserve.client.errors import FailedPrecondition, InvalidArgument
+
+__all__ = [
+    "DEFAULT_POSITIONS_PER_CHUNK",
+    "position_ids_from_mask",
+    "action_log_probs",
+    "critic_values",
+    "last_real_index",
+    "reward_scores",
+]
+
+# (row, column) pairs per float32 chunk: 512 x a 152k vocabulary is ~300 MB per temporary.
+DEFAULT_POSITIONS_PER_CHUNK = 512
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids (B, S) int64 for left-padded rows: cumsum(mask) - 1, clamped at 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def _check_layout(
+    sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int | None, batch_size: int
+) -> None:
+    if sequences.ndim != 2 or attention_mask.shape != sequences.shape:
+        raise InvalidArgument(
+            f"sequences and attention_mask must both be (B, S), got "
+            f"{tuple(sequences.shape)} and {tuple(attention_mask.shape)}"
+        )
+    if num_actions is not None and not (1 <= num_actions < sequences.shape[1]):
+        raise InvalidArgument(
+            f"num_actions must lie in [1, S - 1] = [1, {sequences.shape[1] - 1}], got {num_actions}"
+        )
+    if batch_size < 1:
+        raise InvalidArgument(f"forward_batch_size must be >= 1, got {batch_size}")
+
+
+def _causal_lm_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, actions: int):
+    """Logits (b, A, V) at positions S - A - 1 .. S - 2, computing as few positions as possible."""
+    kwargs = {}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        # An int keeps the last N positions (transformers' slice_logits_to_keep); the last
+        # position scores nothing, so keep A + 1 and drop it (a view, no copy).
+        kwargs["logits_to_keep"] = actions + 1
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask),
+        use_cache=False,
+        **kwargs,
+    )
+    return out.logits[:, -actions - 1 : -1]
+
+
+def _chunked_log_probs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float | None,
+    with_entropy: bool,
+    positions_per_chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(label) and entropy (b, A) float32 from logits (b, A, V), a column chunk at a time."""
+    rows, actions = labels.shape
+    columns = max(1, positions_per_chunk // rows)
+    log_probs = torch.empty((rows, actions), dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(log_probs) if with_entropy else None
+    for start in range(0, actions, columns):
+        stop = min(start + columns, actions)
+        z = logits[:, start:stop].float()  # (b, c, V); aliases logits when already float32
+        if temperature is not None:
+            # In place even when z aliases the model's logits: each column is read only once,
+            # and it saves a (b, c, V) temporary.
+            z = z.div_(temperature)
+        log_norm = torch.logsumexp(z, dim=-1)  # (b, c)
+        picked = z.gather(-1, labels[:, start:stop, None]).squeeze(-1)  # (b, c)
+        log_probs[:, start:stop] = picked - log_norm
+        if entropy is not None:
+            # H = logsumexp(z) - sum softmax(z) * z; p is a fresh tensor, so mul_ is safe.
+            p = torch.exp(z - log_norm[..., None])  # (b, c, V)
+            entropy[:, start:stop] = log_norm - p.mul_(z).sum(-1)
+    return log_probs, entropy
+
+
+def action_log_probs(
+    model: torch.nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_actions: int,
+    *,
+    forward_batch_size: int,
+    temperature: float | None = None,
+    with_entropy: bool = False,
+    positions_per_chunk: int = DEFAULT_POSITIONS_PER_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (B, A) float32 of the action tokens under a causal LM, and optionally entropy.
+
+    temperature: divide the logits by it first (logprobs_use_temperature); None means raw logits.
+    Masked columns are scored like any other (callers apply the action mask).
+    """
+    _check_layout(sequences, attention_mask, num_actions, forward_batch_size)
+    if temperature is not None and not temperature > 0:
+        raise InvalidArgument(f"temperature must be > 0 or None, got {temperature}")
+    if positions_per_chunk < 1:
+        raise InvalidArgument(f"positions_per_chunk must be >= 1, got {positions_per_chunk}")
+    log_probs, entropies = [], []
+    with torch.inference_mode():
+        for start in range(0, sequences.shape[0], forward_batch_size):
+            ids = sequences[start : start + forward_batch_size]  # (b, S)
+            mask = attention_mask[start : start + forward_batch_size]
+            logits = _causal_lm_logits(model, ids, mask, num_actions)  # (b, A, V)
+            lp, ent = _chunked_log_probs(
+                logits, ids[:, -num_actions:], temperature, with_entropy, positions_per_chunk
+            )
+            del logits  # free this micro-batch's logits before the next forward
+            log_probs.append(lp)
+            entropies.append(ent)
+    entropy = torch.cat(entropies) if with_entropy else None
+    return torch.cat(log_probs), entropy
+
+
+def critic_values(
+    critic: torch.nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_actions: int,
+    *,
+    forward_batch_size: int,
+) -> torch.Tensor:
+    """Values (B, A) float32 from a one-label token-classification critic.
+
+    The value of action column j is read at position P + j - 1, the hidden state BEFORE token
+    P + j: the state in which the action was chosen, aligned with its log-prob (OpenRLHF and
+    LightRFT: values[:, :-1][:, -A:]).
+    """
+    _check_layout(sequences, attention_mask, num_actions, forward_batch_size)
+    values = []
+    with torch.inference_mode():
+        for start in range(0, sequences.shape[0], forward_batch_size):
+            mask = attention_mask[start : start + forward_batch_size]
+            out = critic(
+                input_ids=sequences[start : start + forward_batch_size],
+                attention_mask=mask,
+                position_ids=position_ids_from_mask(mask),
+                use_cache=False,
+            )
+            per_token = _single_label(out.logits, expected_ndim=3)  # (b, S)
+            values.append(per_token[:, -num_actions - 1 : -1])
+    return torch.cat(values)
+
+
+def _single_label(logits: torch.Tensor, *, expected_ndim: int) -> torch.Tensor:
+    """Drop the label axis of a one-label head, as float32; refuse heads with more labels."""
+    if logits.ndim != expected_ndim or logits.shape[-1] != 1:
+        raise FailedPrecondition(
+            f"a scalar head needs exactly one label; the model returned logits of shape "
+            f"{tuple(logits.shape)}"
+        )
+    return logits[..., 0].float()
+
+
+def last_real_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Column (B,) int64 of the last attention-1 position of each row."""
+    columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (columns * attention_mask.long()).argmax(-1)
+
+
+def reward_scores(
+    reward_model: torch.nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    forward_batch_size: int,
+) -> torch.Tensor:
+    """Scores (B,) float32 of a one-label sequence classifier, read at each row's last real token.
+
+    Models with a `score` head (every transformers *ForSequenceClassification built on
+    GenericForSequenceClassification, e.g. Llama, Qwen2, Mistral) run their backbone and apply
+    `score` to the hidden state at the last attention-1 position, instead of HF's pooling at the
+    last token != pad_token_id, which reads the wrong position when pad == eos. Other models
+    (e.g. BERT-style `classifier` heads) fall back to one forward per row on its real tokens
+    only, so whatever pooling the model does sees no padding: exact, but slower.
+    """
+    _check_layout(sequences, attention_mask, None, forward_batch_size)
+    if not bool(attention_mask.any(-1).all()):
+        raise InvalidArgument("every row needs at least one attention-1 token to be scored")
+    backbone = getattr(reward_model, getattr(reward_model, "base_model_prefix", ""), None)
+    head = getattr(reward_model, "score", None)
+    if not isinstance(backbone, torch.nn.Module) or not isinstance(head, torch.nn.Module):
+        return _reward_scores_per_row(reward_model, sequences, attention_mask)
+    scores = []
+    with torch.inference_mode():
+        for start in range(0, sequences.shape[0], forward_batch_size):
+            mask = attention_mask[start : start + forward_batch_size]
+            hidden = backbone(
+                input_ids=sequences[start : start + forward_batch_size],
+                attention_mask=mask,
+                position_ids=position_ids_from_mask(mask),
+                use_cache=False,
+            ).last_hidden_state  # (b, S, H)
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
+            last = hidden[rows, last_real_index(mask)]  # (b, H)
+            scores.append(_single_label(head(last), expected_ndim=2))
+    return torch.cat(scores)
+
+
+def _reward_scores_per_row(
+    reward_model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Fallback: score each row alone on its real tokens (no padding for the model to misread)."""
+    scores = []
+    with torch.inference_mode():
+        for ids, mask in zip(sequences, attention_mask, strict=True):
+            real = ids[mask.bool()][None]  # (1, L)
+            logits = reward_model(input_ids=real, attention_mask=torch.ones_like(real)).logits
+            scores.append(_single_label(logits, expected_ndim=2))
+    return torch.cat(scores)
