@@ -149,17 +149,27 @@ def test_module_health_command_is_the_same_cli(server) -> None:
     assert subprocess.run(command, capture_output=True, timeout=60).returncode == 0
 
 
-def test_make_experience_is_unimplemented_for_now(server) -> None:
-    # Placeholder until the engine lands: the call fails cleanly with UNIMPLEMENTED.
+def test_the_default_server_makes_experience_and_refuses_bad_requests(server) -> None:
     _, target = server
     with grpc.insecure_channel(target) as channel:
         stub = rollout_pb2_grpc.RolloutStub(channel)
         with pytest.raises(grpc.RpcError) as info:
-            list(stub.MakeExperience(pb.MakeExperienceRequest(), timeout=5))
-        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            list(stub.MakeExperience(pb.MakeExperienceRequest(), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompts" in info.value.details()
         with pytest.raises(grpc.RpcError) as info:
-            stub.UpdateWeights(iter([pb.UpdateWeightsRequest()]), timeout=5)
-        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            stub.UpdateWeights(iter([pb.UpdateWeightsRequest()]), timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        request = pb.MakeExperienceRequest(
+            token_ids=pb.RaggedTokenIds(values=[5, 6, 7], lengths=[3]),
+            samples_per_prompt=2,
+            sampling=pb.SamplingOptions(max_new_tokens=4, seed=7),
+            rewards=[pb.RewardTerm(source="exact_match")],
+            gt_answers=["x"],
+        )
+        (reply,) = list(stub.MakeExperience(request, timeout=60))
+        assert reply.num_micro_batches == 1
+        assert list(reply.experience.sequences.shape)[0] == 2
 
 
 # ---- processes of their own -------------------------------------------------------------------
