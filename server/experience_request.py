@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rollserve.client.errors import FailedPrecondition, InvalidArgument
-from rollserve.server.algorithms import AlgorithmConfig, resolve_algorithm
+from rollserve.server.algorithms import AlgorithmConfig, check_group_size, resolve_algorithm
 from rollserve.server.generation import SamplingParams
 from rollserve.server.models import ModelSet
 from rollserve.server.rewards import BUILTIN_RULES, REWARD_MODEL_SOURCE, RewardRegistry
@@ -92,6 +92,9 @@ def decode_experience_request(
         default_preset=defaults.default_preset,
         has_critic=models.critic is not None,
     )
+    # Here, not after generation: rloo with n = 1 would otherwise fail only after the device
+    # has generated and scored the whole first batch.
+    check_group_size(algorithm.estimator, n)
     if algorithm.needs_reference and models.reference is None:
         raise FailedPrecondition("algorithm.kl_coef: > 0 needs a reference model")
     sampling = _sampling(request.sampling, algorithm, models, defaults, lock)

@@ -7,7 +7,10 @@ sources -> shape rewards, KL and advantages (algorithms.shape_experience) -> cut
 micro-batches of whole groups, each trimmed to its own tight width, on the CPU.
 
 Shaping needs only a group at a time, so micro-batches stream as each generation batch is done,
-except when advantages are whitened, which takes statistics over the whole request.
+except when advantages are whitened, which takes statistics over the whole request. Every
+micro-batch has exactly micro_batch_rows rows (the last may have fewer): rows left over at the
+end of one generation batch wait for the next one (_RowBuffer), so the stream carries exactly
+ExperienceSpec.num_micro_batches messages whatever the generation batch size.
 
 The gRPC servicer and the in-process API run this same code, so both give identical tensors
 for the same seed.
@@ -17,10 +20,11 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+from rollserve.client.errors import FailedPrecondition
 from rollserve.client.experience import Experience, concat_experiences
 from rollserve.client.requests import Prompts, build_make_experience_request
 from rollserve.server.algorithms import ShapedExperience, shape_experience
@@ -81,6 +85,11 @@ class ExperienceMaker(abc.ABC):
     def make_experience(self, prompts: Prompts, **options: object) -> Experience:
         """All rows of one request as one Experience (options: build_make_experience_request)."""
         spec = self.decode(build_make_experience_request(prompts, **options))
+        if spec.min_policy_version > self.policy_version:  # the same refusal as the RPC's
+            raise FailedPrecondition(
+                f"min_policy_version: {spec.min_policy_version} requested, the actor is at "
+                f"version {self.policy_version}"
+            )
         batches = list(self.iter_experience(spec, policy_version=self.policy_version))
         return concat_experiences(batches, pad_token_id=self.pad_token_id)
 
@@ -122,6 +131,7 @@ class NaiveExperienceMaker(ExperienceMaker):
     ) -> Iterator[Experience]:
         whole_request = spec.algorithm.effective_whitening != "none"
         pending: list[ScoredBatch] = []
+        buffer = _RowBuffer(spec.micro_batch_rows, self.pad_token_id)
         for index, rows in enumerate(_chunks(_row_prompts(spec), spec.generate_batch_rows)):
             if cancelled is not None and cancelled.is_set():
                 return
@@ -129,9 +139,11 @@ class NaiveExperienceMaker(ExperienceMaker):
             if whole_request:  # whitening statistics span every row of the request
                 pending.append(scored)
                 continue
-            yield from self._micro_batches(spec, scored, policy_version)
+            yield from buffer.add(self._shaped(spec, scored, policy_version))
         if pending:
-            yield from self._micro_batches(spec, _merge(pending, self.pad_token_id), policy_version)
+            merged = _merge(pending, self.pad_token_id)
+            yield from buffer.add(self._shaped(spec, merged, policy_version))
+        yield from buffer.flush()
 
     # ---- one generation batch ---------------------------------------------------------------
 
@@ -229,9 +241,8 @@ class NaiveExperienceMaker(ExperienceMaker):
 
     # ---- shaping and micro-batches ----------------------------------------------------------
 
-    def _micro_batches(
-        self, spec: ExperienceSpec, scored: ScoredBatch, policy_version: int
-    ) -> Iterator[Experience]:
+    def _shaped(self, spec: ExperienceSpec, scored: ScoredBatch, policy_version: int) -> Experience:
+        """Shape the rewards, KL and advantages of scored rows; the rows as one Experience."""
         generation = scored.generation
         device = generation.action_log_probs.device
         shaped = shape_experience(
@@ -245,11 +256,50 @@ class NaiveExperienceMaker(ExperienceMaker):
             max_new_tokens=spec.sampling.max_new_tokens,
             entropy=scored.entropy,
         )
-        full = _to_experience(spec, scored, shaped, policy_version)
-        total_tokens = generation.attention_mask.sum(-1).cpu()
-        for start in range(0, full.num_rows, spec.micro_batch_rows):
-            rows = slice(start, start + spec.micro_batch_rows)
-            yield _tight(_select_rows(full, rows), generation, rows, total_tokens[rows])
+        return _to_experience(spec, scored, shaped, policy_version)
+
+
+class _RowBuffer:
+    """Rows made but not streamed yet; hands them out as micro-batches of exactly `rows` rows.
+
+    Rows arrive a generation batch at a time, in the generation batch's layout. A micro-batch
+    that spans two generation batches is joined with concat_experiences (wire layout); each one
+    is trimmed to its own tight width. `rows` is a multiple of the group size and so is every
+    generation batch, so a group is never split.
+    """
+
+    def __init__(self, rows: int, pad_token_id: int) -> None:
+        self.rows = rows
+        self.pad_token_id = pad_token_id
+        self.parts: list[Experience] = []
+        self.count = 0
+
+    def add(self, experience: Experience) -> Iterator[Experience]:
+        self.parts.append(experience)
+        self.count += experience.num_rows
+        while self.count >= self.rows:
+            yield self._take(self.rows)
+
+    def flush(self) -> Iterator[Experience]:
+        if self.count:
+            yield self._take(self.count)
+
+    def _take(self, rows: int) -> Experience:
+        taken: list[Experience] = []
+        while rows:
+            part = self.parts[0]
+            if part.num_rows <= rows:
+                taken.append(_tight(self.parts.pop(0)))
+                rows -= part.num_rows
+                self.count -= part.num_rows
+                continue
+            taken.append(_tight(_select_rows(part, slice(0, rows))))
+            self.parts[0] = _select_rows(part, slice(rows, None))
+            self.count -= rows
+            rows = 0
+        if len(taken) == 1:
+            return taken[0]
+        return concat_experiences(taken, pad_token_id=self.pad_token_id)
 
 
 def _row_prompts(spec: ExperienceSpec) -> list[int]:
@@ -267,31 +317,33 @@ def _to_experience(
 ) -> Experience:
     """The whole generation batch as an Experience on the CPU (float32, bool masks)."""
     generation = scored.generation
-    cpu: Callable[[torch.Tensor | None], torch.Tensor | None] = lambda t: (
-        None if t is None else t.detach().to("cpu")
-    )
     rows = generation.sequences.shape[0]
-    info = {key: cpu(value) for key, value in shaped.info.items()}
+    info = {key: _cpu(value) for key, value in shaped.info.items()}
     info.update(scored.reward_info)
-    info["response_length"] = cpu(generation.response_lengths).to(torch.int64)
-    info["truncated"] = cpu(generation.truncated).to(torch.bool)
+    info["response_length"] = _cpu(generation.response_lengths).to(torch.int64)
+    info["total_length"] = _cpu(generation.attention_mask).sum(-1).to(torch.int64)
+    info["truncated"] = _cpu(generation.truncated).to(torch.bool)
     return Experience(
-        sequences=cpu(generation.sequences),
-        attention_mask=cpu(generation.attention_mask).bool(),
-        action_mask=cpu(shaped.action_mask).bool(),
-        action_log_probs=cpu(shaped.action_log_probs).float(),
-        base_action_log_probs=_float(cpu(shaped.base_action_log_probs)),
-        values=_float(cpu(scored.values)),
-        reward=cpu(shaped.reward).float(),
-        kl=cpu(shaped.kl).float(),
-        advantages=cpu(shaped.advantages).float(),
-        returns=cpu(shaped.returns).float(),
-        action_entropy=_float(cpu(scored.entropy)) if spec.return_entropy else None,
+        sequences=_cpu(generation.sequences),
+        attention_mask=_cpu(generation.attention_mask).bool(),
+        action_mask=_cpu(shaped.action_mask).bool(),
+        action_log_probs=_cpu(shaped.action_log_probs).float(),
+        base_action_log_probs=_float(_cpu(shaped.base_action_log_probs)),
+        values=_float(_cpu(scored.values)),
+        reward=_cpu(shaped.reward).float(),
+        kl=_cpu(shaped.kl).float(),
+        advantages=_cpu(shaped.advantages).float(),
+        returns=_cpu(shaped.returns).float(),
+        action_entropy=_float(_cpu(scored.entropy)) if spec.return_entropy else None,
         info=info,
         policy_version=torch.full((rows,), version, dtype=torch.int64),
         prompt_index=scored.prompt_index.clone(),
         response_texts=scored.texts if spec.return_texts else None,
     )
+
+
+def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().to("cpu")
 
 
 def _float(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -323,18 +375,17 @@ def _select_rows(e: Experience, rows: slice) -> Experience:
     return replace(e, **changes)
 
 
-def _tight(
-    e: Experience, generation: GenerationOutput, rows: slice, total_tokens: torch.Tensor
-) -> Experience:
-    """Trim the columns no row of this micro-batch uses: common left pad, common right pad."""
-    response_lengths = generation.response_lengths[rows].cpu()
-    prompt_lengths = total_tokens - response_lengths
-    width_p, width_a = int(prompt_lengths.max()), int(response_lengths.max())
-    first = generation.prompt_width - width_p
-    seq = slice(first, generation.prompt_width + width_a)
+def _tight(e: Experience) -> Experience:
+    """Trim the columns no row uses: the common left pad of the prompts and the common right
+    pad of the responses (read from the attention mask, which is true on every real token)."""
+    mask = e.attention_mask  # (B, S)
+    width = e.prompt_width
+    width_p = int(mask[:, :width].sum(-1).max())  # longest prompt
+    width_a = int(mask[:, width:].sum(-1).max())  # longest response (>= 1 token per row)
+    seq = slice(width - width_p, width + width_a)
     changes: dict[str, object] = {
         "sequences": e.sequences[:, seq].contiguous(),
-        "attention_mask": e.attention_mask[:, seq].contiguous(),
+        "attention_mask": mask[:, seq].contiguous(),
     }
     for name in (
         "action_mask",
@@ -359,7 +410,8 @@ def _tight(
 
 
 def _merge(batches: list[ScoredBatch], pad_token_id: int) -> ScoredBatch:
-    """Join generation batches into one, padding to a common layout (prompt left, response right)."""
+    """Join generation batches into one, padded to a common layout (prompt left, response
+    right)."""
     if len(batches) == 1:
         return batches[0]
     width_p = max(b.generation.prompt_width for b in batches)
