@@ -193,6 +193,8 @@ def _check_inputs(model: torch.nn.Module, ids: torch.Tensor, params: SamplingPar
     vocab = model.get_input_embeddings().num_embeddings
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         raise InvalidArgument(f"prompt token ids must lie in [0, {vocab})")
+    if any(max(seq) >= vocab for seq in params.stop_sequences):
+        raise InvalidArgument(f"stop_sequences ids must lie in [0, {vocab})")
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and ids.shape[1] + params.max_new_tokens > context:
         raise InvalidArgument(

@@ -53,7 +53,9 @@ def _check_layout(
         raise InvalidArgument(f"forward_batch_size must be >= 1, got {batch_size}")
 
 
-def _causal_lm_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, actions: int):
+def _causal_lm_logits(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, actions: int
+) -> torch.Tensor:
     """Logits (b, A, V) at positions S - A - 1 .. S - 2, computing as few positions as possible."""
     kwargs = {}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:

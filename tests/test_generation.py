@@ -286,3 +286,8 @@ def test_invalid_sampling_params_are_invalid_argument(kwargs: dict) -> None:
 def test_invalid_prompts_are_invalid_argument(actor, prompts) -> None:
     with pytest.raises(InvalidArgument):
         run(actor, SamplingParams(max_new_tokens=4), prompts=prompts)
+
+
+def test_stop_ids_outside_the_vocabulary_are_invalid_argument(actor) -> None:
+    with pytest.raises(InvalidArgument):
+        run(actor, SamplingParams(max_new_tokens=4, min_new_tokens=2, stop_sequences=((259,),)))
