@@ -20,6 +20,7 @@ from rollserve.server.weights import (
     UpdateStager,
     read_header,
     stage_chunks,
+    staging_arena,
 )
 from rollserve.v1 import rollout_pb2 as pb
 
@@ -92,9 +93,11 @@ class Runtime:
             header = read_header(requests)
             role, model = self._target(header)
             self._check_version(role, header.version)  # before receiving any bulk bytes
-            stager = UpdateStager(header, model.module, self._lora[role])
-            staged = stage_chunks(stager, requests)
-            applied = self.engine.call(lambda: self._swap(role, model, staged))
+            # Warm, reused staging memory; held until the swap, as staged tensors are its views.
+            with staging_arena(model.module).lease() as arena:
+                stager = UpdateStager(header, model.module, self._lora[role], arena=arena)
+                staged = stage_chunks(stager, requests)
+                applied = self.engine.call(lambda: self._swap(role, model, staged))
             seconds = time.monotonic() - started_s
         _LOG.info(
             "updated %s to version %d: %d tensors, %d bytes in %.2f s (%.2f GB/s)",

@@ -3,7 +3,8 @@
 Staging runs on the gRPC handler thread and never writes the model: the bytes land in one host
 arena (at most one staging copy of the target, plus the chunk in flight), and every check runs
 before the StagedUpdate exists. apply runs on the engine thread between batches, which is what
-makes the swap atomic for generation.
+makes the swap atomic for generation. The server stages into the target's reusable StagingArena
+(arena.py), leased for the whole stage-verify-apply, because the staged tensors are its views.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from rollserve.client.errors import FailedPrecondition, InvalidArgument
+from rollserve.server.weights.arena import StagingArena
 from rollserve.server.weights.header import DEFAULT_MAX_HEADER_BYTES
 from rollserve.server.weights.lora import LoraState, apply_lora
 from rollserve.server.weights.options import UpdateOptions, update_options
@@ -111,7 +113,9 @@ class UpdateStager:
         lora_state: LoraState | None,
         *,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        arena: StagingArena | None = None,
     ) -> None:
+        # arena: a leased StagingArena to stage into (held until apply is done); None: fresh.
         self._options = update_options(header)
         if self._options.mode == pb.UPDATE_MODE_LORA and lora_state is None:
             raise ValueError("a LoraState is required to stage a LoRA update")
@@ -122,6 +126,7 @@ class UpdateStager:
             self._checks,
             max_header_bytes=max_header_bytes,
             sha256_hex=self._options.sha256,
+            arena=arena,
         )
 
     def feed(self, offset: int, data: bytes | memoryview, crc32: int | None = None) -> None:
@@ -170,6 +175,7 @@ def stage_update(
     lora_state: LoraState | None,
     *,
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    arena: StagingArena | None = None,
 ) -> StagedUpdate:
     """Read a header, then chunks, until the stream ends; verify everything; touch no weights.
 
@@ -178,5 +184,5 @@ def stage_update(
     """
     stream = iter(requests)
     header = read_header(stream)
-    stager = UpdateStager(header, model, lora_state, max_header_bytes=max_header_bytes)
+    stager = UpdateStager(header, model, lora_state, max_header_bytes=max_header_bytes, arena=arena)
     return stage_chunks(stager, stream)

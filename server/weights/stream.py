@@ -1,9 +1,10 @@
 """Receive a safetensors file as ordered chunks and route its bytes into one staging arena.
 
 The 8-byte length and the JSON header are buffered and parsed once; then every data byte is
-copied exactly once, from the received chunk straight into a host arena preallocated for the
-whole data section (no whole-file blob, no per-tensor blobs, no safetensors.load). Tensors are
-views into the arena in their wire dtype and shape.
+copied exactly once, from the received chunk straight into a host arena sized for the whole data
+section (no whole-file blob, no per-tensor blobs, no safetensors.load). Tensors are views into the
+arena in their wire dtype and shape. The arena is a reusable StagingArena when the caller leases
+one (the server does: see arena.py for why and for the memory bound), else a fresh buffer.
 
 The arena mirrors the data section byte for byte, so a chunk lands with one memcpy, except where a
 tensor would start at an offset that is not a multiple of its itemsize (safetensors does not
@@ -23,6 +24,7 @@ from typing import Protocol
 
 import torch
 from rollserve.client.errors import InvalidArgument
+from rollserve.server.weights.arena import StagingArena
 from rollserve.server.weights.header import PREFIX_BYTES, StreamEntry, parse_header
 
 __all__ = ["ArenaLayout", "SafetensorsStager", "StagedFile", "StreamChecks", "plan_arena"]
@@ -88,7 +90,10 @@ class SafetensorsStager:
         *,
         max_header_bytes: int,
         sha256_hex: str | None = None,
+        arena: StagingArena | None = None,
     ) -> None:
+        # arena: a leased, reusable buffer (warm memory); None allocates a fresh one.
+        self._reusable_arena = arena
         self._total_bytes = total_bytes
         self._checks = checks
         self._max_header_bytes = max_header_bytes
@@ -181,7 +186,10 @@ class SafetensorsStager:
         self._checks.check_header(self._entries)
         self._layout = plan_arena(self._entries, data_bytes)
         self._segment_begins = [begin for begin, _, _ in self._layout.segments]
-        self._arena = torch.empty(self._layout.arena_bytes, dtype=torch.uint8)
+        if self._reusable_arena is not None:
+            self._arena = self._reusable_arena.take(self._layout.arena_bytes)
+        else:
+            self._arena = torch.empty(self._layout.arena_bytes, dtype=torch.uint8)
         self._arena_view = memoryview(self._arena.numpy())
 
     def _route(self, position: int, view: memoryview) -> None:

@@ -1,0 +1,363 @@
+"""UpdateWeights applied GB/s against raw TCP loopback GB/s, in interleaved rounds.
+
+Each round measures, one after the other:
+
+* raw TCP: a sender process `sendall`s 4 MiB blocks (~1 GiB in all) over 127.0.0.1 to a
+  receiver process that `recv_into`s a preallocated buffer and acks the last byte; the clock runs
+  in the sender from the first byte to the ack;
+* UpdateWeights: a client process pushes the whole state dict of a random Llama (~100M
+  parameters, float32, built from a config and saved to a temp dir) in 1 MiB chunks (CRC-32 on,
+  the client's default) to a real `rollserve serve` subprocess; the clock runs from the first
+  message to the server's reply, i.e. until the new weights are applied (received, verified and
+  copied into the model on the engine thread).
+
+The headline is the median of the per-round ratios (this VM drifts by +-20 % from minute to
+minute, so only paired ratios are stable; reference/transport.md). Target: >= 0.45. We also print
+the end-to-end seconds of the first (cold) update and of the warm ones, the server's and client's
+CPU seconds per GiB, and the server's resident memory: after loading, and its peak during each
+update (VmHWM, reset before each update through /proc/<pid>/clear_refs).
+
+Every process runs with the tuned malloc environment of reference/transport.md
+(MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_TOP_PAD_=67108864):
+the script re-executes itself with it unless --default-malloc is given.
+
+    python bench/bench_update_weights.py                  # ~2-3 minutes on 2 cores
+    python bench/bench_update_weights.py --rounds 3 --hidden 256 --layers 4 --vocab 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+TUNED_MALLOC = {
+    "MALLOC_MMAP_THRESHOLD_": "33554432",
+    "MALLOC_TRIM_THRESHOLD_": "1073741824",
+    "MALLOC_TOP_PAD_": "67108864",
+}
+MIB = 1 << 20
+GIB = 1 << 30
+TCP_BLOCK_BYTES = 4 * MIB
+_TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
+
+
+# ---- raw TCP ----------------------------------------------------------------------------------
+
+
+def _tcp_receiver(port_out: Connection, total_bytes: int) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port_out.send(listener.getsockname()[1])
+        conn, _ = listener.accept()
+    buffer = memoryview(bytearray(TCP_BLOCK_BYTES))  # preallocated, reused for every block
+    received = 0
+    with conn:
+        while received < total_bytes:
+            filled = 0
+            want = min(TCP_BLOCK_BYTES, total_bytes - received)
+            while filled < want:
+                got = conn.recv_into(buffer[filled:want])
+                if not got:
+                    raise ConnectionError("sender closed early")
+                filled += got
+            received += filled
+        conn.sendall(b"k")
+
+
+def _tcp_sender(port: int, total_bytes: int, result: Connection) -> None:
+    block = memoryview(os.urandom(TCP_BLOCK_BYTES))
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        started_s = time.perf_counter()
+        sent = 0
+        while sent < total_bytes:
+            take = min(TCP_BLOCK_BYTES, total_bytes - sent)
+            conn.sendall(block[:take])
+            sent += take
+        if conn.recv(1) != b"k":
+            raise ConnectionError("no ack")
+        result.send(time.perf_counter() - started_s)
+
+
+def raw_tcp_gbps(total_bytes: int) -> float:
+    """One sender and one receiver process over 127.0.0.1; GB/s (1e9) from first byte to ack."""
+    ctx = mp.get_context("spawn")
+    port_in, port_out = ctx.Pipe(duplex=False)
+    result_in, result_out = ctx.Pipe(duplex=False)
+    receiver = ctx.Process(target=_tcp_receiver, args=(port_out, total_bytes))
+    receiver.start()
+    port = port_in.recv()
+    sender = ctx.Process(target=_tcp_sender, args=(port, total_bytes, result_out))
+    sender.start()
+    seconds = result_in.recv()
+    sender.join()
+    receiver.join()
+    return total_bytes / seconds / 1e9
+
+
+# ---- the model and the server -----------------------------------------------------------------
+
+
+def save_actor(directory: Path, args: argparse.Namespace) -> int:
+    """A random Llama actor + the byte tokenizer saved to `directory`; returns its parameters."""
+    import torch
+    from rollserve.server.default_model import build_byte_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
+        num_key_value_heads=max(1, args.hidden // 64), max_position_embeddings=1024,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(directory)
+    build_byte_tokenizer().save_pretrained(directory)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _read_status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of every thread of `pid`, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _reset_peak_rss(pid: int) -> None:
+    # "5" resets VmHWM to the current RSS (Linux >= 4.0), so VmHWM then is the peak of one update.
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+# ---- the client process -----------------------------------------------------------------------
+
+
+def _update_client(conn: Connection, target: str, weights_file: str, chunk_bytes: int) -> None:
+    """Holds the state dict; for each version received, pushes it and reports the timings."""
+    from rollserve.client.client import RolloutClient
+    from safetensors.torch import load_file
+
+    state_dict = load_file(weights_file)
+    with RolloutClient(target, timeout_s=600.0) as client:
+        conn.send("ready")
+        while (version := conn.recv()) is not None:
+            cpu_before = resource.getrusage(resource.RUSAGE_SELF)
+            result = client.update_weights(state_dict, version=version, chunk_bytes=chunk_bytes)
+            cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+            cpu_s = (cpu_after.ru_utime - cpu_before.ru_utime) + (
+                cpu_after.ru_stime - cpu_before.ru_stime
+            )
+            conn.send((result.bytes, result.wall_s, result.server_seconds, cpu_s))
+
+
+@dataclass(frozen=True)
+class UpdateRound:
+    file_bytes: int
+    wall_s: float
+    server_s: float  # the server's own clock: header arrival to swap
+    client_cpu_s: float
+    server_cpu_s: float
+    server_rss_before_gib: float
+    server_peak_rss_gib: float
+
+    @property
+    def gbps(self) -> float:
+        return self.file_bytes / self.wall_s / 1e9
+
+
+def run_update(conn: Connection, server_pid: int, version: int) -> UpdateRound:
+    rss_before_kib = _read_status_kib(server_pid, "VmRSS")
+    _reset_peak_rss(server_pid)
+    server_cpu_before = _cpu_s(server_pid)
+    conn.send(version)
+    file_bytes, wall_s, server_s, client_cpu_s = conn.recv()
+    return UpdateRound(
+        file_bytes=file_bytes,
+        wall_s=wall_s,
+        server_s=server_s,
+        client_cpu_s=client_cpu_s,
+        server_cpu_s=_cpu_s(server_pid) - server_cpu_before,
+        server_rss_before_gib=rss_before_kib / 2**20,
+        server_peak_rss_gib=_read_status_kib(server_pid, "VmHWM") / 2**20,
+    )
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds (after a warm-up)")
+    parser.add_argument("--tcp-gib", type=float, default=1.0, help="raw TCP bytes per round")
+    parser.add_argument("--chunk-bytes", type=int, default=1 * MIB)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--default-malloc", action="store_true", help="do not re-run with the tuned malloc env"
+    )
+    return parser.parse_args(argv)
+
+
+def _ensure_tuned_malloc(args: argparse.Namespace) -> None:
+    """glibc reads MALLOC_* at start-up: re-execute this script with them set."""
+    if args.default_malloc or all(os.environ.get(k) == v for k, v in TUNED_MALLOC.items()):
+        return
+    env = {**os.environ, **TUNED_MALLOC}
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def _machine() -> str:
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    import grpc
+    import torch
+    from google.protobuf.internal import api_implementation
+
+    return (
+        f"{os.cpu_count()} x {cpu}, Linux {platform.release()}, "
+        f"Python {platform.python_version()}, grpcio {grpc.__version__}, "
+        f"protobuf {api_implementation.Type()}, torch {torch.__version__}"
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = _parse_args(argv)
+    _ensure_tuned_malloc(args)
+    sys.path.insert(0, str(_TESTS_DIR))
+    from helpers_server import start_server_process
+
+    tuned = all(os.environ.get(k) == v for k, v in TUNED_MALLOC.items())
+    print(f"machine: {_machine()}")
+    settings = " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items())
+    print(f"malloc: {'tuned ' + settings if tuned else 'default'}")
+    tcp_bytes = int(args.tcp_gib * GIB)
+    with tempfile.TemporaryDirectory(prefix="rollserve-bench-") as tmp:
+        started_s = time.monotonic()
+        parameters = save_actor(Path(tmp), args)
+        built_s = time.monotonic() - started_s
+        print(f"actor: {parameters / 1e6:.1f}M parameters, float32, built in {built_s:.1f} s")
+        proc, port = start_server_process(
+            "--device", "cpu", "--dtype", "float32", "--actor", tmp, "--log-level", "WARNING",
+            timeout_s=600.0,
+        )  # fmt: skip
+        ctx = mp.get_context("spawn")
+        conn, child_conn = ctx.Pipe()
+        weights_file = str(Path(tmp) / "model.safetensors")
+        client = ctx.Process(
+            target=_update_client,
+            args=(child_conn, f"127.0.0.1:{port}", weights_file, args.chunk_bytes),
+        )
+        client.start()
+        try:
+            assert conn.recv() == "ready"
+            rss_loaded_gib = _read_status_kib(proc.pid, "VmRSS") / 2**20
+            cold = run_update(conn, proc.pid, version=1)
+            raw_tcp_gbps(tcp_bytes)  # warm-up
+            rows = []
+            for index in range(args.rounds):
+                tcp = raw_tcp_gbps(tcp_bytes)
+                update = run_update(conn, proc.pid, version=index + 2)
+                rows.append((tcp, update))
+                print(f"round {index + 1}: {_describe(tcp, update)}", flush=True)
+        finally:
+            conn.send(None)
+            client.join(timeout=60)
+            proc.terminate_and_wait()
+    summary = _summary(args, parameters, rss_loaded_gib, cold, rows, tuned)
+    _print_summary(summary)
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def _describe(tcp_gbps: float, update: UpdateRound) -> str:
+    per_gib = GIB / update.file_bytes
+    return (
+        f"raw TCP {tcp_gbps:.2f} GB/s, UpdateWeights {update.gbps:.2f} GB/s "
+        f"({update.wall_s:.2f} s), ratio {update.gbps / tcp_gbps:.3f}; CPU-s/GiB client "
+        f"{update.client_cpu_s * per_gib:.2f} server {update.server_cpu_s * per_gib:.2f}; "
+        f"server RSS {update.server_rss_before_gib:.2f} GiB, peak {update.server_peak_rss_gib:.2f}"
+    )
+
+
+def _summary(args, parameters, rss_loaded_gib, cold, rows, tuned) -> dict:
+    ratios = [update.gbps / tcp for tcp, update in rows]
+    updates = [update for _, update in rows]
+    return {
+        "machine": _machine(),
+        "malloc": "tuned" if tuned else "default",
+        "parameters": parameters,
+        "file_bytes": cold.file_bytes,
+        "chunk_bytes": args.chunk_bytes,
+        "ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+        "median_tcp_gbps": statistics.median(tcp for tcp, _ in rows),
+        "median_update_gbps": statistics.median(u.gbps for u in updates),
+        "cold_update_s": cold.wall_s,
+        "median_warm_update_s": statistics.median(u.wall_s for u in updates),
+        "server_rss_loaded_gib": rss_loaded_gib,
+        "cold_server_peak_rss_gib": cold.server_peak_rss_gib,
+        "max_warm_server_peak_rss_gib": max(u.server_peak_rss_gib for u in updates),
+        "median_client_cpu_s_per_gib": statistics.median(
+            u.client_cpu_s / u.file_bytes * GIB for u in updates
+        ),
+        "median_server_cpu_s_per_gib": statistics.median(
+            u.server_cpu_s / u.file_bytes * GIB for u in updates
+        ),
+        "cold": asdict(cold),
+        "rounds": [{"tcp_gbps": tcp, **asdict(u), "gbps": u.gbps} for tcp, u in rows],
+    }
+
+
+def _print_summary(s: dict) -> None:
+    print(
+        f"\nfile {s['file_bytes'] / 1e9:.3f} GB ({s['parameters'] / 1e6:.1f}M params), "
+        f"chunks of {s['chunk_bytes'] // 1024} KiB, malloc {s['malloc']}"
+    )
+    print(
+        f"median ratio UpdateWeights / raw TCP: {s['median_ratio']:.3f} (target >= 0.45); "
+        f"medians: raw TCP {s['median_tcp_gbps']:.2f} GB/s, UpdateWeights "
+        f"{s['median_update_gbps']:.2f} GB/s"
+    )
+    print(
+        f"end to end: first (cold) update {s['cold_update_s']:.2f} s, warm median "
+        f"{s['median_warm_update_s']:.2f} s"
+    )
+    print(
+        f"server RSS: {s['server_rss_loaded_gib']:.2f} GiB after loading (actor + reference copy);"
+        f" peak during the cold update {s['cold_server_peak_rss_gib']:.2f} GiB, during warm "
+        f"updates at most {s['max_warm_server_peak_rss_gib']:.2f} GiB"
+    )
+    print(
+        f"CPU-s/GiB (median): client {s['median_client_cpu_s_per_gib']:.2f}, server "
+        f"{s['median_server_cpu_s_per_gib']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

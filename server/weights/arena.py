@@ -1,0 +1,78 @@
+"""The staging arena: one host buffer per target model, kept between weight updates.
+
+Why keep it: a fresh buffer of hundreds of MB is mapped by the kernel page by page on first
+write, and those page faults cost about 1 GB/s on our 2-core VMs (reference/transport.md), which
+capped the applied throughput of an update at a fraction of the network's. A buffer that already
+served an update is resident, so the next update writes into warm memory at memcpy speed.
+
+Memory bound: a model has one arena. It grows (freeing the old buffer before allocating the new
+one) only when an update needs more bytes than it holds, and never shrinks by itself, so the
+host holds at most one staging copy of the model's largest update so far (the data section of
+its safetensors file, in the wire dtype), plus the one chunk being received. `release` gives the
+memory back.
+
+Sharing: the arenas live in a registry keyed weakly by the model module, so two servers sharing
+one loaded model (tests do) share its arena; `lease` makes the holder exclusive for the whole
+stage-verify-apply of one update, since the staged tensors are views into the arena.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["StagingArena", "staging_arena"]
+
+
+class StagingArena:
+    """A growable uint8 host buffer; hand out with `lease`, then `take(nbytes)` per update."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self._lease = threading.Lock()
+        self.allocations = 0  # buffers allocated so far (a steady state allocates none)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    @contextmanager
+    def lease(self) -> Iterator[StagingArena]:
+        """Hold the arena for one update (waits while another update of the model holds it)."""
+        with self._lease:
+            yield self
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The first nbytes of the buffer (uint8, contents undefined), growing it if needed.
+
+        Call only while holding the lease; earlier takes' views must be dead, since they alias.
+        """
+        if nbytes > self.capacity_bytes:
+            self._buffer = None  # free the old buffer first: never two arenas at once
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+            self.allocations += 1
+        if self._buffer is None:  # nbytes == 0 and nothing allocated yet
+            return torch.empty(0, dtype=torch.uint8)
+        return self._buffer[:nbytes]
+
+    def release(self) -> None:
+        """Give the buffer back to the allocator (the next update allocates a fresh one)."""
+        with self._lease:
+            self._buffer = None
+
+
+_ARENAS: weakref.WeakKeyDictionary[torch.nn.Module, StagingArena] = weakref.WeakKeyDictionary()
+_ARENAS_LOCK = threading.Lock()
+
+
+def staging_arena(model: torch.nn.Module) -> StagingArena:
+    """The arena of `model` (created empty on first use; dropped with the model)."""
+    with _ARENAS_LOCK:
+        arena = _ARENAS.get(model)
+        if arena is None:
+            arena = _ARENAS[model] = StagingArena()
+        return arena
