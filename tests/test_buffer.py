@@ -1,0 +1,227 @@
+"""ExperienceBuffer: eviction order, sampled batches in the wire layout, epochs, CPU offload."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollserve.client.buffer import ExperienceBuffer
+from rollserve.client.errors import InvalidArgument
+from rollserve.client.experience import Experience, split_experience_batch
+
+PAD = 0
+
+
+def build_experience(
+    prompt_lens: list[int], response_lens: list[int], *, version: int, seed: int = 0
+) -> Experience:
+    """Rows in the wire layout (prompts left-, responses right-padded) with distinct values.
+
+    Every row's tokens are unique across the test (offset by version), so rows can be
+    recognised after re-batching; masked action columns carry non-zero values on purpose.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    b, p, a = len(prompt_lens), max(prompt_lens), max(response_lens)
+    sequences = torch.full((b, p + a), PAD, dtype=torch.int64)  # (B, S)
+    attention_mask = torch.zeros(b, p + a, dtype=torch.bool)  # (B, S)
+    action_mask = torch.zeros(b, a, dtype=torch.bool)  # (B, A)
+    for i, (lp, la) in enumerate(zip(prompt_lens, response_lens, strict=True)):
+        tokens = torch.arange(lp + la) + 1000 * version + 100 * i + 1
+        sequences[i, p - lp : p + la] = tokens
+        attention_mask[i, p - lp : p + la] = True
+        action_mask[i, :la] = True
+
+    def floats() -> torch.Tensor:
+        return torch.randn(b, a, generator=gen)  # (B, A)
+
+    return Experience(
+        sequences=sequences,
+        attention_mask=attention_mask,
+        action_mask=action_mask,
+        action_log_probs=floats(),
+        base_action_log_probs=floats(),
+        reward=torch.randn(b, generator=gen),
+        kl=floats(),
+        advantages=floats(),
+        returns=floats(),
+        info={"response_length": torch.tensor(response_lens, dtype=torch.float32)},
+        policy_version=torch.full((b,), version, dtype=torch.int64),
+        prompt_index=torch.arange(b, dtype=torch.int64),
+        response_texts=tuple(f"v{version}r{i}" for i in range(b)),
+    )
+
+
+def row_key(e: Experience, i: int) -> str:
+    """The identity of row i (its response text, unique per row in these tests)."""
+    assert e.response_texts is not None
+    return e.response_texts[i]
+
+
+def real_tokens(e: Experience, i: int) -> list[int]:
+    return e.sequences[i][e.attention_mask[i]].tolist()
+
+
+def test_limit_evicts_oldest_rows_first() -> None:
+    buffer = ExperienceBuffer(limit=5)
+    buffer.append(build_experience([2, 3, 1], [2, 2, 1], version=1))
+    buffer.append(build_experience([1, 1], [3, 1], version=2))
+    assert len(buffer) == 5  # exactly at the limit: nothing dropped
+    buffer.append(build_experience([4, 2], [1, 4], version=3))
+    assert len(buffer) == 5
+    held = [(item.policy_version, item.prompt_index) for item in buffer.items]
+    assert held == [(1, 2), (2, 0), (2, 1), (3, 0), (3, 1)]
+    # One experience larger than the limit keeps only its newest rows.
+    buffer.append(build_experience([1] * 7, [1] * 7, version=4))
+    assert [item.prompt_index for item in buffer.items] == [2, 3, 4, 5, 6]
+    assert {item.policy_version for item in buffer.items} == {4}
+
+
+def test_zero_limit_is_unlimited_and_clear_empties() -> None:
+    buffer = ExperienceBuffer()
+    for version in range(1, 5):
+        buffer.append(build_experience([2] * 10, [3] * 10, version=version))
+    assert len(buffer) == 40
+    buffer.clear()
+    assert len(buffer) == 0
+    assert list(buffer.iter_batches(4)) == []
+
+
+def test_sample_rebatches_items_of_different_widths_in_the_wire_layout() -> None:
+    narrow = build_experience([2, 1], [1, 2], version=1, seed=1)  # P = 2, A = 2
+    wide = build_experience([5, 3], [4, 6], version=2, seed=2)  # P = 5, A = 6
+    buffer = ExperienceBuffer()
+    buffer.append(narrow)
+    buffer.append(wide)
+    originals = {row_key(e, i): (e, i) for e in (narrow, wide) for i in range(e.num_rows)}
+    batch = buffer.sample(4, generator=torch.Generator().manual_seed(0))
+    assert batch.sequences.shape == (4, 5 + 6)
+    assert batch.action_mask.shape == (4, 6)
+    assert batch.prompt_width == 5
+    assert sorted(batch.response_texts or ()) == sorted(originals)  # each row once
+    for i in range(batch.num_rows):
+        source, j = originals[row_key(batch, i)]
+        p_src = source.prompt_width
+        n_prompt = int(source.attention_mask[j, :p_src].sum())
+        n_resp = int(source.action_mask[j].sum())
+        # Prompt part ends at column P, response part starts there: pads left, then right.
+        expected_attention = [False] * (5 - n_prompt) + [True] * (n_prompt + n_resp)
+        expected_attention += [False] * (6 - n_resp)
+        assert batch.attention_mask[i].tolist() == expected_attention
+        assert real_tokens(batch, i) == real_tokens(source, j)
+        assert (batch.sequences[i][~batch.attention_mask[i]] == PAD).all()
+        response = source.sequences[j, p_src : p_src + n_resp]
+        assert torch.equal(batch.sequences[i, 5 : 5 + n_resp], response)
+        # Action fields: the source's columns first (masked ones too), zeros to the right.
+        a_src = source.num_actions
+        for name in ("action_log_probs", "base_action_log_probs", "kl", "advantages", "returns"):
+            got, want = getattr(batch, name)[i], getattr(source, name)[j]
+            assert torch.equal(got[:a_src], want), name
+            assert (got[a_src:] == 0).all(), name
+        assert batch.action_mask[i].tolist() == [True] * n_resp + [False] * (6 - n_resp)
+        assert batch.reward[i] == source.reward[j]
+        assert batch.policy_version[i] == source.policy_version[j]
+        assert batch.info["response_length"][i] == n_resp
+
+
+def test_sample_draws_distinct_rows_reproducibly_and_checks_its_size() -> None:
+    buffer = ExperienceBuffer()
+    buffer.append(build_experience([2] * 6, [2] * 6, version=1))
+    first = buffer.sample(3, generator=torch.Generator().manual_seed(7))
+    again = buffer.sample(3, generator=torch.Generator().manual_seed(7))
+    assert first.response_texts == again.response_texts
+    assert len(set(first.response_texts or ())) == 3
+    assert len(set(buffer.sample(6).response_texts or ())) == 6
+    with pytest.raises(InvalidArgument, match="exceeds"):
+        buffer.sample(7)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InvalidArgument, match="batch_size"):
+            buffer.sample(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_iter_batches_covers_every_row_once_per_epoch(drop_last: bool) -> None:
+    buffer = ExperienceBuffer()
+    buffer.append(build_experience([1, 2, 3, 4], [4, 3, 2, 1], version=1))
+    buffer.append(build_experience([3, 1, 2], [1, 5, 2], version=2))
+    buffer.append(build_experience([2, 2, 2, 2], [2, 2, 2, 2], version=3))
+    everything = sorted(item.response_text or "" for item in buffer.items)  # 11 rows
+    generator = torch.Generator().manual_seed(0)
+    orders = []
+    for _epoch in range(3):
+        batches = list(buffer.iter_batches(4, drop_last=drop_last, generator=generator))
+        sizes = [b.num_rows for b in batches]
+        assert sizes == ([4, 4] if drop_last else [4, 4, 3])
+        seen = [row_key(b, i) for b in batches for i in range(b.num_rows)]
+        assert len(seen) == len(set(seen))
+        if drop_last:
+            assert set(seen) < set(everything)
+        else:
+            assert sorted(seen) == everything
+        orders.append(seen)
+    assert orders[0] != orders[1] or orders[1] != orders[2]  # shuffled between epochs
+
+
+def test_iter_batches_without_shuffle_keeps_insertion_order() -> None:
+    buffer = ExperienceBuffer()
+    first = build_experience([1, 2], [2, 1], version=1)
+    second = build_experience([3], [3], version=2)
+    buffer.append(first)
+    buffer.append(second)
+    batches = list(buffer.iter_batches(2, shuffle=False))
+    seen = [row_key(b, i) for b in batches for i in range(b.num_rows)]
+    assert seen == ["v1r0", "v1r1", "v2r0"]
+    # A batch of rows from one experience is that experience bit for bit (split inverts batch).
+    assert torch.equal(batches[0].sequences, first.sequences)
+    assert torch.equal(batches[0].kl, first.kl)
+
+
+def test_iteration_is_a_snapshot_of_the_rows_held_at_the_call() -> None:
+    buffer = ExperienceBuffer(limit=4)
+    buffer.append(build_experience([1] * 4, [1] * 4, version=1))
+    epoch = buffer.iter_batches(2, shuffle=False)
+    next(epoch)
+    buffer.append(build_experience([1] * 4, [1] * 4, version=2))  # evicts every v1 row
+    rest = [row_key(b, i) for b in epoch for i in range(b.num_rows)]
+    assert rest == ["v1r2", "v1r3"]
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_cpu_offload_stores_rows_on_cpu(device: str) -> None:
+    experience = build_experience([2, 3], [3, 2], version=1)
+    on_device = experience.to_device(device)
+    buffer = ExperienceBuffer(cpu_offload=True)
+    buffer.append(on_device)
+    for item in buffer.items:
+        tensors = [item.sequences, item.action_log_probs, item.reward, *item.info.values()]
+        assert all(t.device.type == "cpu" for t in tensors)
+    batch = buffer.sample(2, generator=torch.Generator().manual_seed(0))
+    assert batch.sequences.device.type == "cpu"
+    rows = {row_key(batch, i): i for i in range(2)}
+    for j in range(2):
+        i = rows[row_key(experience, j)]
+        for name in ("sequences", "attention_mask", "action_mask", "kl", "advantages"):
+            assert torch.equal(getattr(batch, name)[i], getattr(experience, name)[j]), name
+    # Without offload the rows stay where they came from.
+    kept = ExperienceBuffer()
+    kept.append(on_device)
+    assert kept.items[0].sequences.device.type == device
+    assert kept.sample(1).advantages.device.type == device
+
+
+def test_rejects_bad_arguments() -> None:
+    for bad in (-1, 2.0, True):
+        with pytest.raises(InvalidArgument, match="limit"):
+            ExperienceBuffer(limit=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        ExperienceBuffer().append(split_experience_batch(build_experience([1], [1], version=1)))  # type: ignore[arg-type]
