@@ -8,8 +8,12 @@ safetensors; never transformers).
                                      gt_answers=answers)
         ...train on exp...
         client.update_weights(policy.state_dict(), version=step)
+
+AsyncRolloutClient is the same surface for asyncio; ReplicatedRolloutClient spreads experience
+calls over several servers and fans weight updates out to all of them.
 """
 
+from rollserve.client.aio import AsyncRolloutClient
 from rollserve.client.client import RolloutClient
 from rollserve.client.codec import decode_tensor, encode_tensor
 from rollserve.client.errors import (
@@ -34,11 +38,20 @@ from rollserve.client.experience import (
     split_experience_batch,
 )
 from rollserve.client.kl_controller import AdaptiveKLController, FixedKLController, mean_kl
+from rollserve.client.replicas import (
+    ReplicaHealth,
+    ReplicatedRolloutClient,
+    ReplicaUpdateError,
+    resolve_targets,
+)
 from rollserve.client.requests import build_make_experience_request
 from rollserve.client.results import HealthStatus, ModelStatus, UpdateResult
 
 __all__ = [
     "RolloutClient",
+    "AsyncRolloutClient",
+    "ReplicatedRolloutClient",
+    "resolve_targets",
     "Experience",
     "BufferItem",
     "split_experience_batch",
@@ -48,6 +61,7 @@ __all__ = [
     "HealthStatus",
     "ModelStatus",
     "UpdateResult",
+    "ReplicaHealth",
     "FixedKLController",
     "AdaptiveKLController",
     "mean_kl",
@@ -65,4 +79,5 @@ __all__ = [
     "Unimplemented",
     "Internal",
     "TensorCodecError",
+    "ReplicaUpdateError",
 ]

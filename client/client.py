@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import grpc
 import torch
-from rollserve.client.channel import DEFAULT_MAX_MESSAGE_BYTES, open_channel
-from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable, from_rpc_error
+from rollserve.client.calls import CallSettings, Metadata, land, typed_errors, with_progress
+from rollserve.client.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_credentials, open_channel
+from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable
 from rollserve.client.experience import Experience, concat_experiences, experience_from_proto
 from rollserve.client.requests import Prompts, build_make_experience_request
 from rollserve.client.results import HealthStatus, UpdateResult
@@ -20,23 +19,20 @@ from rollserve.v1 import rollout_pb2_grpc
 
 __all__ = ["RolloutClient"]
 
-T = TypeVar("T")
-
-
-@contextmanager
-def _typed_errors() -> Iterator[None]:
-    """Turn grpc.RpcError into the shared exception table (rollserve.client.errors)."""
-    try:
-        yield
-    except grpc.RpcError as error:
-        raise from_rpc_error(error) from None
+# Longest single Health poll inside wait_until_ready: a hung server must not eat the budget.
+POLL_CALL_S = 5.0
 
 
 class RolloutClient:
     """A connection to one rollserve server.
 
-    Every call has a deadline (`timeout_s`, defaulting to the client's). Errors are raised as
-    the typed exceptions of `rollserve.client.errors`, carrying the gRPC status in `.code`.
+    Every call has a deadline (`timeout_s`, defaulting to the client's) and carries the client's
+    metadata: `token` as "authorization: Bearer <token>" plus any `metadata` pairs. TLS comes
+    from `credentials`, or from PEM bytes (`root_certificates`; `private_key` and
+    `certificate_chain` for mutual TLS). Without TLS the token travels in clear text.
+    Errors are raised as the typed exceptions of `rollserve.client.errors`, carrying the gRPC
+    status in `.code`. Health and MakeExperience are retried by gRPC on UNAVAILABLE (see
+    `rollserve.client.channel`); UpdateWeights never is.
     """
 
     def __init__(
@@ -44,29 +40,61 @@ class RolloutClient:
         target: str,
         *,
         timeout_s: float = 60.0,
+        token: str | None = None,
+        metadata: Metadata = (),
         credentials: grpc.ChannelCredentials | None = None,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        channel_options: Sequence[tuple[str, object]] = (),
     ) -> None:
         self.target = target
-        self.timeout_s = timeout_s
+        self._settings = CallSettings.build(timeout_s=timeout_s, token=token, metadata=metadata)
+        tls = channel_credentials(
+            credentials=credentials,
+            root_certificates=root_certificates,
+            private_key=private_key,
+            certificate_chain=certificate_chain,
+        )
         self._channel = open_channel(
-            target, credentials=credentials, max_message_bytes=max_message_bytes
+            target,
+            credentials=tls,
+            max_message_bytes=max_message_bytes,
+            extra_options=channel_options,
         )
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
 
+    @property
+    def timeout_s(self) -> float:
+        """The default deadline of every call."""
+        return self._settings.timeout_s
+
     def health(self, *, timeout_s: float | None = None) -> HealthStatus:
         """The server's readiness, model versions and load."""
-        with _typed_errors():
-            reply = self._stub.Health(pb.HealthRequest(), timeout=self._timeout(timeout_s))
+        return self._health(timeout_s, wait_for_ready=False)
+
+    def _health(self, timeout_s: float | None, *, wait_for_ready: bool) -> HealthStatus:
+        with typed_errors():
+            reply = self._stub.Health(
+                pb.HealthRequest(),
+                timeout=self._settings.timeout(timeout_s),
+                metadata=self._settings.metadata_for(),
+                wait_for_ready=wait_for_ready,
+            )
         return HealthStatus.from_proto(reply)
 
     def wait_until_ready(self, timeout_s: float = 60.0, *, poll_s: float = 0.2) -> HealthStatus:
-        """Block until the server reports SERVING; DeadlineExceeded after `timeout_s`."""
+        """Block until the server reports SERVING; DeadlineExceeded after `timeout_s`.
+
+        Polls use gRPC's wait-for-ready, so a server that is not listening yet is waited for
+        instead of failing fast; a listening server that is still loading is polled.
+        """
         deadline = time.monotonic() + timeout_s
         last: HealthStatus | RolloutError | None = None
         while (remaining := deadline - time.monotonic()) > 0:
             try:
-                last = self.health(timeout_s=min(remaining, 5.0))
+                last = self._health(min(remaining, POLL_CALL_S), wait_for_ready=True)
                 if last.serving:
                     return last
             except (Unavailable, DeadlineExceeded) as error:  # not listening yet, or loading
@@ -82,9 +110,12 @@ class RolloutClient:
         device: torch.device | str | None = None,
         **options: object,
     ) -> Iterator[Experience]:
-        """Experience micro-batches as the server makes them (options: see make_experience)."""
+        """Experience micro-batches as the server makes them (options: see make_experience).
+
+        Closing the iterator early cancels the call, so the server stops making the rest.
+        """
         for experience in self._micro_batches(prompts, timeout_s, options):
-            yield _land(experience, device)
+            yield land(experience, device)
 
     def make_experience(
         self,
@@ -98,18 +129,27 @@ class RolloutClient:
 
         `prompts` are token-id lists or strings; `options` are the keyword arguments of
         `rollserve.client.requests.build_make_experience_request` (samples_per_prompt,
-        max_new_tokens, temperature, seed, preset, algorithm={...}, rewards={...}, ...).
+        max_new_tokens, temperature, seed, preset, algorithm={...}, rewards={...},
+        request_id, ...). A `request_id` also travels as x-request-id call metadata.
         """
         batches = list(self._micro_batches(prompts, timeout_s, options))
-        return _land(concat_experiences(batches), device)
+        return land(concat_experiences(batches), device)
 
     def _micro_batches(
         self, prompts: Prompts, timeout_s: float | None, options: Mapping[str, object]
     ) -> Iterator[Experience]:
-        request = build_make_experience_request(prompts, **options)
-        with _typed_errors():
-            for reply in self._stub.MakeExperience(request, timeout=self._timeout(timeout_s)):
-                yield experience_from_proto(reply.experience)
+        request = build_make_experience_request(prompts, **options)  # type: ignore[arg-type]
+        call = self._stub.MakeExperience(
+            request,
+            timeout=self._settings.timeout(timeout_s),
+            metadata=self._settings.metadata_for(request.request_id),
+        )
+        try:
+            with typed_errors():
+                for reply in call:
+                    yield experience_from_proto(reply.experience)
+        finally:
+            call.cancel()  # a no-op after the last reply; frees the server when abandoned
 
     def update_weights(
         self,
@@ -120,6 +160,7 @@ class RolloutClient:
         mode: str = "full",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout_s: float | None = None,
+        request_id: str | None = None,
         progress: Callable[[int, int], None] | None = None,
         **stream_options: object,
     ) -> UpdateResult:
@@ -130,16 +171,19 @@ class RolloutClient:
         """
         requests = update_weights_requests(
             weights, target=target, version=version, mode=mode, chunk_bytes=chunk_bytes,
-            **stream_options,
+            **stream_options,  # type: ignore[arg-type]
         )
         started_s = time.monotonic()
-        with _typed_errors():
+        with typed_errors():
             reply = self._stub.UpdateWeights(
-                _with_progress(requests, progress), timeout=self._timeout(timeout_s)
+                with_progress(requests, progress),
+                timeout=self._settings.timeout(timeout_s),
+                metadata=self._settings.metadata_for(request_id),
             )
         return UpdateResult.from_proto(reply, wall_s=time.monotonic() - started_s)
 
     def close(self) -> None:
+        """Close the channel; calls still running are cancelled."""
         self._channel.close()
 
     def __enter__(self) -> RolloutClient:
@@ -147,29 +191,3 @@ class RolloutClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def _timeout(self, timeout_s: float | None) -> float:
-        return self.timeout_s if timeout_s is None else timeout_s
-
-
-def _land(experience: Experience, device: torch.device | str | None) -> Experience:
-    """Pinned host memory when CUDA is present (ready for a non-blocking copy), or `device`."""
-    if device is not None:
-        return experience.to_device(device, non_blocking=True)
-    return experience.pin_memory()
-
-
-def _with_progress(
-    requests: Iterator[pb.UpdateWeightsRequest], progress: Callable[[int, int], None] | None
-) -> Iterator[pb.UpdateWeightsRequest]:
-    if progress is None:
-        yield from requests
-        return
-    total = sent = 0
-    for request in requests:
-        if request.HasField("header"):
-            total = request.header.total_bytes
-        else:
-            sent += len(request.chunk.data)
-        yield request
-        progress(sent, total)

@@ -1,0 +1,139 @@
+"""Per-call pieces shared by RolloutClient and AsyncRolloutClient.
+
+Deadlines, metadata (bearer token, request ids), error translation, landing of experience and
+upload progress live here once, so that the two clients differ only in how they wait.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import grpc
+import torch
+from rollserve.client.errors import from_rpc_error
+from rollserve.client.experience import Experience
+from rollserve.v1 import rollout_pb2 as pb
+
+__all__ = [
+    "AUTHORIZATION_KEY",
+    "REQUEST_ID_KEY",
+    "CallSettings",
+    "Metadata",
+    "land",
+    "progress_reporter",
+    "typed_errors",
+    "with_progress",
+]
+
+AUTHORIZATION_KEY = "authorization"
+REQUEST_ID_KEY = "x-request-id"
+# Extra call metadata: (key, value) pairs; values are str, or bytes for keys ending in "-bin".
+Metadata = Sequence[tuple[str, str | bytes]]
+# HTTP/2 header names as gRPC accepts them (lowercase); "grpc-" names are reserved.
+_KEY = re.compile(r"[0-9a-z_.\-]+")
+ProgressCallback = Callable[[int, int], None]
+
+
+def _check_ascii(name: str, value: str) -> str:
+    if not isinstance(value, str) or not value.isascii() or not value.isprintable():
+        raise ValueError(f"{name} must be printable ASCII text, got {value!r}")
+    return value
+
+
+def _check_pair(key: str, value: str | bytes) -> tuple[str, str | bytes]:
+    if not isinstance(key, str) or not _KEY.fullmatch(key) or key.startswith("grpc-"):
+        raise ValueError(f"metadata key {key!r}: lowercase [0-9a-z_.-], not grpc-*")
+    if key.endswith("-bin"):
+        if not isinstance(value, bytes):
+            raise TypeError(f"metadata {key!r}: binary keys (-bin) take bytes")
+        return key, value
+    return key, _check_ascii(f"metadata {key!r}", value)
+
+
+@dataclass(frozen=True)
+class CallSettings:
+    """One client's per-call defaults: the deadline and the metadata sent on every call."""
+
+    timeout_s: float
+    metadata: tuple[tuple[str, str | bytes], ...] = ()
+
+    @classmethod
+    def build(cls, *, timeout_s: float, token: str | None, metadata: Metadata) -> CallSettings:
+        """Validated settings; `token` travels as "authorization: Bearer <token>"."""
+        pairs = [_check_pair(key, value) for key, value in metadata]
+        if token is not None:
+            if not token or any(c.isspace() for c in _check_ascii("token", token)):
+                raise ValueError("token must be non-empty printable ASCII without whitespace")
+            if any(key == AUTHORIZATION_KEY for key, _ in pairs):
+                raise ValueError("give the bearer token either as token= or in metadata")
+            pairs.insert(0, (AUTHORIZATION_KEY, f"Bearer {token}"))
+        return cls(timeout_s=_check_timeout(timeout_s), metadata=tuple(pairs))
+
+    def timeout(self, timeout_s: float | None) -> float:
+        """The deadline of one call: the override, else the client's default."""
+        return self.timeout_s if timeout_s is None else _check_timeout(timeout_s)
+
+    def metadata_for(self, request_id: str | None = None) -> tuple[tuple[str, str | bytes], ...]:
+        """The call's metadata; a request id replaces any client-wide x-request-id."""
+        if not request_id:
+            return self.metadata
+        request_id = _check_ascii("request_id", request_id)
+        kept = tuple(pair for pair in self.metadata if pair[0] != REQUEST_ID_KEY)
+        return (*kept, (REQUEST_ID_KEY, request_id))
+
+
+def _check_timeout(timeout_s: float) -> float:
+    # A deadline is mandatory on every call: no None, no infinity, no zero.
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+    if not (0 < timeout_s < math.inf):
+        raise ValueError(f"timeout_s must be positive and finite, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+@contextmanager
+def typed_errors() -> Iterator[None]:
+    """Turn grpc.RpcError (grpc.aio.AioRpcError included) into rollserve.client.errors types."""
+    try:
+        yield
+    except grpc.RpcError as error:
+        raise from_rpc_error(error) from None
+
+
+def land(experience: Experience, device: torch.device | str | None) -> Experience:
+    """Pinned host memory when CUDA is present (ready for a non-blocking copy), or `device`."""
+    if device is not None:
+        return experience.to_device(device, non_blocking=True)
+    return experience.pin_memory()
+
+
+def progress_reporter(progress: ProgressCallback) -> Callable[[pb.UpdateWeightsRequest], None]:
+    """A function to call after each request is handed to gRPC: progress(sent, total bytes)."""
+    total = sent = 0
+
+    def report(request: pb.UpdateWeightsRequest) -> None:
+        nonlocal total, sent
+        if request.HasField("header"):
+            total = request.header.total_bytes
+        else:
+            sent += len(request.chunk.data)
+        progress(sent, total)
+
+    return report
+
+
+def with_progress(
+    requests: Iterator[pb.UpdateWeightsRequest], progress: ProgressCallback | None
+) -> Iterator[pb.UpdateWeightsRequest]:
+    """`requests` unchanged, reporting progress as gRPC takes each one."""
+    if progress is None:
+        yield from requests
+        return
+    report = progress_reporter(progress)
+    for request in requests:
+        yield request
+        report(request)
