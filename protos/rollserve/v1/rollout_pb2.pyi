@@ -340,6 +340,46 @@ class UpdateWeightsResponse(_message.Message):
     seconds: float
     def __init__(self, target: _Optional[_Union[ModelRole, str]] = ..., version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class SubscribeRequest(_message.Message):
+    __slots__ = ("subscriber_id", "max_batches")
+    SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    subscriber_id: str
+    max_batches: int
+    def __init__(self, subscriber_id: _Optional[str] = ..., max_batches: _Optional[int] = ...) -> None: ...
+
+class SubscribeResponse(_message.Message):
+    __slots__ = ("experience", "batch_index", "epoch", "step")
+    EXPERIENCE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    experience: Experience
+    batch_index: int
+    epoch: int
+    step: int
+    def __init__(self, experience: _Optional[_Union[Experience, _Mapping]] = ..., batch_index: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class RolloutProgress(_message.Message):
+    __slots__ = ("enabled", "finished", "epoch", "step", "batches_delivered", "batches_dropped_stale", "queued_batches", "subscribers")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBERS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    finished: bool
+    epoch: int
+    step: int
+    batches_delivered: int
+    batches_dropped_stale: int
+    queued_batches: int
+    subscribers: int
+    def __init__(self, enabled: _Optional[bool] = ..., finished: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., batches_delivered: _Optional[int] = ..., batches_dropped_stale: _Optional[int] = ..., queued_batches: _Optional[int] = ..., subscribers: _Optional[int] = ...) -> None: ...
+
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -361,7 +401,7 @@ class ModelInfo(_message.Message):
     def __init__(self, role: _Optional[_Union[ModelRole, str]] = ..., source: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., num_parameters: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "policy_version", "models", "device", "queue_depth", "uptime_s", "server_version", "default_preset", "vocab_size", "max_context_tokens")
+    __slots__ = ("status", "policy_version", "models", "device", "queue_depth", "uptime_s", "server_version", "default_preset", "vocab_size", "max_context_tokens", "rollout")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +412,7 @@ class HealthResponse(_message.Message):
     DEFAULT_PRESET_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_FIELD_NUMBER: _ClassVar[int]
     status: ServingStatus
     policy_version: int
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
@@ -382,4 +423,5 @@ class HealthResponse(_message.Message):
     default_preset: str
     vocab_size: int
     max_context_tokens: int
-    def __init__(self, status: _Optional[_Union[ServingStatus, str]] = ..., policy_version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., device: _Optional[str] = ..., queue_depth: _Optional[int] = ..., uptime_s: _Optional[float] = ..., server_version: _Optional[str] = ..., default_preset: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ...) -> None: ...
+    rollout: RolloutProgress
+    def __init__(self, status: _Optional[_Union[ServingStatus, str]] = ..., policy_version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., device: _Optional[str] = ..., queue_depth: _Optional[int] = ..., uptime_s: _Optional[float] = ..., server_version: _Optional[str] = ..., default_preset: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., rollout: _Optional[_Union[RolloutProgress, _Mapping]] = ...) -> None: ...

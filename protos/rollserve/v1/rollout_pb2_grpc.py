@@ -51,6 +51,11 @@ class RolloutStub:
                 request_serializer=rollserve_dot_v1_dot_rollout__pb2.HealthRequest.SerializeToString,
                 response_deserializer=rollserve_dot_v1_dot_rollout__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Subscribe = channel.unary_stream(
+                '/rollserve.v1.Rollout/Subscribe',
+                request_serializer=rollserve_dot_v1_dot_rollout__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=rollserve_dot_v1_dot_rollout__pb2.SubscribeResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -86,6 +91,17 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Subscribe(self, request, context):
+        """Subscribes to the server's continuous rollout (a server started with --rollout-prompts):
+        the server keeps making experience from its prompt source while subscribers are connected,
+        and deals each batch to exactly one live subscriber, round-robin. Batches more than the
+        server's --max-staleness versions behind the newest actor weights are dropped, not sent.
+        FAILED_PRECONDITION when the server runs no continuous rollout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -103,6 +119,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=rollserve_dot_v1_dot_rollout__pb2.HealthRequest.FromString,
                     response_serializer=rollserve_dot_v1_dot_rollout__pb2.HealthResponse.SerializeToString,
+            ),
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=rollserve_dot_v1_dot_rollout__pb2.SubscribeRequest.FromString,
+                    response_serializer=rollserve_dot_v1_dot_rollout__pb2.SubscribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -188,6 +209,33 @@ class Rollout:
             '/rollserve.v1.Rollout/Health',
             rollserve_dot_v1_dot_rollout__pb2.HealthRequest.SerializeToString,
             rollserve_dot_v1_dot_rollout__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rollserve.v1.Rollout/Subscribe',
+            rollserve_dot_v1_dot_rollout__pb2.SubscribeRequest.SerializeToString,
+            rollserve_dot_v1_dot_rollout__pb2.SubscribeResponse.FromString,
             options,
             channel_credentials,
             insecure,
