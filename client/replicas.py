@@ -344,6 +344,8 @@ class ReplicatedRolloutClient:
 
     def _chosen(self, replicas: Sequence[str] | None) -> list[_Replica]:
         with self._lock:
+            if not self._replicas:
+                raise Unavailable("no replicas: the client is closed")
             if replicas is None:
                 return list(self._replicas.values())
             unknown = [t for t in replicas if t not in self._replicas]
