@@ -1,9 +1,14 @@
 """Build and run the gRPC server: Rollout, grpc.health.v1 and reflection on one port.
 
 Order of a start: bind and start serving first (health answers NOT_SERVING while models load, so
-probes see a live but unready process), then load the models, then SERVING. Order of a stop:
-NOT_SERVING everywhere, keep answering for `drain_delay_s` so load balancers notice, then stop
-accepting calls and give in-flight ones `shutdown_grace_s` to finish.
+probes see a live but unready process), then load the models, run the readiness probe (a tiny
+forward pass on the engine, readiness.py), then SERVING. Order of a stop: NOT_SERVING everywhere,
+keep answering for `drain_delay_s` so load balancers notice, then stop accepting calls and give
+in-flight ones `shutdown_grace_s` to finish, then exit 0.
+
+Around every call: the telemetry interceptor (request id, access log, metrics) and the auth
+interceptor (bearer tokens, security.py); TLS or mutual TLS when configured. Prometheus metrics
+are served over plain HTTP on `--metrics-port` (same host; 0 turns them off).
 """
 
 from __future__ import annotations
@@ -22,11 +27,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from rollserve.server.config import ServerConfig
-from rollserve.server.models import ModelSet, Phase, ServerState, check_model_dirs, load_models
 from rollserve.server.experience_request import RequestDefaults
+from rollserve.server.interceptors import AuthInterceptor, TelemetryInterceptor
 from rollserve.server.maker import NaiveExperienceMaker
+from rollserve.server.metrics import MetricsHttpServer, ServerMetrics, start_metrics_http
+from rollserve.server.models import ModelSet, Phase, ServerState, check_model_dirs, load_models
+from rollserve.server.readiness import Readiness
 from rollserve.server.rewards import RewardRegistry
 from rollserve.server.runtime import Runtime
+from rollserve.server.security import load_tokens, security_warnings, server_credentials
 from rollserve.server.servicer import RolloutServicer
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
@@ -72,6 +81,9 @@ class RolloutServer:
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
         self.state.on_phase_change(self._mirror_health)
+        self.metrics = ServerMetrics(self.state)
+        self.readiness = Readiness(self.state)
+        self._metrics_http: MetricsHttpServer | None = None
         self._stop_lock = threading.Lock()
         self._stopped = False
 
@@ -83,23 +95,45 @@ class RolloutServer:
 
     def bind(self) -> int:
         """Start answering on the configured address (NOT_SERVING until `load` finishes)."""
+        config = self.config
+        # Both read files and raise SecurityConfigError before anything is bound.
+        tokens = load_tokens(config)
+        credentials = server_credentials(config)
         for name in _HEALTH_NAMES:
             self._health.set(name, _NOT_SERVING)
         server = grpc.server(
-            ThreadPoolExecutor(self.config.max_workers, thread_name_prefix="rollserve-rpc"),
-            options=grpc_server_options(self.config),
+            ThreadPoolExecutor(config.max_workers, thread_name_prefix="rollserve-rpc"),
+            options=grpc_server_options(config),
+            # Telemetry first (outermost): calls refused by auth are logged and counted too.
+            interceptors=(TelemetryInterceptor(self.metrics), AuthInterceptor(tokens)),
         )
-        rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(self.state), server)
+        servicer = RolloutServicer(self.state, metrics=self.metrics, readiness=self.readiness)
+        rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (ROLLOUT_SERVICE, _HEALTH_SERVICE, reflection.SERVICE_NAME), server
         )
-        self.port = _bind(server, self.config.host, self.config.port)
+        self.port = _bind(server, config.host, config.port, credentials)
         server.start()
         self._server = server
-        if self.config.port_file is not None:
-            _write_port_file(Path(self.config.port_file), self.port)
-        _LOG.info("listening on %s (not serving until models load)", self.address)
+        if config.metrics_port:
+            self._metrics_http = start_metrics_http(
+                self.metrics.registry, config.host, config.metrics_port
+            )
+        if config.port_file is not None:
+            _write_port_file(Path(config.port_file), self.port)
+        transport = "plaintext" if credentials is None else "TLS"
+        if config.tls_client_ca is not None:
+            transport = "mutual TLS"
+        _LOG.info(
+            "listening on %s (%s, auth %s, metrics %s; not serving until models load)",
+            self.address,
+            transport,
+            "on" if tokens.enabled else "off",
+            f"on port {self.metrics_port}" if self.metrics_port else "off",
+        )
+        for warning in security_warnings(config, tokens):
+            _LOG.warning("%s", warning)
         return self.port
 
     def load(self) -> None:
@@ -108,6 +142,7 @@ class RolloutServer:
         models = self._preloaded if self._preloaded is not None else load_models(self.config)
         self.state.set_models(models)
         self.state.runtime = build_runtime(self.state, models)
+        self.readiness.check_startup()  # ReadinessError: never report SERVING on broken models
         ready = Phase.WAITING_FOR_WEIGHTS if self.config.wait_for_weights else Phase.SERVING
         self.state.set_phase(ready)
         actor = models.actor
@@ -140,6 +175,8 @@ class RolloutServer:
         self._server.stop(grace_s).wait()
         if self.state.runtime is not None:
             self.state.runtime.close()
+        if self._metrics_http is not None:
+            self._metrics_http.close()
         _LOG.info("stopped")
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -152,6 +189,11 @@ class RolloutServer:
     @property
     def address(self) -> str:
         return f"{_host_for_address(self.config.host)}:{self.port}"
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the Prometheus endpoint; None when it is off or could not bind."""
+        return None if self._metrics_http is None else self._metrics_http.port
 
     def __enter__(self) -> RolloutServer:
         self.start()
@@ -192,10 +234,15 @@ def _host_for_address(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _bind(server: grpc.Server, host: str, port: int) -> int:
+def _bind(
+    server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None
+) -> int:
     address = f"{_host_for_address(host)}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
     except RuntimeError as exc:  # grpcio raises on failure; older versions returned 0
         raise BindError(f"cannot bind {address}: {exc}") from None
     if bound == 0:

@@ -47,10 +47,12 @@ def _serve(args: list[str], prog: str) -> int:
         return 2
     from rollserve.server.app import BindError, serve
     from rollserve.server.models import ModelLoadError
+    from rollserve.server.readiness import ReadinessError
+    from rollserve.server.security import SecurityConfigError
 
     try:
         return serve(config)
-    except (ModelLoadError, BindError) as exc:
+    except (ModelLoadError, BindError, SecurityConfigError, ReadinessError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
 
@@ -62,18 +64,61 @@ def _health(args: list[str], prog: str) -> int:
     parser.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the server")
     parser.add_argument("--timeout-s", type=_positive_seconds, default=5.0, help="deadline")
     parser.add_argument("--service", default="", help='service name; "" is the whole server')
+    # The health service needs no token, but TLS is below it: a TLS server needs a TLS probe.
+    parser.add_argument("--tls-ca", metavar="FILE", help="PEM CA of the server's TLS certificate")
+    parser.add_argument("--tls-cert", metavar="FILE", help="PEM client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", metavar="FILE", help="PEM key of --tls-cert")
     namespace = parser.parse_args(args)
-    status = check_health(namespace.target, namespace.service, namespace.timeout_s)
+    if (namespace.tls_cert is None) != (namespace.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if namespace.tls_cert is not None and namespace.tls_ca is None:
+        parser.error("--tls-cert needs --tls-ca")
+    try:
+        tls = _read_tls_files(namespace.tls_ca, namespace.tls_cert, namespace.tls_key)
+    except OSError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    status = check_health(namespace.target, namespace.service, namespace.timeout_s, tls=tls)
     print(f"{namespace.target}: {status}")
     return 0 if status == "SERVING" else 1
 
 
-def check_health(target: str, service: str, timeout_s: float) -> str:
-    """The grpc.health.v1 status name of `service` at `target`, or the RPC's error code name."""
+def _read_tls_files(
+    ca: str | None, cert: str | None, key: str | None
+) -> tuple[bytes, bytes | None, bytes | None] | None:
+    if ca is None:
+        return None
+    with open(ca, "rb") as ca_file:
+        root = ca_file.read()
+    if cert is None or key is None:
+        return root, None, None
+    with open(cert, "rb") as cert_file, open(key, "rb") as key_file:
+        return root, cert_file.read(), key_file.read()
+
+
+def check_health(
+    target: str,
+    service: str,
+    timeout_s: float,
+    *,
+    tls: tuple[bytes, bytes | None, bytes | None] | None = None,
+) -> str:
+    """The grpc.health.v1 status name of `service` at `target`, or the RPC's error code name.
+
+    `tls`: (CA, client certificate or None, client key or None) as PEM bytes; None: plaintext.
+    """
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(target) as channel:
+    if tls is None:
+        channel = grpc.insecure_channel(target)
+    else:
+        root, chain, key = tls
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=root, private_key=key, certificate_chain=chain
+        )
+        channel = grpc.secure_channel(target, credentials)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

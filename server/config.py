@@ -9,6 +9,7 @@ variable `ROLLSERVE_FOO_BAR`; an empty variable counts as unset (so compose file
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -64,6 +65,10 @@ class ServerConfig:
     micro_batch_size: int = 16  # rows per streamed message when a request sets none
     max_request_rows: int = 4096  # prompts x samples_per_prompt accepted in one request
     max_queue_depth: int = 64  # requests waiting for the engine before RESOURCE_EXHAUSTED
+    # Per-request limits, checked before a request is decoded (INVALID_ARGUMENT naming the field).
+    max_prompts: int = 4096
+    max_samples_per_prompt: int = 256
+    max_new_tokens_limit: int = 4096  # the most a request may ask for; >= max_new_tokens
     reward_fn: tuple[str, ...] = ()  # NAME=MODULE:FUNCTION reward sources
     reward_endpoint: tuple[str, ...] = ()  # NAME=URL reward sources (JSON over HTTP POST)
     reward_timeout_s: float = 30.0
@@ -73,6 +78,16 @@ class ServerConfig:
     log_level: str = "INFO"
     wait_for_weights: bool = False
     port_file: str | None = None
+    metrics_port: int = 9090  # Prometheus /metrics over HTTP on `host`; 0: off
+    # TLS: cert and key together; a client CA makes it mutual TLS (client certs required).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    # Bearer tokens; none configured: authentication is off. repr=False keeps them out of logs.
+    data_token: str | None = dataclasses.field(default=None, repr=False)
+    admin_token: str | None = dataclasses.field(default=None, repr=False)
+    data_token_file: str | None = None
+    admin_token_file: str | None = None
 
     @classmethod
     def from_args(
@@ -112,6 +127,24 @@ class ServerConfig:
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 raise ConfigError(f"{field.name}: {exc}") from None
             object.__setattr__(self, field.name, normalized)
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """Settings that are only invalid together (each one alone parsed fine)."""
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("tls_client_ca: mutual TLS needs tls_cert and tls_key as well")
+        for role in ("data", "admin"):
+            if getattr(self, f"{role}_token") and getattr(self, f"{role}_token_file"):
+                raise ConfigError(f"{role}_token and {role}_token_file: give one, not both")
+        if self.data_token is not None and self.data_token == self.admin_token:
+            raise ConfigError("data_token and admin_token must differ")
+        if self.max_new_tokens > self.max_new_tokens_limit:
+            raise ConfigError(
+                f"max_new_tokens ({self.max_new_tokens}) is above max_new_tokens_limit "
+                f"({self.max_new_tokens_limit})"
+            )
 
 
 @dataclass(frozen=True)
@@ -274,6 +307,14 @@ def _named(raw: str) -> str:
     return f"{name.strip()}={value.strip()}"
 
 
+def _token(raw: str) -> str:
+    # It travels as the HTTP/2 header value "Bearer <token>": printable ASCII, no spaces.
+    value = raw.strip()
+    if not value or not all(33 <= ord(c) <= 126 for c in value):
+        raise argparse.ArgumentTypeError("a token must be non-empty printable ASCII without spaces")
+    return value
+
+
 def _bool(raw: str) -> bool:
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -300,6 +341,9 @@ _SPECS: dict[str, _Spec] = {
     "micro_batch_size": _Spec(_positive_int, "default rows per streamed Experience", "N"),
     "max_request_rows": _Spec(_positive_int, "most prompts x samples in one request", "N"),
     "max_queue_depth": _Spec(_positive_int, "requests queued before RESOURCE_EXHAUSTED", "N"),
+    "max_prompts": _Spec(_positive_int, "most prompts in one request", "N"),
+    "max_samples_per_prompt": _Spec(_positive_int, "most samples per prompt in one request", "N"),
+    "max_new_tokens_limit": _Spec(_positive_int, "most max_new_tokens a request may ask", "N"),
     "reward_fn": _Spec(_named, "reward source NAME=MODULE:FUNCTION", "NAME=MODULE:FUNC"),
     "reward_endpoint": _Spec(_named, "reward source NAME=URL (JSON over HTTP POST)", "NAME=URL"),
     "reward_timeout_s": _Spec(_seconds, "timeout of one reward endpoint call", "S"),
@@ -309,4 +353,12 @@ _SPECS: dict[str, _Spec] = {
     "log_level": _Spec(_log_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL", "LEVEL"),
     "wait_for_weights": _Spec(_bool, "report WAITING_FOR_WEIGHTS until the first update"),
     "port_file": _Spec(_non_empty, "write the bound port to this file once bound", "PATH"),
+    "metrics_port": _Spec(_port, "Prometheus metrics HTTP port on --host; 0 turns it off", "PORT"),
+    "tls_cert": _Spec(_non_empty, "PEM server certificate (chain); enables TLS", "FILE"),
+    "tls_key": _Spec(_non_empty, "PEM private key of --tls-cert", "FILE"),
+    "tls_client_ca": _Spec(_non_empty, "PEM CA: require client certs it signed (mTLS)", "FILE"),
+    "data_token": _Spec(_token, "bearer token for MakeExperience and Health", "TOKEN"),
+    "admin_token": _Spec(_token, "bearer token for UpdateWeights (and every data call)", "TOKEN"),
+    "data_token_file": _Spec(_non_empty, "read --data-token from this file", "FILE"),
+    "admin_token_file": _Spec(_non_empty, "read --admin-token from this file", "FILE"),
 }

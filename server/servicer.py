@@ -13,8 +13,11 @@ from collections.abc import Iterator
 
 import grpc
 from rollserve.client.errors import Unavailable
+from rollserve.server.metrics import ServerMetrics, role_name
 from rollserve.server.models import Phase, ServerState
+from rollserve.server.readiness import Readiness
 from rollserve.server.runtime import Runtime
+from rollserve.server.security import RequestLimits, check_request_limits
 from rollserve.server.status import handles_errors
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
@@ -38,22 +41,36 @@ _ROLE = {
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     """Serves the three RPCs of rollserve.v1.Rollout from a shared ServerState."""
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        *,
+        metrics: ServerMetrics | None = None,
+        readiness: Readiness | None = None,
+    ) -> None:
         self._state = state
+        self._metrics = metrics or ServerMetrics(state)
+        self._readiness = readiness or Readiness(state)
+        self._limits = RequestLimits.from_config(state.config)
 
     @handles_errors
     def MakeExperience(
         self, request: pb.MakeExperienceRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.MakeExperienceResponse]:
+        check_request_limits(request, self._limits)  # cheap field reads, before any decoding
         cancelled = threading.Event()
         context.add_callback(cancelled.set)  # client gone or deadline: stop using the device
-        yield from self._runtime().stream_experience(request, cancelled)
+        responses = self._runtime().stream_experience(request, cancelled)
+        yield from self._metrics.record_stream(responses)
 
     @handles_errors
     def UpdateWeights(
         self, request_iterator: Iterator[pb.UpdateWeightsRequest], context: grpc.ServicerContext
     ) -> pb.UpdateWeightsResponse:
-        return self._runtime().update_weights(request_iterator)
+        response = self._runtime().update_weights(request_iterator)
+        self._metrics.observe_weight_update(response)
+        self._readiness.after_update(role_name(response.target))
+        return response
 
     @handles_errors
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
@@ -68,7 +85,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
 def health_response(state: ServerState) -> pb.HealthResponse:
     """Readiness, versions and model facts; reads state only, never the device."""
-    config = state.config
     response = pb.HealthResponse(
         status=_STATUS[state.phase],
         policy_version=state.policy_version("actor"),

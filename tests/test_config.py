@@ -61,6 +61,23 @@ SAMPLES = {
     "reward_fn": ("len=pkg.mod:fn", ("len=pkg.mod:fn",)),
     "reward_endpoint": ("r=http://127.0.0.1:1/x", ("r=http://127.0.0.1:1/x",)),
     "reward_timeout_s": ("1.5", 1.5),
+    "max_prompts": ("12", 12),
+    "max_samples_per_prompt": ("5", 5),
+    "max_new_tokens_limit": ("100", 100),
+    "metrics_port": ("0", 0),
+    "tls_cert": ("/certs/server.pem", "/certs/server.pem"),
+    "tls_key": ("/certs/server.key", "/certs/server.key"),
+    "tls_client_ca": ("/certs/ca.pem", "/certs/ca.pem"),
+    "data_token": ("d4ta-t0ken", "d4ta-t0ken"),
+    "admin_token": ("adm1n-t0ken", "adm1n-t0ken"),
+    "data_token_file": ("/run/secrets/data", "/run/secrets/data"),
+    "admin_token_file": ("/run/secrets/admin", "/run/secrets/admin"),
+}
+# Fields only valid together with others (as environment variables set alongside the sample).
+COMPANIONS = {
+    "tls_cert": {"ROLLSERVE_TLS_KEY": "/k.pem"},
+    "tls_key": {"ROLLSERVE_TLS_CERT": "/c.pem"},
+    "tls_client_ca": {"ROLLSERVE_TLS_CERT": "/c.pem", "ROLLSERVE_TLS_KEY": "/k.pem"},
 }
 
 
@@ -71,7 +88,7 @@ def test_samples_cover_every_field() -> None:
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_each_field_from_environment(name: str) -> None:
     raw, expected = SAMPLES[name]
-    config = ServerConfig.from_args([], {env_name(name): raw})
+    config = ServerConfig.from_args([], {env_name(name): raw, **COMPANIONS.get(name, {})})
     assert getattr(config, name) == expected
     assert getattr(config, name) != getattr(ServerConfig(), name)
 
@@ -79,7 +96,8 @@ def test_each_field_from_environment(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(set(SAMPLES) - {"wait_for_weights"}))
 def test_each_field_from_flag(name: str) -> None:
     raw, expected = SAMPLES[name]
-    assert getattr(ServerConfig.from_args([flag_name(name), raw], {}), name) == expected
+    config = ServerConfig.from_args([flag_name(name), raw], COMPANIONS.get(name, {}))
+    assert getattr(config, name) == expected
 
 
 def test_flag_beats_environment_beats_default() -> None:
@@ -217,3 +235,37 @@ def test_list_fields_repeat_as_flags_and_split_in_environment() -> None:
 def test_unknown_preset_is_rejected() -> None:
     with pytest.raises(ConfigError, match="preset must be one of"):
         ServerConfig.from_args(["--default-preset", "trl"], {})
+
+
+@pytest.mark.parametrize(
+    ("environ", "match"),
+    [
+        ({"ROLLSERVE_TLS_CERT": "/c.pem"}, "tls_cert and tls_key"),
+        ({"ROLLSERVE_TLS_KEY": "/k.pem"}, "tls_cert and tls_key"),
+        ({"ROLLSERVE_TLS_CLIENT_CA": "/ca.pem"}, "mutual TLS needs tls_cert"),
+        ({"ROLLSERVE_DATA_TOKEN": "a1", "ROLLSERVE_DATA_TOKEN_FILE": "/f"}, "give one"),
+        ({"ROLLSERVE_ADMIN_TOKEN": "a1", "ROLLSERVE_ADMIN_TOKEN_FILE": "/f"}, "give one"),
+        ({"ROLLSERVE_DATA_TOKEN": "same", "ROLLSERVE_ADMIN_TOKEN": "same"}, "must differ"),
+        ({"ROLLSERVE_MAX_NEW_TOKENS": "65", "ROLLSERVE_MAX_NEW_TOKENS_LIMIT": "64"}, "above"),
+    ],
+)
+def test_settings_that_conflict_are_rejected(environ: dict[str, str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ServerConfig.from_args([], environ)
+
+
+@pytest.mark.parametrize("raw", ["two words", "tab\there", "caf\u00e9", " "])
+def test_tokens_must_fit_a_bearer_header(raw: str) -> None:
+    with pytest.raises(ConfigError, match="data-token"):
+        ServerConfig.from_args(["--data-token", raw], {})
+
+
+def test_tokens_stay_out_of_the_config_repr() -> None:
+    config = ServerConfig(data_token="d4ta-secret", admin_token="adm1n-secret")
+    assert "secret" not in repr(config)
+    assert config.data_token == "d4ta-secret"
+
+
+def test_cli_conflicting_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--tls-cert", "/c.pem"]) == 2
+    assert "tls_cert and tls_key" in capsys.readouterr().err

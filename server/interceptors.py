@@ -1,0 +1,242 @@
+"""Server interceptors: telemetry (request ids, one access-log line and metrics per RPC) and auth.
+
+Both wrap the real method handler in one of the same kind (unary or streaming on either side),
+so they see every call, including the ones they refuse, and never change what a handler sends.
+Order on the server: telemetry outermost, so a call refused by auth is still logged and counted.
+
+Access log: one line per RPC on the logger "rollserve.access", as key=value pairs:
+
+  rpc method=rollserve.v1.Rollout/MakeExperience status=OK duration_ms=812.4
+      peer=ipv4:10.0.0.7:50712 request_id=3f9c... request_bytes=61 response_bytes=90311 responses=4
+
+Standard health checks and reflection log at DEBUG (a probe every few seconds is noise at INFO).
+The request id is the caller's `x-request-id` metadata, else the MakeExperienceRequest.request_id
+field, else a fresh one; it is echoed as `x-request-id` in the initial and trailing metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+from rollserve.server.metrics import ServerMetrics, split_method
+from rollserve.server.security import OPEN_SERVICES, AuthTokens, authorize
+
+__all__ = ["REQUEST_ID_KEY", "AuthInterceptor", "TelemetryInterceptor"]
+
+_ACCESS_LOG = logging.getLogger("rollserve.access")
+REQUEST_ID_KEY = "x-request-id"
+# Ids from callers end up in logs (quoted when needed) and metadata: short printable ASCII.
+_REQUEST_ID_RE = re.compile(r"^[\x20-\x7e]{1,128}$")
+_Behavior = Callable[..., Any]
+
+
+class _Call:
+    """What one RPC did, filled in while it runs (only its own handler thread touches it)."""
+
+    def __init__(self, method: str, request_id: str | None) -> None:
+        self.method = method
+        self.request_id = request_id
+        self.received_bytes = 0
+        self.sent_bytes = 0
+        self.responses = 0
+        self.started_s = time.perf_counter()
+
+    def deserializer(self, inner: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+        def deserialize(data: bytes) -> Any:
+            self.received_bytes += len(data)
+            return data if inner is None else inner(data)
+
+        return deserialize
+
+    def serializer(self, inner: Callable[[Any], bytes] | None) -> Callable[[Any], bytes]:
+        # Counting here costs nothing extra: grpc serializes each response exactly once anyway.
+        def serialize(message: Any) -> bytes:
+            data = message if inner is None else inner(message)
+            self.sent_bytes += len(data)
+            self.responses += 1
+            return data
+
+        return serialize
+
+
+def _rewrap(
+    handler: grpc.RpcMethodHandler,
+    around: Callable[[_Behavior, bool], _Behavior],
+    *,
+    request_deserializer: Callable[[bytes], Any] | None = None,
+    response_serializer: Callable[[Any], bytes] | None = None,
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` whose behavior is around(behavior, streams_out)."""
+    deserializer = request_deserializer or handler.request_deserializer
+    serializer = response_serializer or handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(
+            around(handler.stream_stream, True), deserializer, serializer
+        )
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(
+            around(handler.stream_unary, False), deserializer, serializer
+        )
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(
+            around(handler.unary_stream, True), deserializer, serializer
+        )
+    return grpc.unary_unary_rpc_method_handler(
+        around(handler.unary_unary, False), deserializer, serializer
+    )
+
+
+class TelemetryInterceptor(grpc.ServerInterceptor):
+    """Request ids, the access log and the RPC metrics."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED; nothing to label
+            return None
+        metadata = handler_call_details.invocation_metadata or ()
+        call = _Call(handler_call_details.method, _caller_request_id(metadata))
+
+        def around(behavior: _Behavior, streams_out: bool) -> _Behavior:
+            if streams_out:
+
+                def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                    self._begin(call, request, context)
+                    try:
+                        yield from behavior(request, context)
+                    except BaseException:  # GeneratorExit too: the client went away
+                        self._end(call, context, raised=True)
+                        raise
+                    self._end(call, context, raised=False)
+
+                return stream
+
+            def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                self._begin(call, request, context)
+                try:
+                    response = behavior(request, context)
+                except BaseException:
+                    self._end(call, context, raised=True)
+                    raise
+                self._end(call, context, raised=False)
+                return response
+
+            return unary
+
+        return _rewrap(
+            handler,
+            around,
+            request_deserializer=call.deserializer(handler.request_deserializer),
+            response_serializer=call.serializer(handler.response_serializer),
+        )
+
+    def _begin(self, call: _Call, request: Any, context: grpc.ServicerContext) -> None:
+        call.started_s = time.perf_counter()
+        if call.request_id is None:
+            field = getattr(request, "request_id", "")  # MakeExperienceRequest has one
+            valid = isinstance(field, str) and _REQUEST_ID_RE.match(field)
+            call.request_id = field if valid else uuid.uuid4().hex
+        echo = ((REQUEST_ID_KEY, call.request_id),)
+        context.set_trailing_metadata(echo)
+        context.send_initial_metadata(echo)
+        self._metrics.rpc_in_flight.labels(*split_method(call.method)).inc()
+
+    def _end(self, call: _Call, context: grpc.ServicerContext, *, raised: bool) -> None:
+        duration_s = time.perf_counter() - call.started_s
+        code = _final_code(context, raised).name
+        self._metrics.rpc_in_flight.labels(*split_method(call.method)).dec()
+        self._metrics.observe_rpc(call.method, code, duration_s)
+        self._metrics.observe_bytes(call.method, call.received_bytes, call.sent_bytes)
+        service = split_method(call.method)[0]
+        level = logging.DEBUG if service in OPEN_SERVICES else logging.INFO
+        if not _ACCESS_LOG.isEnabledFor(level):
+            return
+        fields: dict[str, object] = {
+            "method": call.method.lstrip("/"),
+            "status": code,
+            "duration_ms": round(duration_s * 1e3, 1),
+            "peer": context.peer(),
+            "request_id": call.request_id,
+            "request_bytes": call.received_bytes,
+            "response_bytes": call.sent_bytes,
+            "responses": call.responses,
+        }
+        details = context.details() if code != "OK" else None
+        if details:
+            fields["details"] = details.decode("utf-8", "replace")
+        _ACCESS_LOG.log(level, "rpc %s", _key_values(fields))
+
+
+def _caller_request_id(metadata: tuple[tuple[str, Any], ...]) -> str | None:
+    for key, value in metadata:
+        if key == REQUEST_ID_KEY and isinstance(value, str) and _REQUEST_ID_RE.match(value):
+            return value
+    return None
+
+
+def _final_code(context: grpc.ServicerContext, raised: bool) -> grpc.StatusCode:
+    """The status the client gets (as far as the server knows it when the handler ends)."""
+    code = context.code()
+    if not context.is_active() or code is grpc.StatusCode.CANCELLED:
+        remaining_s = context.time_remaining()
+        if remaining_s is not None and remaining_s <= 0:
+            return grpc.StatusCode.DEADLINE_EXCEEDED  # grpc cancels the call at its deadline
+        if code is None:
+            return grpc.StatusCode.CANCELLED
+    if code is not None:
+        return code
+    return grpc.StatusCode.UNKNOWN if raised else grpc.StatusCode.OK
+
+
+def _key_values(fields: dict[str, object]) -> str:
+    # Quote (as JSON strings) only values that would otherwise break the key=value split.
+    parts = []
+    for key, value in fields.items():
+        text = str(value)
+        if not text or any(c in text for c in ' "=\n\t'):
+            text = json.dumps(text)
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Refuses calls without the token their method needs (security.authorize decides)."""
+
+    def __init__(self, tokens: AuthTokens) -> None:
+        self._tokens = tokens
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or not self._tokens.enabled:
+            return handler
+        metadata = tuple(handler_call_details.invocation_metadata or ())
+        refusal = authorize(self._tokens, handler_call_details.method, metadata)
+        if refusal is None:
+            return handler
+        code, message = refusal
+
+        def around(behavior: _Behavior, streams_out: bool) -> _Behavior:
+            # The real behavior never runs: not even a request stream is read.
+            def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+                context.abort(code, message)
+
+            return refuse
+
+        return _rewrap(handler, around)

@@ -1,0 +1,224 @@
+"""Prometheus metrics of one server, in a registry of its own, served over HTTP on --metrics-port.
+
+Each RolloutServer owns a CollectorRegistry (not prometheus_client's global one), so several
+servers in one process (tests, benchmarks) keep separate numbers. What is exported:
+
+  rollserve_rpc_handled_total{service,method,code}         calls finished, by status code
+  rollserve_rpc_duration_seconds{service,method,code}      call latency (histogram)
+  rollserve_rpc_rejected_total{service,method,code}        calls that ended with a non-OK status
+  rollserve_rpc_in_flight{service,method}                  calls running now
+  rollserve_rpc_received_bytes_total / _sent_bytes_total   serialized message bytes
+  rollserve_generated_tokens_total                         response tokens streamed; tokens/s is
+                                                           rate(rollserve_generated_tokens_total[1m])
+  rollserve_micro_batch_rows, rollserve_request_rows       rows per streamed micro-batch / per
+                                                           completed MakeExperience (histograms)
+  rollserve_weight_updates_total{role}, _weight_update_bytes_total{role},
+  rollserve_weight_update_duration_seconds{role} (histogram),
+  rollserve_weight_update_gigabytes_per_second{role}       the last update's throughput
+  rollserve_queue_depth, rollserve_policy_version{role},
+  rollserve_phase{phase} (1 for the current one), rollserve_uptime_seconds   read at scrape time
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from rollserve.client.codec import decode_tensor
+from rollserve.server.models import Phase, ServerState
+from rollserve.v1 import rollout_pb2 as pb
+
+__all__ = ["MetricsHttpServer", "ServerMetrics", "role_name", "start_metrics_http"]
+
+_LOG = logging.getLogger(__name__)
+_RPC = ("service", "method")
+# Latency buckets from a 1 ms Health call up to a 10 min MakeExperience.
+_DURATION_BUCKETS_S = (0.001, 0.005, 0.025, 0.1, 0.25, 1.0, 2.5, 10.0, 30.0, 60.0, 180.0, 600.0)
+_ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+_UPDATE_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0, 600.0)
+_ROLE_NAMES = {
+    pb.MODEL_ROLE_UNSPECIFIED: "actor",  # a header's "unspecified" means the actor
+    pb.MODEL_ROLE_ACTOR: "actor",
+    pb.MODEL_ROLE_REFERENCE: "reference",
+    pb.MODEL_ROLE_CRITIC: "critic",
+    pb.MODEL_ROLE_REWARD: "reward",
+}
+
+
+def role_name(role: int) -> str:
+    """The role name ("actor", ...) of a wire ModelRole."""
+    return _ROLE_NAMES.get(role, "unknown")
+
+
+def split_method(full_method: str) -> tuple[str, str]:
+    """("rollserve.v1.Rollout", "MakeExperience") from "/rollserve.v1.Rollout/MakeExperience"."""
+    service, _, method = full_method.lstrip("/").partition("/")
+    return service, method
+
+
+class ServerMetrics:
+    """Every metric of one server; the servicer and the interceptor record into it."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.rpc_handled = Counter(
+            "rollserve_rpc_handled", "RPCs finished", (*_RPC, "code"), registry=r
+        )
+        self.rpc_duration = Histogram(
+            "rollserve_rpc_duration_seconds",
+            "RPC latency from the handler's start to its last message",
+            (*_RPC, "code"),
+            buckets=_DURATION_BUCKETS_S,
+            registry=r,
+        )
+        self.rpc_rejected = Counter(
+            "rollserve_rpc_rejected",
+            "RPCs that ended with a non-OK status",
+            (*_RPC, "code"),
+            registry=r,
+        )
+        self.rpc_in_flight = Gauge("rollserve_rpc_in_flight", "RPCs running", _RPC, registry=r)
+        self.received_bytes = Counter(
+            "rollserve_rpc_received_bytes", "serialized request bytes", _RPC, registry=r
+        )
+        self.sent_bytes = Counter(
+            "rollserve_rpc_sent_bytes", "serialized response bytes", _RPC, registry=r
+        )
+        self.generated_tokens = Counter(
+            "rollserve_generated_tokens", "response tokens in streamed experience", registry=r
+        )
+        self.micro_batch_rows = Histogram(
+            "rollserve_micro_batch_rows",
+            "rows per streamed micro-batch",
+            buckets=_ROWS_BUCKETS,
+            registry=r,
+        )
+        self.request_rows = Histogram(
+            "rollserve_request_rows",
+            "rows per completed MakeExperience",
+            buckets=_ROWS_BUCKETS,
+            registry=r,
+        )
+        self.weight_updates = Counter(
+            "rollserve_weight_updates", "weight updates applied", ("role",), registry=r
+        )
+        self.weight_update_bytes = Counter(
+            "rollserve_weight_update_bytes",
+            "bytes of applied weight updates",
+            ("role",),
+            registry=r,
+        )
+        self.weight_update_duration = Histogram(
+            "rollserve_weight_update_duration_seconds",
+            "weight update time from the header to the swap",
+            ("role",),
+            buckets=_UPDATE_BUCKETS_S,
+            registry=r,
+        )
+        self.weight_update_gbps = Gauge(
+            "rollserve_weight_update_gigabytes_per_second",
+            "throughput of the last weight update (1e9 bytes per second)",
+            ("role",),
+            registry=r,
+        )
+        r.register(_StateCollector(state))
+
+    def observe_micro_batch(self, response: pb.MakeExperienceResponse) -> int:
+        """Count one streamed micro-batch; returns its rows."""
+        experience = response.experience
+        rows = int(experience.sequences.shape[0]) if experience.sequences.shape else 0
+        self.micro_batch_rows.observe(rows)
+        lengths = experience.info.get("response_length")
+        if lengths is not None:
+            # The generated lengths, not the action mask: dynamic sampling may zero a mask.
+            self.generated_tokens.inc(int(decode_tensor(lengths, name="response_length").sum()))
+        return rows
+
+    def record_stream(
+        self, responses: Iterator[pb.MakeExperienceResponse]
+    ) -> Iterator[pb.MakeExperienceResponse]:
+        """Pass a MakeExperience stream through, counting rows and tokens as it goes."""
+        rows = 0
+        for response in responses:
+            rows += self.observe_micro_batch(response)
+            yield response
+        self.request_rows.observe(rows)  # completed requests only
+
+    def observe_weight_update(self, response: pb.UpdateWeightsResponse) -> None:
+        role = role_name(response.target)
+        self.weight_updates.labels(role).inc()
+        self.weight_update_bytes.labels(role).inc(response.bytes)
+        self.weight_update_duration.labels(role).observe(response.seconds)
+        self.weight_update_gbps.labels(role).set(response.bytes / max(response.seconds, 1e-9) / 1e9)
+
+    def observe_rpc(self, full_method: str, code: str, duration_s: float) -> None:
+        service, method = split_method(full_method)
+        self.rpc_handled.labels(service, method, code).inc()
+        self.rpc_duration.labels(service, method, code).observe(duration_s)
+        if code != "OK":
+            self.rpc_rejected.labels(service, method, code).inc()
+
+    def observe_bytes(self, full_method: str, received: int, sent: int) -> None:
+        service, method = split_method(full_method)
+        self.received_bytes.labels(service, method).inc(received)
+        self.sent_bytes.labels(service, method).inc(sent)
+
+
+class _StateCollector(Collector):
+    """Values that live in ServerState, read when Prometheus scrapes (never stale)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        state = self._state
+        yield GaugeMetricFamily(
+            "rollserve_queue_depth", "requests waiting for the engine", value=state.queue_depth()
+        )
+        versions = GaugeMetricFamily(
+            "rollserve_policy_version", "weights version per model", labels=["role"]
+        )
+        models = state.models
+        for model in models.loaded() if models is not None else ():
+            versions.add_metric([model.role], state.policy_version(model.role))
+        yield versions
+        phases = GaugeMetricFamily("rollserve_phase", "1 for the current phase", labels=["phase"])
+        for phase in Phase:
+            phases.add_metric([phase.value], 1.0 if state.phase is phase else 0.0)
+        yield phases
+        yield GaugeMetricFamily("rollserve_uptime_seconds", "since start", value=state.uptime_s)
+
+
+class MetricsHttpServer:
+    """prometheus_client's HTTP server thread for one registry; `close()` stops it."""
+
+    def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+        self.port: int = server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def start_metrics_http(
+    registry: CollectorRegistry, host: str, port: int
+) -> MetricsHttpServer | None:
+    """Serve `registry` at http://host:port/metrics; None (and a warning) when it cannot bind.
+
+    A metrics endpoint that cannot start must not keep the rollout service from serving.
+    """
+    try:
+        server, thread = start_http_server(port, addr=host.strip("[]"), registry=registry)
+    except OSError as exc:
+        _LOG.warning("metrics endpoint off: cannot bind %s:%d: %s", host, port, exc)
+        return None
+    return MetricsHttpServer(server, thread)

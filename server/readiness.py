@@ -1,0 +1,100 @@
+"""Deep readiness: SERVING only once a tiny forward pass works on the weights being served.
+
+Health names (grpc.health.v1): "" (the whole server, what Kubernetes and grpc_health_probe ask)
+and "rollserve.v1.Rollout" report the same status: SERVING only after the start-up probe passed,
+NOT_SERVING while loading, while waiting for the first weights (--wait-for-weights), after a
+weight update whose probe failed, and from the start of a drain on.
+
+The probe is a forward pass over two token ids on the engine thread (the one thread that uses
+the device), checking that it returns finite outputs: it catches a broken device, a model that
+does not run, and weights that produce NaN (e.g. an update sent with allow_non_finite). At start
+it probes every loaded model; after an update, the updated one, without delaying the update's
+reply: the probe is queued behind the swap and its verdict lands in the health status. A failed
+post-update probe moves the server to WAITING_FOR_WEIGHTS (NOT_SERVING; MakeExperience answers
+FAILED_PRECONDITION) until an update whose probe passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+
+import torch
+from rollserve.client.errors import RolloutError
+from rollserve.server.models import LoadedModel, ModelSet, Phase, ServerState
+
+__all__ = ["Readiness", "ReadinessError", "probe_model"]
+
+_LOG = logging.getLogger(__name__)
+
+
+class ReadinessError(RuntimeError):
+    """A model failed its readiness forward pass; the message names the role and the reason."""
+
+
+def probe_model(model: LoadedModel, models: ModelSet) -> None:
+    """Run a 2-token forward pass of `model`; ReadinessError unless its outputs are finite."""
+    # Ids 1 and 2 exist in any vocabulary worth serving; the clamp covers degenerate test ones.
+    ids = torch.tensor([[1, 2]], device=models.device).clamp(max=models.vocab_size - 1)  # (1, 2)
+    try:
+        with torch.inference_mode():
+            output = model.module(input_ids=ids, attention_mask=torch.ones_like(ids))
+        finite = bool(torch.isfinite(output.logits).all())
+    except Exception as exc:  # any failure of the forward pass means "not ready"
+        raise ReadinessError(f"{model.role} model failed a forward pass: {exc}") from exc
+    if not finite:
+        raise ReadinessError(f"{model.role} model produced non-finite outputs")
+
+
+class Readiness:
+    """Runs the probes on the engine and moves the server's phase on their verdicts."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+        self._lock = threading.Lock()
+        self._failed_roles: set[str] = set()
+
+    def check_startup(self) -> None:
+        """Probe every loaded model on the engine thread; ReadinessError on the first failure."""
+        runtime, models = self._state.runtime, self._state.models
+        if runtime is None or models is None:
+            raise ReadinessError("no models loaded")
+
+        def probe_all() -> None:
+            for model in models.loaded():
+                probe_model(model, models)
+
+        runtime.engine.call(probe_all)
+
+    def after_update(self, role: str) -> None:
+        """Queue a probe of `role` behind the swap; its verdict moves the phase when it ends."""
+        runtime, models = self._state.runtime, self._state.models
+        model = None if models is None else getattr(models, role, None)
+        if runtime is None or model is None:
+            return
+        try:
+            future = runtime.engine.submit(lambda: probe_model(model, models))
+        except RolloutError as exc:  # queue full or shutting down: keep the current verdict
+            _LOG.warning("readiness probe after the %s update skipped: %s", role, exc.message)
+            return
+        future.add_done_callback(lambda done: self._record(role, done))
+
+    def _record(self, role: str, done: Future[None]) -> None:
+        error = done.exception()
+        with self._lock:
+            was_failing = bool(self._failed_roles)
+            if error is None:
+                self._failed_roles.discard(role)
+            else:
+                self._failed_roles.add(role)
+            now_failing = bool(self._failed_roles)
+        if error is not None:
+            _LOG.error("not serving: the %s weights failed the readiness probe: %s", role, error)
+        if now_failing:
+            # Also after another role's good update: runtime's swap may have said SERVING.
+            self._state.set_phase(Phase.WAITING_FOR_WEIGHTS)
+        elif was_failing:
+            _LOG.info("serving again: the %s weights passed the readiness probe", role)
+            if self._state.phase is Phase.WAITING_FOR_WEIGHTS:
+                self._state.set_phase(Phase.SERVING)
