@@ -8,6 +8,7 @@ versions (each server keeps its own versions, so updating `bare` leaves `server`
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterator
 
@@ -307,3 +308,41 @@ def test_a_registered_user_reward_function_works_over_grpc(client: RolloutClient
     lengths = [float(len(t)) for t in e.response_texts]
     assert e.info["reward/length"].tolist() == lengths
     assert torch.allclose(e.reward, 2.0 * e.info["reward/length"])
+
+
+# ---- known bugs in files this suite does not own (strict: they fail loudly once fixed) ------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="RolloutClient.make_experience concatenates micro-batches with pad id 0, not the "
+    "server's pad_token_id (client/client.py: concat_experiences(batches))",
+)
+def test_a_pad_id_other_than_zero_survives_the_clients_concat(models: ModelSet) -> None:
+    tokenizer = copy.deepcopy(models.tokenizer)
+    tokenizer.pad_token = tokenizer.eos_token  # pad = eos = 2, as in many Llama checkpoints
+    server = _serve(dataclasses.replace(models, tokenizer=tokenizer))
+    try:
+        options = dict(GRPO, max_new_tokens=6, micro_batch_size=4, seed=1, rewards=["exact_match"])
+        local = _maker(server).make_experience(PROMPTS, **options)
+        with RolloutClient(server.address, timeout_s=60) as client:
+            remote = client.make_experience(PROMPTS, **options)
+        assert (local.sequences[~local.attention_mask] == 2).all()
+        _assert_identical(local, remote)
+    finally:
+        server.stop(0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="Runtime._swap updates ServerState's actor version but not maker.policy_version, "
+    "so the in-process API keeps stamping (and checking against) version 0",
+)
+def test_the_in_process_maker_follows_the_actors_policy_version(
+    bare: RolloutServer, bare_client: RolloutClient, models: ModelSet
+) -> None:
+    version = bare_client.health().policy_version + 1
+    bare_client.update_weights(models.actor.module, version=version)
+    assert _maker(bare).policy_version == version
