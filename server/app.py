@@ -35,7 +35,12 @@ from rollserve.server.models import ModelSet, Phase, ServerState, check_model_di
 from rollserve.server.readiness import Readiness
 from rollserve.server.rewards import RewardRegistry
 from rollserve.server.runtime import Runtime
-from rollserve.server.security import load_tokens, security_warnings, server_credentials
+from rollserve.server.security import (
+    AuthTokens,
+    load_tokens,
+    security_warnings,
+    server_credentials,
+)
 from rollserve.server.servicer import RolloutServicer
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
@@ -122,7 +127,12 @@ class RolloutServer:
             )
         if config.port_file is not None:
             _write_port_file(Path(config.port_file), self.port)
-        transport = "plaintext" if credentials is None else "TLS"
+        self._log_listening(tokens)
+        return self.port
+
+    def _log_listening(self, tokens: AuthTokens) -> None:
+        config = self.config
+        transport = "plaintext" if config.tls_cert is None else "TLS"
         if config.tls_client_ca is not None:
             transport = "mutual TLS"
         _LOG.info(
@@ -134,7 +144,6 @@ class RolloutServer:
         )
         for warning in security_warnings(config, tokens):
             _LOG.warning("%s", warning)
-        return self.port
 
     def load(self) -> None:
         """Load the models (unless given) and move to SERVING or WAITING_FOR_WEIGHTS."""

@@ -16,6 +16,7 @@ field, else a fresh one; it is echoed as `x-request-id` in the initial and trail
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -65,31 +66,41 @@ class _Call:
 
         return serialize
 
+    def count_sent(self, message: Any) -> None:
+        size = len(message) if isinstance(message, bytes) else getattr(message, "ByteSize", None)
+        self.sent_bytes += size() if callable(size) else int(size or 0)
+        self.responses += 1
+
+
+_Wrap = Callable[[_Behavior], _Behavior]
+
 
 def _rewrap(
     handler: grpc.RpcMethodHandler,
-    around: Callable[[_Behavior, bool], _Behavior],
     *,
+    unary_out: _Wrap,
+    stream_out: _Wrap,
     request_deserializer: Callable[[bytes], Any] | None = None,
     response_serializer: Callable[[Any], bytes] | None = None,
 ) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` whose behavior is around(behavior, streams_out)."""
+    """A handler of the same kind as `handler`, its behavior wrapped by `unary_out` when it
+    returns one response, by `stream_out` when it yields a stream of them."""
     deserializer = request_deserializer or handler.request_deserializer
     serializer = response_serializer or handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(
-            around(handler.stream_stream, True), deserializer, serializer
+            stream_out(handler.stream_stream), deserializer, serializer
         )
     if handler.request_streaming:
         return grpc.stream_unary_rpc_method_handler(
-            around(handler.stream_unary, False), deserializer, serializer
+            unary_out(handler.stream_unary), deserializer, serializer
         )
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(
-            around(handler.unary_stream, True), deserializer, serializer
+            stream_out(handler.unary_stream), deserializer, serializer
         )
     return grpc.unary_unary_rpc_method_handler(
-        around(handler.unary_unary, False), deserializer, serializer
+        unary_out(handler.unary_unary), deserializer, serializer
     )
 
 
@@ -109,49 +120,53 @@ class TelemetryInterceptor(grpc.ServerInterceptor):
             return None
         metadata = handler_call_details.invocation_metadata or ()
         call = _Call(handler_call_details.method, _caller_request_id(metadata))
-
-        def around(behavior: _Behavior, streams_out: bool) -> _Behavior:
-            if streams_out:
-
-                def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                    self._begin(call, request, context)
-                    try:
-                        yield from behavior(request, context)
-                    except BaseException:  # GeneratorExit too: the client went away
-                        self._end(call, context, raised=True)
-                        raise
-                    self._end(call, context, raised=False)
-
-                return stream
-
-            def unary(request: Any, context: grpc.ServicerContext) -> Any:
-                self._begin(call, request, context)
-                try:
-                    response = behavior(request, context)
-                except BaseException:
-                    self._end(call, context, raised=True)
-                    raise
-                self._end(call, context, raised=False)
-                return response
-
-            return unary
-
+        serializer = handler.response_serializer
+        if handler.response_streaming:
+            serializer = call.serializer(serializer)
         return _rewrap(
             handler,
-            around,
+            unary_out=functools.partial(self._unary, call),
+            stream_out=functools.partial(self._stream, call),
             request_deserializer=call.deserializer(handler.request_deserializer),
-            response_serializer=call.serializer(handler.response_serializer),
+            response_serializer=serializer,
         )
 
-    def _begin(self, call: _Call, request: Any, context: grpc.ServicerContext) -> None:
+    def _stream(self, call: _Call, behavior: _Behavior) -> _Behavior:
+        def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            self._begin(call, request)
+            try:
+                _echo_request_id(call, context)
+                yield from behavior(request, context)  # closing this closes the handler's too
+            except BaseException:  # GeneratorExit too: the client went away
+                self._end(call, context, raised=True)
+                raise
+            self._end(call, context, raised=False)
+
+        return stream
+
+    def _unary(self, call: _Call, behavior: _Behavior) -> _Behavior:
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            self._begin(call, request)
+            try:
+                _echo_request_id(call, context)
+                response = behavior(request, context)
+            except BaseException:
+                self._end(call, context, raised=True)
+                raise
+            # grpc serializes a unary response only after this returns: size it here (the unary
+            # responses of this server are small; streamed ones are counted as serialized).
+            call.count_sent(response)
+            self._end(call, context, raised=False)
+            return response
+
+        return unary
+
+    def _begin(self, call: _Call, request: Any) -> None:
         call.started_s = time.perf_counter()
         if call.request_id is None:
             field = getattr(request, "request_id", "")  # MakeExperienceRequest has one
             valid = isinstance(field, str) and _REQUEST_ID_RE.match(field)
             call.request_id = field if valid else uuid.uuid4().hex
-        echo = ((REQUEST_ID_KEY, call.request_id),)
-        context.set_trailing_metadata(echo)
-        context.send_initial_metadata(echo)
         self._metrics.rpc_in_flight.labels(*split_method(call.method)).inc()
 
     def _end(self, call: _Call, context: grpc.ServicerContext, *, raised: bool) -> None:
@@ -178,6 +193,14 @@ class TelemetryInterceptor(grpc.ServerInterceptor):
         if details:
             fields["details"] = details.decode("utf-8", "replace")
         _ACCESS_LOG.log(level, "rpc %s", _key_values(fields))
+
+
+def _echo_request_id(call: _Call, context: grpc.ServicerContext) -> None:
+    # Initial metadata reaches a streaming client before the first message; trailing metadata
+    # reaches every client, refused calls included. Raises if the client already left.
+    echo = ((REQUEST_ID_KEY, call.request_id or ""),)
+    context.set_trailing_metadata(echo)
+    context.send_initial_metadata(echo)
 
 
 def _caller_request_id(metadata: tuple[tuple[str, Any], ...]) -> str | None:
@@ -232,11 +255,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
             return handler
         code, message = refusal
 
-        def around(behavior: _Behavior, streams_out: bool) -> _Behavior:
-            # The real behavior never runs: not even a request stream is read.
-            def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-                context.abort(code, message)
+        # The real behavior never runs: not even a request stream is read.
+        def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(code, message)
 
-            return refuse
-
-        return _rewrap(handler, around)
+        return _rewrap(handler, unary_out=lambda _: refuse, stream_out=lambda _: refuse)

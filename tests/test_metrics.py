@@ -161,13 +161,13 @@ def test_weight_update_metrics_and_policy_version(server, stub) -> None:
     )
     gbps = value(after, "rollserve_weight_update_gigabytes_per_second", **actor)
     assert gbps == pytest.approx(response.bytes / response.seconds / 1e9)
-    received = value(
-        after,
-        "rollserve_rpc_received_bytes_total",
-        service="rollserve.v1.Rollout",
-        method="UpdateWeights",
-    )
-    assert received >= sum(m.ByteSize() for m in messages)
+    update = {"service": "rollserve.v1.Rollout", "method": "UpdateWeights"}
+
+    def delta(name: str) -> float:
+        return value(after, name, **update) - value(before, name, **update)
+
+    assert delta("rollserve_rpc_received_bytes_total") == sum(m.ByteSize() for m in messages)
+    assert delta("rollserve_rpc_sent_bytes_total") == response.ByteSize() > 0
 
 
 def test_request_ids_are_echoed_and_logged(server, stub) -> None:
