@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from rollserve.server.default_model import TinyModelSpec, build_byte_tokenizer, 
 from rollserve.server.models import LoadedModel, ModelSet, load_models
 from rollserve.server.scoring import action_log_probs
 from rollserve.server.weights import staging_arena
+from rollserve.server.weights.checksum import crc32
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
@@ -606,3 +608,13 @@ def test_wait_for_weights_serves_only_after_the_first_actor_update(actor_dir: Pa
         finally:
             proc.terminate()
             assert proc.wait(timeout=60) == 0, (Path(tmp) / "server.log").read_text()
+
+
+# ---- checksums -----------------------------------------------------------------------------------
+
+
+def test_crc32_matches_zlib_on_chunks_and_views() -> None:
+    data = os.urandom(3 * MIB + 7)
+    view = memoryview(data)
+    for piece in (b"", data, view[1 : 2 * MIB + 3], view[-5:]):
+        assert crc32(piece) == zlib.crc32(piece)

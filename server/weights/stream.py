@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,6 +24,7 @@ from typing import Protocol
 import torch
 from rollserve.client.errors import InvalidArgument
 from rollserve.server.weights.arena import StagingArena
+from rollserve.server.weights.checksum import crc32 as crc32_of
 from rollserve.server.weights.header import PREFIX_BYTES, StreamEntry, parse_header
 
 __all__ = ["ArenaLayout", "SafetensorsStager", "StagedFile", "StreamChecks", "plan_arena"]
@@ -129,7 +129,7 @@ class SafetensorsStager:
                 f"chunk at offset {offset} with {size} bytes runs past total_bytes "
                 f"{self._total_bytes}"
             )
-        if crc32 is not None and zlib.crc32(view) != crc32:
+        if crc32 is not None and crc32_of(view) != crc32:
             raise InvalidArgument(f"crc32 mismatch in the chunk at offset {offset}")
         if self._digest is not None:
             self._digest.update(view)
