@@ -330,6 +330,32 @@ def test_refusals_say_why_without_echoing_tokens(secure_channel: grpc.Channel) -
     assert "admin token" in info.value.details()
 
 
+def test_the_rollout_client_speaks_tokens_and_mutual_tls(certs: Certs, secure_server) -> None:
+    from rollserve.client.client import RolloutClient
+    from rollserve.client.errors import PermissionDenied, Unauthenticated
+
+    pem = {
+        "root_certificates": certs.ca,
+        "private_key": certs.client_key,
+        "certificate_chain": certs.client_cert,
+    }
+    target = secure_server[1]
+    with RolloutClient(target, timeout_s=WAIT_S, token=DATA_TOKEN, **pem) as client:
+        version = client.health().policy_version
+        experience = client.make_experience(
+            [[5, 6, 7]], max_new_tokens=2, seed=1, rewards=["exact_match"], gt_answers=["x"]
+        )
+        assert experience.num_rows == 1
+        weights = {"model.norm.weight": torch.ones(64)}
+        with pytest.raises(PermissionDenied):
+            client.update_weights(weights, version=version + 1, mode="partial")
+    with RolloutClient(target, timeout_s=WAIT_S, token=ADMIN_TOKEN, **pem) as client:
+        assert client.update_weights(weights, version=version + 1, mode="partial").version
+        assert client.health().policy_version == version + 1
+    with RolloutClient(target, timeout_s=WAIT_S, **pem) as client, pytest.raises(Unauthenticated):
+        client.health()
+
+
 def test_health_command_over_mutual_tls(certs: Certs, secure_server) -> None:
     files = certs.files
     command = [sys.executable, "-m", "rollserve.server", "health", "--target", secure_server[1]]
