@@ -76,10 +76,12 @@ class Runtime:
         phase = self.state.phase
         if phase is Phase.WAITING_FOR_WEIGHTS:
             raise FailedPrecondition(
-                "the server is waiting for its first weights (--wait-for-weights); "
-                "call UpdateWeights first"
+                "the server has no weights that passed its readiness check yet (started with "
+                "--wait-for-weights, or the last update failed its probe); call UpdateWeights"
             )
-        if phase is not Phase.SERVING:
+        # DRAINING still serves: during the drain delay load balancers move away, and after it
+        # grpc itself refuses new calls while in-flight ones finish.
+        if phase not in (Phase.SERVING, Phase.DRAINING):
             raise Unavailable(f"the server is {phase.value}")
 
     # ---- UpdateWeights -----------------------------------------------------------------------
