@@ -76,8 +76,8 @@ class Runtime:
         phase = self.state.phase
         if phase is Phase.WAITING_FOR_WEIGHTS:
             raise FailedPrecondition(
-                "the server has no weights that passed its readiness check yet (started with "
-                "--wait-for-weights, or the last update failed its probe); call UpdateWeights"
+                "the server is waiting for its first weights (--wait-for-weights) or for weights "
+                "that pass its readiness check; call UpdateWeights"
             )
         # DRAINING still serves: during the drain delay load balancers move away, and after it
         # grpc itself refuses new calls while in-flight ones finish.
