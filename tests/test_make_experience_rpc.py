@@ -145,6 +145,23 @@ def test_same_seed_gives_the_same_experience_in_process_over_grpc_and_streamed(
         assert {"reward/exact_match", "reward/length"} <= remote.info.keys()
 
 
+def test_chat_text_prompts_over_grpc_equal_their_token_ids_in_process(
+    server: RolloutServer, client: RolloutClient, models: ModelSet
+) -> None:
+    texts = ["hello there", "2+2="]
+    ids = [
+        list(
+            models.tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
+        for t in texts
+    ]
+    options = dict(GRPO, gt_answers=GT[:2], samples_per_prompt=2)
+    remote = client.make_experience(texts, apply_chat_template=True, seed=5, **options)
+    _assert_identical(_maker(server).make_experience(ids, seed=5, **options), remote)
+
+
 # ---- the stream ------------------------------------------------------------------------------
 
 
@@ -185,14 +202,15 @@ def test_rows_carry_the_policy_version_and_min_policy_version_is_enforced(
 ) -> None:
     options = dict(max_new_tokens=4, seed=1, rewards=["exact_match"], gt_answers=GT)
     options["algorithm"] = {"kl_coef": 0.0}  # the bare server has no reference
+    base = bare_client.health().policy_version  # versions only move forward: read, not assume
     with pytest.raises(FailedPrecondition, match="min_policy_version"):
-        bare_client.make_experience(PROMPTS, min_policy_version=1, **options)
-    # Re-send the actor's own weights as version 2: the version moves, the numbers do not.
-    assert bare_client.update_weights(models.actor.module, version=2).version == 2
-    e = bare_client.make_experience(PROMPTS, min_policy_version=2, **options)
-    assert torch.equal(e.policy_version, torch.full((4,), 2))
-    with pytest.raises(FailedPrecondition, match="min_policy_version: 3"):
-        bare_client.make_experience(PROMPTS, min_policy_version=3, **options)
+        bare_client.make_experience(PROMPTS, min_policy_version=base + 1, **options)
+    # Re-send the actor's own weights as a later version: the version moves, the numbers do not.
+    assert bare_client.update_weights(models.actor.module, version=base + 2).version == base + 2
+    e = bare_client.make_experience(PROMPTS, min_policy_version=base + 2, **options)
+    assert torch.equal(e.policy_version, torch.full((4,), base + 2))
+    with pytest.raises(FailedPrecondition, match=f"min_policy_version: {base + 3}"):
+        bare_client.make_experience(PROMPTS, min_policy_version=base + 3, **options)
 
 
 # ---- refusals --------------------------------------------------------------------------------
