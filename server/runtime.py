@@ -70,6 +70,7 @@ class Runtime:
                 experience=experience_to_proto(experience),
                 micro_batch_index=index,
                 num_micro_batches=spec.num_micro_batches,
+                pad_token_id=self.maker.pad_token_id,
             )
 
     def _check_accepting(self) -> None:

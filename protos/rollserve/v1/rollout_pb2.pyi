@@ -259,14 +259,16 @@ class Experience(_message.Message):
     def __init__(self, sequences: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., action_mask: _Optional[_Union[Tensor, _Mapping]] = ..., action_log_probs: _Optional[_Union[Tensor, _Mapping]] = ..., base_action_log_probs: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[_Union[Tensor, _Mapping]] = ..., kl: _Optional[_Union[Tensor, _Mapping]] = ..., advantages: _Optional[_Union[Tensor, _Mapping]] = ..., returns: _Optional[_Union[Tensor, _Mapping]] = ..., action_entropy: _Optional[_Union[Tensor, _Mapping]] = ..., info: _Optional[_Mapping[str, Tensor]] = ..., policy_version: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_index: _Optional[_Union[Tensor, _Mapping]] = ..., response_texts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MakeExperienceResponse(_message.Message):
-    __slots__ = ("experience", "micro_batch_index", "num_micro_batches")
+    __slots__ = ("experience", "micro_batch_index", "num_micro_batches", "pad_token_id")
     EXPERIENCE_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    PAD_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     experience: Experience
     micro_batch_index: int
     num_micro_batches: int
-    def __init__(self, experience: _Optional[_Union[Experience, _Mapping]] = ..., micro_batch_index: _Optional[int] = ..., num_micro_batches: _Optional[int] = ...) -> None: ...
+    pad_token_id: int
+    def __init__(self, experience: _Optional[_Union[Experience, _Mapping]] = ..., micro_batch_index: _Optional[int] = ..., num_micro_batches: _Optional[int] = ..., pad_token_id: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
