@@ -140,6 +140,8 @@ class Runtime:
         self._check_version(role, staged.version)
         applied = staged.apply(model.module)
         self.state.set_policy_version(role, staged.version)
+        if role == "actor":
+            self.maker.policy_version = staged.version  # the in-process API stamps the same
         if role == "actor" and self.state.phase is Phase.WAITING_FOR_WEIGHTS:
             self.state.set_phase(Phase.SERVING)
         return applied

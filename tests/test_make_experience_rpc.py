@@ -352,12 +352,6 @@ def test_a_pad_id_other_than_zero_survives_the_clients_concat(models: ModelSet) 
         server.stop(0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="Runtime._swap updates ServerState's actor version but not maker.policy_version, "
-    "so the in-process API keeps stamping (and checking against) version 0",
-)
 def test_the_in_process_maker_follows_the_actors_policy_version(
     bare: RolloutServer, bare_client: RolloutClient, models: ModelSet
 ) -> None:
