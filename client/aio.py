@@ -19,7 +19,16 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 import grpc
 import torch
-from rollserve.client.calls import CallSettings, Metadata, land, progress_reporter, typed_errors
+from rollserve.client.calls import (
+    CallSettings,
+    Metadata,
+    SubscribedBatch,
+    land,
+    progress_reporter,
+    subscribe_request,
+    subscribed_batch,
+    typed_errors,
+)
 from rollserve.client.channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     channel_credentials,
@@ -144,6 +153,29 @@ class AsyncRolloutClient:
                     yield experience_from_proto(reply.experience)
         finally:
             call.cancel()  # a no-op after the last reply; frees the server when abandoned
+
+    async def subscribe(
+        self,
+        subscriber_id: str = "",
+        max_batches: int = 0,
+        *,
+        timeout_s: float | None = None,
+        device: torch.device | str | None = None,
+    ) -> AsyncIterator[SubscribedBatch]:
+        """Batches of the server's continuous rollout (see RolloutClient.subscribe); closing
+        the iterator (aclose, or leaving `async for` early) cancels the call."""
+        request = subscribe_request(subscriber_id, max_batches)
+        call = self._stub.Subscribe(
+            request,
+            timeout=self._settings.timeout(timeout_s),
+            metadata=self._settings.metadata_for(),
+        )
+        try:
+            with typed_errors():
+                async for reply in call:
+                    yield subscribed_batch(reply, device)
+        finally:
+            call.cancel()
 
     async def update_weights(
         self,

@@ -1,7 +1,8 @@
 """Per-call pieces shared by RolloutClient and AsyncRolloutClient.
 
-Deadlines, metadata (bearer token, request ids), error translation, landing of experience and
-upload progress live here once, so that the two clients differ only in how they wait.
+Deadlines, metadata (bearer token, request ids), error translation, landing of experience,
+upload progress and Subscribe's request and batches live here once, so that the two clients
+differ only in how they wait.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 from rollserve.client.errors import from_rpc_error
-from rollserve.client.experience import Experience
+from rollserve.client.experience import Experience, experience_from_proto
 from rollserve.v1 import rollout_pb2 as pb
 
 __all__ = [
@@ -23,8 +24,11 @@ __all__ = [
     "REQUEST_ID_KEY",
     "CallSettings",
     "Metadata",
+    "SubscribedBatch",
     "land",
     "progress_reporter",
+    "subscribe_request",
+    "subscribed_batch",
     "typed_errors",
     "with_progress",
 ]
@@ -137,3 +141,35 @@ def with_progress(
     for request in requests:
         yield request
         report(request)
+
+
+@dataclass(frozen=True)
+class SubscribedBatch:
+    """One batch of a server's continuous rollout, as Subscribe delivered it."""
+
+    # Whole groups; prompt_index holds the prompt ids (rows) of the server's prompt source.
+    experience: Experience
+    batch_index: int  # batches delivered before this one, across all subscribers
+    epoch: int  # pass over the prompt source that made it, from 0
+    step: int  # position of the batch in the rollout's schedule, from 0
+
+
+def subscribe_request(subscriber_id: str, max_batches: int) -> pb.SubscribeRequest:
+    """A validated SubscribeRequest (max_batches 0: until the rollout ends)."""
+    if not isinstance(subscriber_id, str):
+        raise TypeError(f"subscriber_id must be a string, got {subscriber_id!r}")
+    if isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 0:
+        raise ValueError(f"max_batches must be an integer >= 0, got {max_batches!r}")
+    return pb.SubscribeRequest(subscriber_id=subscriber_id, max_batches=max_batches)
+
+
+def subscribed_batch(
+    reply: pb.SubscribeResponse, device: torch.device | str | None
+) -> SubscribedBatch:
+    """A SubscribeResponse decoded and landed like any experience (see `land`)."""
+    return SubscribedBatch(
+        experience=land(experience_from_proto(reply.experience), device),
+        batch_index=reply.batch_index,
+        epoch=reply.epoch,
+        step=reply.step,
+    )

@@ -7,7 +7,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import grpc
 import torch
-from rollserve.client.calls import CallSettings, Metadata, land, typed_errors, with_progress
+from rollserve.client.calls import (
+    CallSettings,
+    Metadata,
+    SubscribedBatch,
+    land,
+    subscribe_request,
+    subscribed_batch,
+    typed_errors,
+    with_progress,
+)
 from rollserve.client.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_credentials, open_channel
 from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable
 from rollserve.client.experience import Experience, concat_experiences, experience_from_proto
@@ -150,6 +159,35 @@ class RolloutClient:
                     yield experience_from_proto(reply.experience)
         finally:
             call.cancel()  # a no-op after the last reply; frees the server when abandoned
+
+    def subscribe(
+        self,
+        subscriber_id: str = "",
+        max_batches: int = 0,
+        *,
+        timeout_s: float | None = None,
+        device: torch.device | str | None = None,
+    ) -> Iterator[SubscribedBatch]:
+        """Batches of the server's continuous rollout (--rollout-prompts) dealt to this trainer.
+
+        Several subscribers share the rollout round-robin; each batch goes to one of them. The
+        stream ends when the rollout is finished or after `max_batches` (0: no limit).
+        `timeout_s` bounds the whole subscription: give a long rollout a long one. Closing the
+        iterator cancels the call; batches not sent yet go to the other subscribers.
+        FailedPrecondition when the server runs no continuous rollout.
+        """
+        request = subscribe_request(subscriber_id, max_batches)
+        call = self._stub.Subscribe(
+            request,
+            timeout=self._settings.timeout(timeout_s),
+            metadata=self._settings.metadata_for(),
+        )
+        try:
+            with typed_errors():
+                for reply in call:
+                    yield subscribed_batch(reply, device)
+        finally:
+            call.cancel()  # a no-op after the last batch; leaves the ring when abandoned
 
     def update_weights(
         self,

@@ -6,6 +6,10 @@ forward pass on the engine, readiness.py), then SERVING. Order of a stop: NOT_SE
 keep answering for `drain_delay_s` so load balancers notice, then stop accepting calls and give
 in-flight ones `shutdown_grace_s` to finish, then exit 0.
 
+With --rollout-prompts the server also runs a continuous rollout (continuous.py): the prompt file
+is read when the server is built, the request template is checked once the models are loaded
+(before SERVING), and the rollout stops when the drain delay ends, ending Subscribe streams.
+
 Around every call: the telemetry interceptor (request id, access log, metrics) and the auth
 interceptor (bearer tokens, security.py); TLS or mutual TLS when configured. Prometheus metrics
 are served over plain HTTP on `--metrics-port` (same host; 0 turns them off).
@@ -27,6 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from rollserve.server.config import ServerConfig
+from rollserve.server.continuous import ContinuousRollout
 from rollserve.server.experience_request import RequestDefaults
 from rollserve.server.interceptors import AuthInterceptor, TelemetryInterceptor
 from rollserve.server.maker import NaiveExperienceMaker
@@ -88,6 +93,10 @@ class RolloutServer:
         self.state.on_phase_change(self._mirror_health)
         self.metrics = ServerMetrics(self.state)
         self.readiness = Readiness(self.state)
+        # Reads the prompt file now: a bad one fails before anything is bound.
+        self.rollout = ContinuousRollout.from_config(self.state)
+        if self.rollout is not None:
+            self.metrics.watch_rollout(self.rollout.stats)
         self._metrics_http: MetricsHttpServer | None = None
         self._stop_lock = threading.Lock()
         self._stopped = False
@@ -112,7 +121,9 @@ class RolloutServer:
             # Telemetry first (outermost): calls refused by auth are logged and counted too.
             interceptors=(TelemetryInterceptor(self.metrics), AuthInterceptor(tokens)),
         )
-        servicer = RolloutServicer(self.state, metrics=self.metrics, readiness=self.readiness)
+        servicer = RolloutServicer(
+            self.state, metrics=self.metrics, readiness=self.readiness, rollout=self.rollout
+        )
         rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -152,6 +163,8 @@ class RolloutServer:
         self.state.set_models(models)
         self.state.runtime = build_runtime(self.state, models)
         self.readiness.check_startup()  # ReadinessError: never report SERVING on broken models
+        if self.rollout is not None:
+            self.rollout.start(self.state.runtime)  # RolloutSetupError on a bad template
         ready = Phase.WAITING_FOR_WEIGHTS if self.config.wait_for_weights else Phase.SERVING
         self.state.set_phase(ready)
         actor = models.actor
@@ -180,6 +193,8 @@ class RolloutServer:
         if drain_delay_s > 0:
             _LOG.info("draining: NOT_SERVING for %.1f s before refusing calls", drain_delay_s)
             time.sleep(drain_delay_s)
+        if self.rollout is not None:
+            self.rollout.close()  # Subscribe streams end instead of holding the grace period
         _LOG.info("stopping: in-flight calls get %.1f s", grace_s)
         self._server.stop(grace_s).wait()
         if self.state.runtime is not None:

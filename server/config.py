@@ -88,6 +88,15 @@ class ServerConfig:
     admin_token: str | None = dataclasses.field(default=None, repr=False)
     data_token_file: str | None = None
     admin_token_file: str | None = None
+    # Continuous rollout (server/continuous.py): off unless rollout_prompts names a JSONL file.
+    rollout_prompts: str | None = None
+    rollout_request: str | None = None  # MakeExperienceRequest template (protobuf JSON)
+    rollout_prompts_per_batch: int = 8
+    rollout_epochs: int = 1  # 0: no epoch limit
+    rollout_steps: int = 0  # batches to make; 0: no step limit
+    rollout_seed: int = 0  # prompt shuffle and per-batch sampling seeds
+    rollout_queue_batches: int = 4  # made batches waiting for a subscriber (back-pressure)
+    max_staleness: int | None = 1  # versions behind the newest actor; None: unlimited
 
     @classmethod
     def from_args(
@@ -140,6 +149,8 @@ class ServerConfig:
                 raise ConfigError(f"{role}_token and {role}_token_file: give one, not both")
         if self.data_token is not None and self.data_token == self.admin_token:
             raise ConfigError("data_token and admin_token must differ")
+        if self.rollout_request is not None and self.rollout_prompts is None:
+            raise ConfigError("rollout_request: a request template needs rollout_prompts as well")
         if self.max_new_tokens > self.max_new_tokens_limit:
             raise ConfigError(
                 f"max_new_tokens ({self.max_new_tokens}) is above max_new_tokens_limit "
@@ -230,6 +241,20 @@ def _positive_int(raw: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _non_negative_int(raw: str) -> int:
+    value = _int(raw)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _staleness(raw: str) -> int | None:
+    """Versions as an integer >= 0, or "unlimited" (None: no staleness bound)."""
+    if raw.strip().lower() in ("unlimited", "none"):
+        return None
+    return _non_negative_int(raw)
 
 
 def _seconds(raw: str) -> float:
@@ -361,4 +386,18 @@ _SPECS: dict[str, _Spec] = {
     "admin_token": _Spec(_token, "bearer token for UpdateWeights (and every data call)", "TOKEN"),
     "data_token_file": _Spec(_non_empty, "read --data-token from this file", "FILE"),
     "admin_token_file": _Spec(_non_empty, "read --admin-token from this file", "FILE"),
+    "rollout_prompts": _Spec(
+        _non_empty, "JSONL prompt source of the continuous rollout (Subscribe)", "FILE"
+    ),
+    "rollout_request": _Spec(
+        _non_empty, "MakeExperienceRequest template without prompts, protobuf JSON", "FILE"
+    ),
+    "rollout_prompts_per_batch": _Spec(_positive_int, "prompts per rollout batch", "N"),
+    "rollout_epochs": _Spec(_non_negative_int, "passes over the prompts; 0: no limit", "N"),
+    "rollout_steps": _Spec(_non_negative_int, "rollout batches to make; 0: no limit", "N"),
+    "rollout_seed": _Spec(_non_negative_int, "seed of the prompt shuffle and sampling", "N"),
+    "rollout_queue_batches": _Spec(_positive_int, "made batches held for subscribers", "N"),
+    "max_staleness": _Spec(
+        _staleness, "drop rollout batches this many versions behind; or unlimited", "N"
+    ),
 }

@@ -17,21 +17,29 @@ servers in one process (tests, benchmarks) keep separate numbers. What is export
   rollserve_weight_update_gigabytes_per_second{role}       the last update's throughput
   rollserve_queue_depth, rollserve_policy_version{role},
   rollserve_phase{phase} (1 for the current one), rollserve_uptime_seconds   read at scrape time
+  rollserve_rollout_batches_{made,delivered,dropped_stale,failed}_total,
+  rollserve_rollout_queued_batches, rollserve_rollout_subscribers, rollserve_rollout_epoch,
+  rollserve_rollout_step, rollserve_rollout_finished   the continuous rollout (--rollout-prompts),
+                                                       read at scrape time
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from rollserve.client.codec import decode_tensor
 from rollserve.server.models import Phase, ServerState
 from rollserve.v1 import rollout_pb2 as pb
+
+if TYPE_CHECKING:
+    from rollserve.server.continuous import RolloutStats
 
 __all__ = ["MetricsHttpServer", "ServerMetrics", "role_name", "start_metrics_http"]
 
@@ -129,9 +137,16 @@ class ServerMetrics:
         )
         r.register(_StateCollector(state))
 
+    def watch_rollout(self, stats: Callable[[], RolloutStats]) -> None:
+        """Export the continuous rollout's counts, read from `stats()` at scrape time."""
+        self.registry.register(_RolloutCollector(stats))
+
     def observe_micro_batch(self, response: pb.MakeExperienceResponse) -> int:
         """Count one streamed micro-batch; returns its rows."""
-        experience = response.experience
+        return self.observe_experience(response.experience)
+
+    def observe_experience(self, experience: pb.Experience) -> int:
+        """Count the rows and generated tokens of one streamed Experience; returns its rows."""
         rows = int(experience.sequences.shape[0]) if experience.sequences.shape else 0
         self.micro_batch_rows.observe(rows)
         lengths = experience.info.get("response_length")
@@ -193,6 +208,32 @@ class _StateCollector(Collector):
             phases.add_metric([phase.value], 1.0 if state.phase is phase else 0.0)
         yield phases
         yield GaugeMetricFamily("rollserve_uptime_seconds", "since start", value=state.uptime_s)
+
+
+class _RolloutCollector(Collector):
+    """The continuous rollout's counts, read when Prometheus scrapes."""
+
+    def __init__(self, stats: Callable[[], RolloutStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._stats()
+        prefix = "rollserve_rollout"
+        for name, value, doc in (
+            ("batches_made", s.made, "rollout batches made"),
+            ("batches_delivered", s.delivered, "rollout batches sent to a subscriber"),
+            ("batches_dropped_stale", s.dropped_stale, "rollout batches dropped as too stale"),
+            ("batches_failed", s.failed, "rollout batches that failed and were skipped"),
+        ):
+            yield CounterMetricFamily(f"{prefix}_{name}", doc, value=value)
+        for name, value, doc in (
+            ("queued_batches", s.queued, "made rollout batches waiting for a subscriber"),
+            ("subscribers", s.subscribers, "connected rollout subscribers"),
+            ("epoch", s.epoch, "epoch of the last rollout batch finished"),
+            ("step", s.step, "rollout batches finished (made or failed)"),
+            ("finished", float(s.finished), "1 once every rollout batch was made and sent"),
+        ):
+            yield GaugeMetricFamily(f"{prefix}_{name}", doc, value=value)
 
 
 class MetricsHttpServer:

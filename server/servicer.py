@@ -1,5 +1,7 @@
 """The rollserve.v1.Rollout servicer: a few lines of glue per RPC (KServe style).
 
+Subscribe hands the call to the continuous rollout (continuous.py), which deals its batches.
+
 Decoding, validation and the engine live elsewhere; this module maps state to messages and lets
 `status.handles_errors` turn exceptions into statuses.
 """
@@ -12,7 +14,8 @@ import threading
 from collections.abc import Iterator
 
 import grpc
-from rollserve.client.errors import Unavailable
+from rollserve.client.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rollserve.server.continuous import ContinuousRollout, RolloutStats
 from rollserve.server.metrics import ServerMetrics, role_name
 from rollserve.server.models import Phase, ServerState
 from rollserve.server.readiness import Readiness
@@ -22,7 +25,7 @@ from rollserve.server.status import handles_errors
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
-__all__ = ["RolloutServicer", "health_response", "server_version"]
+__all__ = ["RolloutServicer", "health_response", "rollout_progress", "server_version"]
 
 _STATUS = {
     Phase.LOADING: pb.SERVING_STATUS_LOADING,
@@ -36,10 +39,11 @@ _ROLE = {
     "critic": pb.MODEL_ROLE_CRITIC,
     "reward": pb.MODEL_ROLE_REWARD,
 }
+_MAX_SUBSCRIBER_ID_CHARS = 128  # it lands in log lines
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
-    """Serves the three RPCs of rollserve.v1.Rollout from a shared ServerState."""
+    """Serves the RPCs of rollserve.v1.Rollout from a shared ServerState."""
 
     def __init__(
         self,
@@ -47,11 +51,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         *,
         metrics: ServerMetrics | None = None,
         readiness: Readiness | None = None,
+        rollout: ContinuousRollout | None = None,
     ) -> None:
         self._state = state
         self._metrics = metrics or ServerMetrics(state)
         self._readiness = readiness or Readiness(state)
         self._limits = RequestLimits.from_config(state.config)
+        self._rollout = rollout  # None: the server was started without --rollout-prompts
 
     @handles_errors
     def MakeExperience(
@@ -74,7 +80,23 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @handles_errors
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
-        return health_response(self._state)
+        return health_response(self._state, self._rollout)
+
+    @handles_errors
+    def Subscribe(
+        self, request: pb.SubscribeRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.SubscribeResponse]:
+        if self._rollout is None:
+            raise FailedPrecondition("this server runs no continuous rollout (--rollout-prompts)")
+        if request.max_batches < 0:
+            raise InvalidArgument(f"max_batches: must be >= 0, got {request.max_batches}")
+        name = _subscriber_name(request.subscriber_id, context.peer())
+        subscription = self._rollout.subscribe(name, request.max_batches, context.is_active)
+        if not context.add_callback(subscription.cancel):  # the call is already over
+            subscription.cancel()
+        for response in subscription:
+            self._metrics.observe_experience(response.experience)
+            yield response
 
     def _runtime(self) -> Runtime:
         runtime = self._state.runtime
@@ -83,7 +105,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return runtime
 
 
-def health_response(state: ServerState) -> pb.HealthResponse:
+def _subscriber_name(subscriber_id: str, peer: str) -> str:
+    if len(subscriber_id) > _MAX_SUBSCRIBER_ID_CHARS or not subscriber_id.isprintable():
+        raise InvalidArgument(
+            f"subscriber_id: at most {_MAX_SUBSCRIBER_ID_CHARS} printable characters"
+        )
+    return subscriber_id or peer
+
+
+def health_response(
+    state: ServerState, rollout: ContinuousRollout | None = None
+) -> pb.HealthResponse:
     """Readiness, versions and model facts; reads state only, never the device."""
     response = pb.HealthResponse(
         status=_STATUS[state.phase],
@@ -93,6 +125,8 @@ def health_response(state: ServerState) -> pb.HealthResponse:
         server_version=server_version(),
         default_preset=state.default_preset,
     )
+    if rollout is not None:
+        response.rollout.CopyFrom(rollout_progress(rollout.stats()))
     models = state.models
     if models is None:  # still loading: nothing more is known yet
         return response
@@ -109,6 +143,20 @@ def health_response(state: ServerState) -> pb.HealthResponse:
             policy_version=state.policy_version(model.role),
         )
     return response
+
+
+def rollout_progress(stats: RolloutStats) -> pb.RolloutProgress:
+    """Health.rollout of a server that runs a continuous rollout."""
+    return pb.RolloutProgress(
+        enabled=True,
+        finished=stats.finished,
+        epoch=stats.epoch,
+        step=stats.step,
+        batches_delivered=stats.delivered,
+        batches_dropped_stale=stats.dropped_stale,
+        queued_batches=stats.queued,
+        subscribers=stats.subscribers,
+    )
 
 
 @functools.cache

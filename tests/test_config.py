@@ -72,12 +72,21 @@ SAMPLES = {
     "admin_token": ("adm1n-t0ken", "adm1n-t0ken"),
     "data_token_file": ("/run/secrets/data", "/run/secrets/data"),
     "admin_token_file": ("/run/secrets/admin", "/run/secrets/admin"),
+    "rollout_prompts": ("/data/prompts.jsonl", "/data/prompts.jsonl"),
+    "rollout_request": ("/data/request.json", "/data/request.json"),
+    "rollout_prompts_per_batch": ("3", 3),
+    "rollout_epochs": ("0", 0),
+    "rollout_steps": ("20", 20),
+    "rollout_seed": ("7", 7),
+    "rollout_queue_batches": ("2", 2),
+    "max_staleness": ("unlimited", None),
 }
 # Fields only valid together with others (as environment variables set alongside the sample).
 COMPANIONS = {
     "tls_cert": {"ROLLSERVE_TLS_KEY": "/k.pem"},
     "tls_key": {"ROLLSERVE_TLS_CERT": "/c.pem"},
     "tls_client_ca": {"ROLLSERVE_TLS_CERT": "/c.pem", "ROLLSERVE_TLS_KEY": "/k.pem"},
+    "rollout_request": {"ROLLSERVE_ROLLOUT_PROMPTS": "/p.jsonl"},
 }
 
 
