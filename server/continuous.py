@@ -67,11 +67,13 @@ from rollserve.server.models import ModelLoadError, Phase, ServerState
 from rollserve.v1 import rollout_pb2 as pb
 
 if TYPE_CHECKING:
+    from rollserve.server.experience_request import ExperienceSpec
     from rollserve.server.runtime import Runtime
 
 __all__ = [
     "ContinuousRollout",
     "Dealer",
+    "MadeBatch",
     "PlannedBatch",
     "PromptSource",
     "RolloutSettings",
@@ -220,6 +222,13 @@ def load_request_template(path: str | Path | None) -> pb.MakeExperienceRequest:
             f"rollout request template {path}: holds prompts or gt_answers; they come from the "
             "prompt source"
         )
+    if template.min_policy_version:
+        # The loop stamps each batch with the version it was made by; waiting for a first
+        # version is --wait-for-weights' job.
+        raise RolloutSetupError(
+            f"rollout request template {path}: min_policy_version is not used by the rollout; "
+            "start the server with --wait-for-weights instead"
+        )
     return template
 
 
@@ -338,26 +347,21 @@ class Dealer:
         self._max_staleness = max_staleness
         self._done = False  # the loop made its last batch
         self._closed = False
-        self.delivered = 0
-        self.dropped_stale = 0
+        self._delivered = 0
+        self._dropped_stale = 0
 
     def join(self, name: str, max_batches: int, is_live: Callable[[], bool]) -> Subscription:
         subscription = Subscription(self, name, max_batches, is_live)
         with self._cond:
             self._ring.append(subscription)
             self._cond.notify_all()  # demand: the loop may start making
-        _LOG.info("subscriber %s joined (%d connected)", name, len(self._ring))
+            _LOG.info("subscriber %s joined (%d connected)", name, len(self._ring))
         return subscription
 
     def leave(self, sub: Subscription) -> None:
         with self._cond:
-            if sub.gone:
-                return
-            self._leave_locked(sub)
-            connected = len(self._ring)
-        _LOG.info(
-            "subscriber %s left after %d batches (%d connected)", sub.name, sub.received, connected
-        )
+            if not sub.gone:
+                self._leave_locked(sub)
 
     def _leave_locked(self, sub: Subscription) -> None:
         sub.gone = True
@@ -368,6 +372,12 @@ class Dealer:
         if self._turn >= len(self._ring):
             self._turn = 0
         self._cond.notify_all()
+        _LOG.info(
+            "subscriber %s left after %d batches (%d connected)",
+            sub.name,
+            sub.received,
+            len(self._ring),
+        )
 
     def take(self, sub: Subscription) -> pb.SubscribeResponse | None:
         """Block until it is `sub`'s turn and a fresh batch waits; None when its stream ends."""
@@ -391,8 +401,8 @@ class Dealer:
             self._leave_locked(sub)
             return None
         response = batch.response
-        response.batch_index = self.delivered
-        self.delivered += 1
+        response.batch_index = self._delivered
+        self._delivered += 1
         sub.received += 1
         self._turn = (self._turn + 1) % len(self._ring)
         if sub.remaining is not None:
@@ -409,7 +419,7 @@ class Dealer:
         fresh = [batch for batch in self._queue if batch.policy_version >= oldest_fresh]
         dropped = len(self._queue) - len(fresh)
         if dropped:
-            self.dropped_stale += dropped
+            self._dropped_stale += dropped
             self._queue = collections.deque(fresh)
             self._cond.notify_all()
             _LOG.info(
@@ -455,7 +465,8 @@ class Dealer:
         """(finished, delivered, dropped_stale, queued, subscribers), read together."""
         with self._cond:
             finished = self._done and not self._queue
-            return finished, self.delivered, self.dropped_stale, len(self._queue), len(self._ring)
+            delivered, dropped = self._delivered, self._dropped_stale
+            return finished, delivered, dropped, len(self._queue), len(self._ring)
 
 
 # ---- the loop ---------------------------------------------------------------------------------
@@ -579,11 +590,9 @@ class ContinuousRollout:
         try:
             spec = runtime.maker.decode(self._request(planned))
             version, parts = self._on_engine(runtime, spec)
-        except Unavailable:
-            if self._closed.is_set():
-                return False
-            raise
         except Exception as exc:  # a bad prompt, a reward source down: skip this batch
+            if self._closed.is_set():  # stopping: the engine refuses, the make was cancelled
+                return False
             _LOG.error(
                 "rollout batch %d (epoch %d) failed and was skipped: %s",
                 planned.step,
@@ -608,7 +617,7 @@ class ContinuousRollout:
             self._epoch = planned.epoch
         return True
 
-    def _on_engine(self, runtime: Runtime, spec) -> tuple[int, list[Experience]]:
+    def _on_engine(self, runtime: Runtime, spec: ExperienceSpec) -> tuple[int, list[Experience]]:
         """Run the maker on the engine thread; wait while the engine's queue is full."""
 
         def produce() -> tuple[int, list[Experience]]:

@@ -398,6 +398,30 @@ def test_stale_batches_are_dropped_and_counted(
         assert f"rollserve_rollout_batches_delivered_total {after.batches_delivered}.0" in scraped
 
 
+def test_a_failing_batch_is_skipped_and_counted(models: ModelSet, tmp_path: Path) -> None:
+    plan = list(plan_batches(4, 1, seed=0, epochs=1))
+    too_long = plan[1].rows[0]  # not in the first batch, which the start-up check decodes
+    prompts = [
+        {"prompt": "x" * 600 if row == too_long else f"q{row}=", "gt_answer": "1"}
+        for row in range(4)
+    ]  # 600 tokens are more than the tiny model's context of 512
+    files = {
+        "prompts": _write_jsonl(tmp_path / "p.jsonl", prompts),
+        "request": _write_template(tmp_path / "r.json", TEMPLATE),
+    }
+    with (
+        serving(models, files, rollout_prompts_per_batch=1) as server,
+        RolloutClient(server.address) as client,
+    ):
+        got = [_groups(b.experience.prompt_index.tolist()) for b in client.subscribe("t")]
+        assert sorted(ids[0] for ids in got) == sorted(set(range(4)) - {too_long})
+        progress = _progress(server.address)
+        assert progress.finished and (progress.step, progress.batches_delivered) == (4, 3)
+        assert server.rollout.stats().failed == 1
+        scraped = generate_latest(server.metrics.registry).decode()
+        assert "rollserve_rollout_batches_failed_total 1.0" in scraped
+
+
 def test_async_client_subscribes_and_cancels(models: ModelSet, files: dict[str, Path]) -> None:
     async def main() -> tuple[list[SubscribedBatch], SubscribedBatch]:
         async with AsyncRolloutClient(server.address) as client:
