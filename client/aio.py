@@ -14,6 +14,7 @@ and the request generator advanced in worker threads, one message per hop: the l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 
@@ -23,6 +24,7 @@ from rollserve.client.calls import (
     CallSettings,
     Metadata,
     SubscribedBatch,
+    join_micro_batches,
     land,
     progress_reporter,
     subscribe_request,
@@ -36,7 +38,7 @@ from rollserve.client.channel import (
 )
 from rollserve.client.client import POLL_CALL_S
 from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable
-from rollserve.client.experience import Experience, concat_experiences, experience_from_proto
+from rollserve.client.experience import Experience, experience_from_proto
 from rollserve.client.requests import Prompts, build_make_experience_request
 from rollserve.client.results import HealthStatus, UpdateResult
 from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_requests
@@ -123,8 +125,10 @@ class AsyncRolloutClient:
         **options: object,
     ) -> AsyncIterator[Experience]:
         """Experience micro-batches as the server makes them; closing early cancels the call."""
-        async for experience in self._micro_batches(prompts, timeout_s, options):
-            yield land(experience, device)
+        # aclosing: an abandoned stream cancels the call now, not when garbage collected.
+        async with contextlib.aclosing(self._micro_batches(prompts, timeout_s, options)) as replies:
+            async for experience, _ in replies:
+                yield land(experience, device)
 
     async def make_experience(
         self,
@@ -135,12 +139,12 @@ class AsyncRolloutClient:
         **options: object,
     ) -> Experience:
         """All rows of one request as one Experience (options: see RolloutClient)."""
-        batches = [b async for b in self._micro_batches(prompts, timeout_s, options)]
-        return land(concat_experiences(batches), device)
+        replies = [r async for r in self._micro_batches(prompts, timeout_s, options)]
+        return land(join_micro_batches(replies), device)
 
     async def _micro_batches(
         self, prompts: Prompts, timeout_s: float | None, options: Mapping[str, object]
-    ) -> AsyncIterator[Experience]:
+    ) -> AsyncIterator[tuple[Experience, int]]:
         request = build_make_experience_request(prompts, **options)  # type: ignore[arg-type]
         call = self._stub.MakeExperience(
             request,
@@ -150,7 +154,7 @@ class AsyncRolloutClient:
         try:
             with typed_errors():
                 async for reply in call:
-                    yield experience_from_proto(reply.experience)
+                    yield experience_from_proto(reply.experience), reply.pad_token_id
         finally:
             call.cancel()  # a no-op after the last reply; frees the server when abandoned
 
@@ -197,7 +201,11 @@ class AsyncRolloutClient:
         """
         requests = await asyncio.to_thread(
             update_weights_requests,
-            weights, target=target, version=version, mode=mode, chunk_bytes=chunk_bytes,
+            weights,
+            target=target,
+            version=version,
+            mode=mode,
+            chunk_bytes=chunk_bytes,
             **stream_options,  # type: ignore[arg-type]
         )
         started_s = time.monotonic()

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 from rollserve.client.errors import from_rpc_error
-from rollserve.client.experience import Experience, experience_from_proto
+from rollserve.client.experience import Experience, concat_experiences, experience_from_proto
 from rollserve.v1 import rollout_pb2 as pb
 
 __all__ = [
+    "join_micro_batches",
     "AUTHORIZATION_KEY",
     "REQUEST_ID_KEY",
     "CallSettings",
@@ -113,6 +114,12 @@ def land(experience: Experience, device: torch.device | str | None) -> Experienc
     if device is not None:
         return experience.to_device(device, non_blocking=True)
     return experience.pin_memory()
+
+
+def join_micro_batches(replies: Sequence[tuple[Experience, int]]) -> Experience:
+    """One Experience from streamed (micro-batch, pad_token_id) pairs, padded as the server pads."""
+    pad_token_id = replies[0][1] if replies else 0
+    return concat_experiences([experience for experience, _ in replies], pad_token_id)
 
 
 def progress_reporter(progress: ProgressCallback) -> Callable[[pb.UpdateWeightsRequest], None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -11,6 +12,7 @@ from rollserve.client.calls import (
     CallSettings,
     Metadata,
     SubscribedBatch,
+    join_micro_batches,
     land,
     subscribe_request,
     subscribed_batch,
@@ -19,7 +21,7 @@ from rollserve.client.calls import (
 )
 from rollserve.client.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_credentials, open_channel
 from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable
-from rollserve.client.experience import Experience, concat_experiences, experience_from_proto
+from rollserve.client.experience import Experience, experience_from_proto
 from rollserve.client.requests import Prompts, build_make_experience_request
 from rollserve.client.results import HealthStatus, UpdateResult
 from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_requests
@@ -123,8 +125,10 @@ class RolloutClient:
 
         Closing the iterator early cancels the call, so the server stops making the rest.
         """
-        for experience in self._micro_batches(prompts, timeout_s, options):
-            yield land(experience, device)
+        # closing: an abandoned stream cancels the call now, not when garbage collected.
+        with contextlib.closing(self._micro_batches(prompts, timeout_s, options)) as replies:
+            for experience, _ in replies:
+                yield land(experience, device)
 
     def make_experience(
         self,
@@ -141,12 +145,12 @@ class RolloutClient:
         max_new_tokens, temperature, seed, preset, algorithm={...}, rewards={...},
         request_id, ...). A `request_id` also travels as x-request-id call metadata.
         """
-        batches = list(self._micro_batches(prompts, timeout_s, options))
-        return land(concat_experiences(batches), device)
+        replies = list(self._micro_batches(prompts, timeout_s, options))
+        return land(join_micro_batches(replies), device)
 
     def _micro_batches(
         self, prompts: Prompts, timeout_s: float | None, options: Mapping[str, object]
-    ) -> Iterator[Experience]:
+    ) -> Iterator[tuple[Experience, int]]:
         request = build_make_experience_request(prompts, **options)  # type: ignore[arg-type]
         call = self._stub.MakeExperience(
             request,
@@ -156,7 +160,7 @@ class RolloutClient:
         try:
             with typed_errors():
                 for reply in call:
-                    yield experience_from_proto(reply.experience)
+                    yield experience_from_proto(reply.experience), reply.pad_token_id
         finally:
             call.cancel()  # a no-op after the last reply; frees the server when abandoned
 
@@ -208,7 +212,11 @@ class RolloutClient:
         `stream_options` go to `update_weights_requests` (crc32, sha256, lora, ...).
         """
         requests = update_weights_requests(
-            weights, target=target, version=version, mode=mode, chunk_bytes=chunk_bytes,
+            weights,
+            target=target,
+            version=version,
+            mode=mode,
+            chunk_bytes=chunk_bytes,
             **stream_options,  # type: ignore[arg-type]
         )
         started_s = time.monotonic()

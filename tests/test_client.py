@@ -103,8 +103,11 @@ class ScriptedRollout(rollout_pb2_grpc.RolloutServicer):
 
     def _hang(self, context: grpc.ServicerContext) -> None:
         gone = threading.Event()  # this call's own, so one cancellation frees one hang
-        context.add_callback(gone.set)
-        context.add_callback(self.cancelled.set)
+        # add_callback answers False when the call already ended (the client cancelled before
+        # this handler resumed): the callback will never run, so count the cancellation here.
+        if not (context.add_callback(gone.set) and context.add_callback(self.cancelled.set)):
+            gone.set()
+            self.cancelled.set()
         gone.wait(WAIT_S)
         context.abort(grpc.StatusCode.ABORTED, "the client never cancelled")
 
@@ -116,9 +119,15 @@ class ScriptedRollout(rollout_pb2_grpc.RolloutServicer):
         self, request: pb.MakeExperienceRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.MakeExperienceResponse]:
         step = self._enter("MakeExperience", context, request.request_id)
-        yield _canned_response()
         if step == ONE_THEN_HANG:
-            self._hang(context)
+            # Registered before the first reply: once the client cancels, grpc may never
+            # resume this generator, so a callback added after the yield could be missed.
+            gone = threading.Event()
+            context.add_callback(gone.set)
+            context.add_callback(self.cancelled.set)
+            yield _canned_response()
+            gone.wait(WAIT_S)
+            context.abort(grpc.StatusCode.ABORTED, "the client never cancelled")
         yield _canned_response()
 
     def UpdateWeights(

@@ -328,15 +328,9 @@ def test_a_registered_user_reward_function_works_over_grpc(client: RolloutClient
     assert torch.allclose(e.reward, 2.0 * e.info["reward/length"])
 
 
-# ---- known bugs in files this suite does not own (strict: they fail loudly once fixed) ------
+# ---- regressions: pad ids and policy versions across the two APIs ---------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="RolloutClient.make_experience concatenates micro-batches with pad id 0, not the "
-    "server's pad_token_id (client/client.py: concat_experiences(batches))",
-)
 def test_a_pad_id_other_than_zero_survives_the_clients_concat(models: ModelSet) -> None:
     tokenizer = copy.deepcopy(models.tokenizer)
     tokenizer.pad_token = tokenizer.eos_token  # pad = eos = 2, as in many Llama checkpoints
