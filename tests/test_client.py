@@ -129,6 +129,7 @@ class ScriptedRollout(rollout_pb2_grpc.RolloutServicer):
             gone.wait(WAIT_S)
             context.abort(grpc.StatusCode.ABORTED, "the client never cancelled")
         yield _canned_response()
+        yield _canned_response()
 
     def UpdateWeights(
         self, request_iterator: Iterator[pb.UpdateWeightsRequest], context: grpc.ServicerContext
