@@ -88,13 +88,14 @@ class Engine:
         finally:
             cancelled.set()
 
-    def close(self, *, wait: bool = True) -> None:
+    def close(self, *, wait: bool = True, timeout_s: float | None = None) -> None:
         """Refuse new jobs; the worker finishes the queued ones, then exits."""
         with self._lock:
-            self._closed = True
-            self._jobs.put(None)
+            if not self._closed:
+                self._closed = True
+                self._jobs.put(None)
         if wait:
-            self._thread.join()
+            self._thread.join(timeout_s)
 
     def _work(self) -> None:
         while (entry := self._jobs.get()) is not None:

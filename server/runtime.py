@@ -146,5 +146,7 @@ class Runtime:
             self.state.set_phase(Phase.SERVING)
         return applied
 
-    def close(self) -> None:
-        self.engine.close(wait=False)
+    def close(self, timeout_s: float = 30.0) -> None:
+        # Wait for the worker: a process that exits while it is inside a torch op (e.g. the
+        # readiness probe queued after an update) dies with std::terminate (SIGABRT).
+        self.engine.close(wait=True, timeout_s=timeout_s)
