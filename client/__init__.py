@@ -14,6 +14,8 @@ calls over several servers and fans weight updates out to all of them.
 """
 
 from rollserve.client.aio import AsyncRolloutClient
+from rollserve.client.buffer import ExperienceBuffer
+from rollserve.client.calls import SubscribedBatch
 from rollserve.client.client import RolloutClient
 from rollserve.client.codec import decode_tensor, encode_tensor
 from rollserve.client.errors import (
@@ -49,6 +51,8 @@ from rollserve.client.results import HealthStatus, ModelStatus, UpdateResult
 
 __all__ = [
     "RolloutClient",
+    "SubscribedBatch",
+    "ExperienceBuffer",
     "AsyncRolloutClient",
     "ReplicatedRolloutClient",
     "resolve_targets",
