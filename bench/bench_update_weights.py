@@ -152,24 +152,25 @@ def _reset_peak_rss(pid: int) -> None:
 
 
 def _drain_server(port_out: Connection) -> None:
-    """Serves UpdateWeights by parsing each message (like rollserve) and dropping the bytes."""
+    """Serves UpdateWeights by parsing each message like rollserve and dropping the bytes."""
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
+    from rollserve.client.wire import WireChunk, parse_update_request
     from rollserve.v1 import rollout_pb2 as pb
 
     def update_weights(requests, context) -> pb.UpdateWeightsResponse:
         version = received = 0
         for request in requests:
-            if request.WhichOneof("payload") == "header":
+            if type(request) is WireChunk:
+                received += len(request.data)
+            elif isinstance(request, pb.UpdateWeightsRequest):
                 version = request.header.version
-            else:
-                received += len(request.chunk.data)  # read .data once, as rollserve does
         return pb.UpdateWeightsResponse(version=version, bytes=received)
 
     handler = grpc.stream_unary_rpc_method_handler(
         update_weights,
-        request_deserializer=pb.UpdateWeightsRequest.FromString,
+        request_deserializer=parse_update_request,  # as server/handlers.py registers it
         response_serializer=pb.UpdateWeightsResponse.SerializeToString,
     )
     generic = grpc.method_handlers_generic_handler(

@@ -3,14 +3,23 @@
 The safetensors file (8-byte little-endian header length, JSON header, data section) is never
 built whole: it is produced tensor by tensor and cut at fixed byte offsets regardless of tensor
 boundaries (reference/transport.md: 1 MiB messages are the fastest here, and a Python object of
-32 MiB or more costs a page-faulting pass). At any moment the generator holds one chunk plus at
-most one contiguous host copy of the tensor being read (none for contiguous CPU tensors).
+32 MiB or more costs a page-faulting pass). A chunk is a list of memoryviews of the tensors' own
+memory; `update_weights_messages` joins each with its protobuf framing (client/wire.py), the one
+copy this side makes. At any moment the generator holds one chunk plus at most one contiguous
+host copy of the tensor being read (none for contiguous CPU tensors).
 
-Checksum costs, measured on the 2-core dev VM (AMD EPYC with SHA-NI), 1 MiB chunks:
-zlib.crc32 about 3.5 GiB/s, hashlib.sha256 about 1.5 GiB/s, per core. Per-chunk CRC-32 is on by
-default (it is cheap next to gRPC's ~1 CPU-s/GiB); the whole-file SHA-256 is off by default
-because the hash must sit in the header, before the first chunk, so it costs a complete extra
-read of every tensor (and an extra device-to-host copy of each GPU tensor).
+Checksums. Per-chunk CRC-32 is on by default. TCP's 16-bit checksum is weak and usually verified
+by the NIC, so it does not cover host memory, the copies in gRPC and the kernel, or an HTTP/2
+proxy that re-frames the stream; HTTP/2 itself has no checksum and TLS is often off inside a
+cluster. A flipped bit in a weight is silent (the server's NaN/range checks catch only a few),
+and it would poison every rollout after the swap, so the check is worth its price, which ISA-L
+makes small: per side about 0.09 CPU-s per GiB with the `isal` package (11.7 GiB/s per core on
+the 2-core dev VM), 0.3 with zlib's fallback (3.5 GiB/s), against gRPC's own ~0.4 per side.
+Turn it off (crc32=False) only over TLS, whose record MAC already covers every byte.
+The whole-file SHA-256 is off by default: the hash must sit in the header, before the first
+chunk, so it costs a complete extra read of every tensor (about 1.5 GiB/s per core with SHA-NI,
+plus an extra device-to-host copy of each GPU tensor); use it when the file must be proven
+identical end to end.
 """
 
 from __future__ import annotations
@@ -18,13 +27,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
 from rollserve.client.errors import InvalidArgument
+from rollserve.client.wire import crc32_of_pieces, encode_chunk
 from rollserve.v1 import rollout_pb2 as pb
 
 __all__ = [
@@ -34,8 +43,10 @@ __all__ = [
     "PROTO_DTYPES",
     "SAFETENSORS_DTYPES",
     "WeightSpec",
+    "iter_chunk_pieces",
     "iter_safetensors_bytes",
     "safetensors_header",
+    "update_weights_messages",
     "update_weights_requests",
 ]
 
@@ -136,56 +147,82 @@ def safetensors_header(state_dict: StateDict) -> tuple[bytes, list[WeightSpec]]:
     return len(text).to_bytes(8, "little") + text, specs
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's elements as bytes in C order; copies unless it is a contiguous CPU tensor."""
+def _tensor_bytes(tensor: torch.Tensor) -> tuple[memoryview, bool]:
+    """The tensor's elements as bytes in C order, and whether they are a temporary host copy.
+
+    No copy for a contiguous CPU tensor (the view reads the caller's memory); one otherwise.
+    """
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         # One host copy, made contiguous on the way (no second copy for non-contiguous views).
-        tensor = tensor.to("cpu", memory_format=torch.contiguous_format)
+        host = tensor.to("cpu", memory_format=torch.contiguous_format)
     else:
-        tensor = tensor.contiguous()
-    if tensor.numel() == 0:
-        return memoryview(b"")
+        host = tensor.contiguous()  # returns `tensor` itself when already contiguous
+    if host.numel() == 0:
+        return memoryview(b""), False
     # Through uint8: numpy has no bfloat16, and bytes are what we want anyway. reshape(-1) of a
     # contiguous tensor is a view, so tied weights and slices are read where they live.
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(host.reshape(-1).view(torch.uint8).numpy()), host is not tensor
 
 
-def _pieces(state_dict: StateDict, header: bytes, specs: list[WeightSpec]) -> Iterator[memoryview]:
-    yield memoryview(header)
+def _pieces(
+    state_dict: StateDict, header: bytes, specs: list[WeightSpec]
+) -> Iterator[tuple[memoryview, bool]]:
+    yield memoryview(header), False
     for spec in specs:
-        piece = _tensor_bytes(state_dict[spec.name])
+        piece, temporary = _tensor_bytes(state_dict[spec.name])
         if len(piece) != spec.nbytes:
             raise InvalidArgument(f"{spec.name}: changed size while being sent")
-        yield piece
-        del piece  # drop this tensor's host copy before the next one is made
+        if len(piece):
+            yield piece, temporary
+        del piece  # drop this tensor's host copy (if any) before the next one is made
+
+
+Chunk = list[memoryview | bytes]  # pieces whose concatenation is one chunk of the file
+
+
+def iter_chunk_pieces(state_dict: StateDict | torch.nn.Module, chunk_bytes: int) -> Iterator[Chunk]:
+    """The safetensors file of `state_dict` as chunks of chunk_bytes (the last shorter), each a
+    list of memoryviews into the tensors' memory: joining one is the only copy of its bytes.
+
+    A chunk that spans tensors holds a view of each; a temporary host copy (a GPU or a
+    non-contiguous tensor) is never kept past its turn: its bytes left over for the next chunk
+    (< chunk_bytes) are copied out, so at most one host copy of a tensor exists at a time.
+    """
+    if chunk_bytes < 1:
+        raise InvalidArgument(f"chunk_bytes must be positive, got {chunk_bytes}")
+    state_dict = _as_state_dict(state_dict)
+    header, specs = safetensors_header(state_dict)
+    pending: Chunk = []  # the start of a chunk that spans a tensor boundary
+    pending_bytes = 0
+    for piece, temporary in _pieces(state_dict, header, specs):
+        pos = 0
+        if pending:
+            pos = min(chunk_bytes - pending_bytes, len(piece))
+            pending.append(piece[:pos])
+            pending_bytes += pos
+            if pending_bytes == chunk_bytes:
+                yield pending
+                pending, pending_bytes = [], 0
+        while len(piece) - pos >= chunk_bytes:
+            yield [piece[pos : pos + chunk_bytes]]
+            pos += chunk_bytes
+        if pos < len(piece):
+            pending.append(piece[pos:])
+            pending_bytes += len(piece) - pos
+        if temporary and pending:
+            pending[-1] = bytes(pending[-1])  # the only view into this piece that outlives it
+        del piece
+    if pending:
+        yield pending
 
 
 def iter_safetensors_bytes(
     state_dict: StateDict | torch.nn.Module, chunk_bytes: int
 ) -> Iterator[bytes]:
     """Yield the safetensors file of `state_dict` in chunks of chunk_bytes (the last shorter)."""
-    if chunk_bytes < 1:
-        raise InvalidArgument(f"chunk_bytes must be positive, got {chunk_bytes}")
-    state_dict = _as_state_dict(state_dict)
-    header, specs = safetensors_header(state_dict)
-    # Bytes of a chunk that spans a tensor boundary; copied so no tensor outlives its turn.
-    pending = bytearray()
-    for piece in _pieces(state_dict, header, specs):
-        pos = 0
-        if pending:
-            pos = min(chunk_bytes - len(pending), len(piece))
-            pending += piece[:pos]
-            if len(pending) == chunk_bytes:
-                yield bytes(pending)
-                pending.clear()
-        while len(piece) - pos >= chunk_bytes:
-            yield bytes(piece[pos : pos + chunk_bytes])  # the only copy of these bytes
-            pos += chunk_bytes
-        pending += piece[pos:]
-        del piece
-    if pending:
-        yield bytes(pending)
+    for pieces in iter_chunk_pieces(state_dict, chunk_bytes):
+        yield b"".join(pieces)
 
 
 def _enum_value(enum: object, prefix: str, value: int | str, field: str) -> int:
@@ -200,31 +237,37 @@ def _enum_value(enum: object, prefix: str, value: int | str, field: str) -> int:
     return int(value)
 
 
-def _sha256_hex(state_dict: StateDict, chunk_bytes: int) -> str:
+def _sha256_hex(state_dict: StateDict) -> str:
     digest = hashlib.sha256()
-    for data in iter_safetensors_bytes(state_dict, chunk_bytes):
-        digest.update(data)
+    header, specs = safetensors_header(state_dict)
+    for piece, _ in _pieces(state_dict, header, specs):
+        digest.update(piece)
     return digest.hexdigest()
 
 
-def update_weights_requests(
+@dataclass(frozen=True)
+class _Stream:
+    """A validated update: its header message and what the chunks are cut from."""
+
+    header: pb.WeightsHeader
+    state_dict: StateDict
+    chunk_bytes: int
+    crc32: bool
+
+
+def _prepare(
     weights: StateDict | torch.nn.Module,
     *,
     target: int | str,
     version: int,
     mode: int | str,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    crc32: bool = True,
-    sha256: bool = False,
-    lora: pb.LoraAdapter | None = None,
-    allow_non_finite: bool = False,
-    manifest: bool = True,
-) -> Iterator[pb.UpdateWeightsRequest]:
-    """The UpdateWeights request stream: one header, then the file's chunks in order.
-
-    Arguments are validated here, before the first message. target and mode take enum values or
-    short names ("actor", "full" / "partial" / "lora"). sha256=True reads every tensor twice.
-    """
+    chunk_bytes: int,
+    crc32: bool,
+    sha256: bool,
+    lora: pb.LoraAdapter | None,
+    allow_non_finite: bool,
+    manifest: bool,
+) -> _Stream:
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise InvalidArgument(
             f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}"
@@ -251,18 +294,85 @@ def update_weights_requests(
     if lora is not None:
         header.lora.CopyFrom(lora)
     if sha256:
-        header.sha256 = _sha256_hex(state_dict, chunk_bytes)
-    return _requests(header, state_dict, chunk_bytes, crc32)
+        header.sha256 = _sha256_hex(state_dict)
+    return _Stream(header, state_dict, chunk_bytes, crc32)
 
 
-def _requests(
-    header: pb.WeightsHeader, state_dict: StateDict, chunk_bytes: int, crc32: bool
+def update_weights_requests(
+    weights: StateDict | torch.nn.Module,
+    *,
+    target: int | str,
+    version: int,
+    mode: int | str,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    crc32: bool = True,
+    sha256: bool = False,
+    lora: pb.LoraAdapter | None = None,
+    allow_non_finite: bool = False,
+    manifest: bool = True,
 ) -> Iterator[pb.UpdateWeightsRequest]:
-    yield pb.UpdateWeightsRequest(header=header)
+    """The UpdateWeights request stream as protobuf messages: one header, then the chunks.
+
+    Arguments are validated here, before the first message. target and mode take enum values or
+    short names ("actor", "full" / "partial" / "lora"). sha256=True reads every tensor twice.
+    For a stub with the generated serializer; update_weights_messages is the fast path.
+    """
+    stream = _prepare(
+        weights, target=target, version=version, mode=mode, chunk_bytes=chunk_bytes,
+        crc32=crc32, sha256=sha256, lora=lora, allow_non_finite=allow_non_finite,
+        manifest=manifest,
+    )  # fmt: skip
+    return _requests(stream)
+
+
+def _requests(stream: _Stream) -> Iterator[pb.UpdateWeightsRequest]:
+    yield pb.UpdateWeightsRequest(header=stream.header)
     offset = 0
-    for data in iter_safetensors_bytes(state_dict, chunk_bytes):
-        chunk = pb.WeightsChunk(offset=offset, data=data)
-        if crc32:
-            chunk.crc32 = zlib.crc32(data)
+    for pieces in iter_chunk_pieces(stream.state_dict, stream.chunk_bytes):
+        chunk = pb.WeightsChunk(offset=offset, data=b"".join(pieces))
+        if stream.crc32:
+            chunk.crc32 = crc32_of_pieces(pieces)
         yield pb.UpdateWeightsRequest(chunk=chunk)
-        offset += len(data)
+        offset += len(chunk.data)
+
+
+def update_weights_messages(
+    weights: StateDict | torch.nn.Module,
+    *,
+    target: int | str,
+    version: int,
+    mode: int | str,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    crc32: bool = True,
+    sha256: bool = False,
+    lora: pb.LoraAdapter | None = None,
+    allow_non_finite: bool = False,
+    manifest: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+) -> Iterator[bytes]:
+    """The same stream as update_weights_requests, already encoded: protobuf bytes per message.
+
+    Each chunk message is one join of a few framing bytes and views of the tensors (wire.py), so
+    its payload is copied once; send them with wire.update_weights_callable (a raw-bytes
+    serializer). `progress(sent_bytes, total_bytes)` is called as gRPC takes each message.
+    """
+    stream = _prepare(
+        weights, target=target, version=version, mode=mode, chunk_bytes=chunk_bytes,
+        crc32=crc32, sha256=sha256, lora=lora, allow_non_finite=allow_non_finite,
+        manifest=manifest,
+    )  # fmt: skip
+    return _messages(stream, progress)
+
+
+def _messages(stream: _Stream, progress: Callable[[int, int], None] | None) -> Iterator[bytes]:
+    total_bytes = stream.header.total_bytes
+    yield pb.UpdateWeightsRequest(header=stream.header).SerializeToString()
+    if progress is not None:
+        progress(0, total_bytes)
+    offset = 0
+    for pieces in iter_chunk_pieces(stream.state_dict, stream.chunk_bytes):
+        checksum = crc32_of_pieces(pieces) if stream.crc32 else None
+        yield encode_chunk(offset, pieces, checksum)
+        offset += sum(len(piece) for piece in pieces)
+        if progress is not None:
+            progress(offset, total_bytes)

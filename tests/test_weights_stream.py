@@ -176,13 +176,14 @@ class Collect:
 
     def __init__(self) -> None:
         self.names: list[str] = []
-        self.checked: list[str] = []
+        self.checked: dict[str, list[torch.Tensor]] = {}
 
     def check_header(self, entries: Sequence[StreamEntry]) -> None:
         self.names = [e.name for e in entries]
 
-    def check_tensor(self, entry: StreamEntry, tensor: torch.Tensor) -> None:
-        self.checked.append(entry.name)
+    def check_elements(self, entry: StreamEntry, values: torch.Tensor) -> None:
+        assert values.dim() == 1 and values.numel() > 0 and values.dtype == entry.dtype
+        self.checked.setdefault(entry.name, []).append(values.clone())
 
 
 def parse_blob(blob: bytes, chunk_bytes: int) -> dict[str, torch.Tensor]:
@@ -197,7 +198,10 @@ def parse_blob(blob: bytes, chunk_bytes: int) -> dict[str, torch.Tensor]:
             zlib.crc32(blob[offset : offset + chunk_bytes]),
         )
     staged = stager.finish()
-    assert sorted(checks.checked) == sorted(checks.names) == sorted(staged.tensors)
+    assert sorted(checks.names) == sorted(staged.tensors)
+    for name, tensor in staged.tensors.items():  # runs in order, every element exactly once
+        runs = checks.checked.get(name, [])
+        assert torch.equal(torch.cat([tensor.reshape(-1)[:0], *runs]), tensor.reshape(-1)), name
     return dict(staged.tensors)
 
 

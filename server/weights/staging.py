@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from rollserve.client.errors import FailedPrecondition, InvalidArgument
+from rollserve.client.wire import MalformedRequest, WireChunk
 from rollserve.server.weights.arena import StagingArena
 from rollserve.server.weights.header import DEFAULT_MAX_HEADER_BYTES
 from rollserve.server.weights.lora import LoraState, apply_lora
@@ -145,32 +146,44 @@ class UpdateStager:
         )
 
 
-def read_header(stream: Iterator[pb.UpdateWeightsRequest]) -> pb.WeightsHeader:
+# What a stream yields: protobuf messages (in-process callers, the generated deserializer) or,
+# through the server's wire deserializer (handlers.py), headers as protobuf and chunks as views.
+Request = pb.UpdateWeightsRequest | WireChunk | MalformedRequest
+
+
+def read_header(stream: Iterator[Request]) -> pb.WeightsHeader:
     """The first message of an UpdateWeights stream, which must be the header."""
     first = next(stream, None)
-    if first is None or first.WhichOneof("payload") != "header":
+    if isinstance(first, MalformedRequest):
+        raise InvalidArgument(f"malformed UpdateWeightsRequest: {first.reason}")
+    if not isinstance(first, pb.UpdateWeightsRequest) or first.WhichOneof("payload") != "header":
         raise InvalidArgument("the first UpdateWeights message must be a header")
     return first.header
 
 
-def stage_chunks(stager: UpdateStager, stream: Iterator[pb.UpdateWeightsRequest]) -> StagedUpdate:
+def stage_chunks(stager: UpdateStager, stream: Iterator[Request]) -> StagedUpdate:
     """Feed every remaining message (chunks only) to `stager`, then verify and finish."""
     for request in stream:
-        kind = request.WhichOneof("payload")
-        if kind != "chunk":
-            raise InvalidArgument(
-                "a second header in one UpdateWeights stream"
-                if kind == "header"
-                else "an empty message"
-            )
-        chunk = request.chunk
-        # upb copies `data` on every access: read it once.
-        stager.feed(chunk.offset, chunk.data, chunk.crc32 if chunk.HasField("crc32") else None)
+        if type(request) is WireChunk:  # the server's fast path: data is a view, not a copy
+            stager.feed(request.offset, request.data, request.crc32)
+        elif isinstance(request, MalformedRequest):
+            raise InvalidArgument(f"malformed UpdateWeightsRequest: {request.reason}")
+        else:
+            kind = request.WhichOneof("payload")
+            if kind != "chunk":
+                raise InvalidArgument(
+                    "a second header in one UpdateWeights stream"
+                    if kind == "header"
+                    else "an empty message"
+                )
+            chunk = request.chunk
+            # upb copies `data` on every access: read it once.
+            stager.feed(chunk.offset, chunk.data, chunk.crc32 if chunk.HasField("crc32") else None)
     return stager.finish()
 
 
 def stage_update(
-    requests: Iterable[pb.UpdateWeightsRequest],
+    requests: Iterable[Request],
     model: torch.nn.Module,
     lora_state: LoraState | None,
     *,

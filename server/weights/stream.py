@@ -36,8 +36,12 @@ class StreamChecks(Protocol):
     def check_header(self, entries: Sequence[StreamEntry]) -> None:
         """Called once the header is parsed, before the arena is allocated."""
 
-    def check_tensor(self, entry: StreamEntry, tensor: torch.Tensor) -> None:
-        """Called as soon as a tensor's last byte has arrived (while its bytes are still cached)."""
+    def check_elements(self, entry: StreamEntry, values: torch.Tensor) -> None:
+        """Called on each run of a tensor's elements (1-D, wire dtype) as soon as they arrived.
+
+        The runs of one tensor come in order and cover each element exactly once; a run is the
+        part of one chunk that completed elements, so its bytes are still in the CPU cache.
+        """
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,10 @@ class SafetensorsStager:
         self._arena: torch.Tensor | None = None
         self._arena_view: memoryview | None = None
         self._segment_begins: list[int] = []
-        self._checked = 0  # entries[:_checked] were complete and passed check_tensor
+        # entries[:_checked] passed check_elements completely; so did the first _checked_elements
+        # elements of entries[_checked].
+        self._checked = 0
+        self._checked_elements = 0
 
     @property
     def received_bytes(self) -> int:
@@ -150,7 +157,7 @@ class SafetensorsStager:
             )
         if self._digest is not None and self._digest.hexdigest() != self._sha256_hex:
             raise InvalidArgument("sha256 of the received file does not match header.sha256")
-        self._check_complete(self._total_bytes - self._data_start())
+        self._check_arrived(self._total_bytes - self._data_start())
         tensors = {entry.name: self._tensor(i) for i, entry in enumerate(self._entries)}
         return StagedFile(self._entries, tensors, self._total_bytes)
 
@@ -205,19 +212,36 @@ class SafetensorsStager:
             view = view[take:]
             position += take
             index += 1
-        self._check_complete(end)
+        self._check_arrived(end)
 
-    def _check_complete(self, data_received: int) -> None:
-        while (
-            self._checked < len(self._entries) and self._entries[self._checked].end <= data_received
-        ):
-            self._checks.check_tensor(self._entries[self._checked], self._tensor(self._checked))
+    def _check_arrived(self, data_received: int) -> None:
+        """Check every element whose last byte is among the first data_received bytes.
+
+        Per chunk rather than per tensor: the bytes were just copied and are still in the cache,
+        and a large tensor no longer stalls the stream with one long pass when it completes.
+        """
+        while self._checked < len(self._entries):
+            entry = self._entries[self._checked]
+            itemsize = entry.dtype.itemsize
+            numel = entry.nbytes // itemsize
+            arrived = min(numel, max(0, data_received - entry.begin) // itemsize)
+            if arrived > self._checked_elements:
+                values = self._flat(self._checked)[self._checked_elements : arrived]
+                self._checks.check_elements(entry, values)
+                self._checked_elements = arrived
+            if arrived < numel:
+                return
             self._checked += 1
+            self._checked_elements = 0
 
-    def _tensor(self, index: int) -> torch.Tensor:
+    def _flat(self, index: int) -> torch.Tensor:
+        """The elements of entries[index] in the arena, 1-D (empty for an empty tensor)."""
         assert self._layout is not None and self._arena is not None
         entry = self._entries[index]
         if entry.nbytes == 0:
-            return torch.empty(entry.shape, dtype=entry.dtype)
+            return torch.empty(0, dtype=entry.dtype)
         start = self._layout.offsets[index]
-        return self._arena[start : start + entry.nbytes].view(entry.dtype).view(entry.shape)
+        return self._arena[start : start + entry.nbytes].view(entry.dtype)
+
+    def _tensor(self, index: int) -> torch.Tensor:
+        return self._flat(index).view(self._entries[index].shape)

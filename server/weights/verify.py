@@ -1,8 +1,9 @@
 """Verify an incoming file against the target model before anything is applied.
 
 Names (by mode), shapes and dtypes are checked as soon as the header is parsed, so a wrong file
-is refused before its data is received; values (finite, in range, valid bools) are checked per
-tensor as its last byte arrives. Only the model's metadata is read here, never written.
+is refused before its data is received; values (finite, in range, valid bools) are checked as
+they arrive, chunk by chunk, every element once, before anything is applied. Only the model's
+metadata is read here, never written.
 
 Dtype rules (wire dtype -> parameter or buffer dtype):
 
@@ -24,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+import numpy as np
 import torch
 from rollserve.client.errors import InvalidArgument
 from rollserve.server.weights.header import StreamEntry, check_manifest, preview
@@ -38,6 +40,7 @@ __all__ = [
     "UpdatePlan",
     "ValueRule",
     "check_values",
+    "max_magnitude",
     "model_spec",
     "plan_update",
 ]
@@ -154,29 +157,62 @@ def plan_update(
     return _plan_copies(entries, spec, options)
 
 
+# The integer views of each float width. With the sign bit cleared, a float's bits order like its
+# magnitude (IEEE 754): infinity above every finite value, NaN above infinity.
+_SIGNED = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_AS_FLOAT = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+
+
+def max_magnitude(values: torch.Tensor) -> float:
+    """max |x| of a non-empty floating tensor: inf if it holds an infinity, NaN if a NaN.
+
+    Two max passes over the bits in numpy, no temporaries: as signed integers the largest is the
+    largest non-negative value (or, with none, the negative one of largest magnitude, offset by
+    -2**(w-1)); as unsigned integers, the negative one of largest magnitude offset by +2**(w-1)
+    (or, with none, the largest non-negative). Single-threaded on purpose: a torch reduction of
+    a chunk wakes torch's OpenMP pool, whose barrier then waits for a core that gRPC keeps busy
+    (2.2 ms per MiB measured on the 2-core VM under load, against 36 us here).
+    """
+    itemsize = values.dtype.itemsize
+    half = 1 << (8 * itemsize - 1)  # the sign bit
+    signed = values.detach().contiguous().reshape(-1).view(_SIGNED[itemsize]).numpy()
+    largest_signed = int(signed.max())
+    largest_unsigned = int(signed.view(_UNSIGNED[itemsize]).max())
+    magnitude = max(
+        largest_signed if largest_signed >= 0 else largest_signed + half,
+        largest_unsigned - half if largest_unsigned >= half else largest_unsigned,
+    )
+    if values.dtype == torch.bfloat16:  # bfloat16 is float32 with the low 16 bits cut off
+        return float(np.array(magnitude << 16, dtype=np.uint32).view(np.float32))
+    return float(np.array(magnitude, dtype=_UNSIGNED[itemsize]).view(_AS_FLOAT[values.dtype]))
+
+
 def check_values(name: str, tensor: torch.Tensor, rule: ValueRule) -> None:
     """Refuse bools other than 0/1, and (per rule) NaN, infinity or values out of range."""
+    if not tensor.numel():
+        return
     if tensor.dtype == torch.bool:
-        if tensor.numel() and int(tensor.view(torch.uint8).max()) > 1:
+        if int(tensor.detach().contiguous().view(torch.uint8).numpy().max()) > 1:
             raise InvalidArgument(f"{name}: bool tensor holds bytes other than 0 and 1")
         return
-    if not rule.check_finite or not tensor.dtype.is_floating_point or not tensor.numel():
+    if not rule.check_finite or not tensor.dtype.is_floating_point:
         return
     limit = rule.max_abs if rule.max_abs is not None else torch.finfo(tensor.dtype).max
-    # One pass with no temporaries; aminmax propagates NaN, and NaN fails both comparisons.
-    low, high = (float(v) for v in torch.aminmax(tensor))
-    if not (-limit <= low and high <= limit):
-        if math.isfinite(low) and math.isfinite(high):
-            extreme = high if high > limit else low
-            raise InvalidArgument(
-                f"{name}: value {extreme:g} is beyond the model dtype's largest finite "
-                f"value {limit:g}"
-            )
-        raise InvalidArgument(f"{name}: NaN or infinite values (header.allow_non_finite is off)")
+    largest = max_magnitude(tensor)  # NaN fails the comparison too
+    if largest <= limit:
+        return
+    if math.isfinite(largest):
+        low, high = (float(v) for v in torch.aminmax(tensor))  # the signed extreme, for the message
+        extreme = high if high > limit else low
+        raise InvalidArgument(
+            f"{name}: value {extreme:g} is beyond the model dtype's largest finite value {limit:g}"
+        )
+    raise InvalidArgument(f"{name}: NaN or infinite values (header.allow_non_finite is off)")
 
 
 class UpdateChecks:
-    """The StreamChecks of one update: manifest and plan at the header, value rules per tensor."""
+    """The StreamChecks of one update: manifest and plan at the header, value rules per run."""
 
     def __init__(self, spec: ModelSpec, options: UpdateOptions) -> None:
         self._spec = spec
@@ -187,6 +223,6 @@ class UpdateChecks:
         check_manifest(entries, self._options.manifest)
         self.plan = plan_update(entries, self._spec, self._options)
 
-    def check_tensor(self, entry: StreamEntry, tensor: torch.Tensor) -> None:
+    def check_elements(self, entry: StreamEntry, values: torch.Tensor) -> None:
         assert self.plan is not None
-        check_values(entry.name, tensor, self.plan.rules[entry.name])
+        check_values(entry.name, values, self.plan.rules[entry.name])
