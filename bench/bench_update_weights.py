@@ -6,13 +6,13 @@ Each round measures, one after the other:
   receiver process that `recv_into`s a preallocated buffer and acks the last byte; the clock runs
   in the sender from the first byte to the ack;
 * UpdateWeights: a client process pushes the whole state dict of a random Llama (~100M
-  parameters, float32, built from a config and saved to a temp dir) in 1 MiB chunks (CRC-32 on,
-  the client's default) to a real `rollserve serve` subprocess; the clock runs from the first
-  message to the server's reply, i.e. until the new weights are applied (received, verified and
-  copied into the model on the engine thread);
-* the same client pushing the same file to a drain-only gRPC server (parses each message like
-  rollserve, reads `.data`, drops it): the ceiling that the client and gRPC itself allow, which
-  splits the gap to raw TCP into the client's share and the server's.
+  parameters, float32, built from a config and saved to a temp dir) in 1 MiB chunks (no CRC-32,
+  the client's default; --crc32 asks for it) to a real `rollserve serve` subprocess; the clock
+  runs from the first message to the server's reply, i.e. until the new weights are applied
+  (received, verified and copied into the model on the engine thread);
+* the same client pushing the same file to a drain-only gRPC server (parses each message with
+  rollserve's wire parser, client/wire.py, and drops it): the ceiling that the client and gRPC
+  itself allow, which splits the gap to raw TCP into the client's share and the server's.
 
 The headline is the median of the per-round ratios (this VM drifts by +-20 % from minute to
 minute, so only paired ratios are stable; reference/transport.md). Target: >= 0.45. We also print
@@ -25,6 +25,7 @@ Every process runs with the tuned malloc environment of reference/transport.md
 the script re-executes itself with it unless --default-malloc is given.
 
     python bench/bench_update_weights.py                  # ~2-3 minutes on 2 cores
+    python bench/bench_update_weights.py --wait-quiet 1.5 # first wait for a quiet machine
     python bench/bench_update_weights.py --rounds 3 --hidden 256 --layers 4 --vocab 8192
 """
 
@@ -259,13 +260,30 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument(
-        "--no-crc32", action="store_true", help="send chunks without CRC-32 (default: with)"
+        "--crc32", action="store_true", help="send a CRC-32 with every chunk (default: without)"
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        metavar="LOAD",
+        help="first wait (polling every 20 s, up to 15 minutes) until the 1-minute load average "
+        "is below LOAD: other work on the 2 cores slows the CPU-bound gRPC path far more than "
+        "raw TCP",
+    )
     parser.add_argument(
         "--default-malloc", action="store_true", help="do not re-run with the tuned malloc env"
     )
     return parser.parse_args(argv)
+
+
+def _wait_quiet(max_load: float, poll_s: float = 20.0, limit_s: float = 900.0) -> None:
+    deadline_s = time.monotonic() + limit_s
+    while (load := os.getloadavg()[0]) >= max_load and time.monotonic() < deadline_s:
+        print(f"load average {load:.2f} >= {max_load}: waiting", flush=True)
+        time.sleep(poll_s)
+    quiet = "quiet" if load < max_load else "still busy after 15 minutes, going on"
+    print(f"load average {load:.2f}: {quiet}", flush=True)
 
 
 def _ensure_tuned_malloc(args: argparse.Namespace) -> None:
@@ -274,6 +292,17 @@ def _ensure_tuned_malloc(args: argparse.Namespace) -> None:
         return
     env = {**os.environ, **TUNED_MALLOC}
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def _wire_path() -> str:
+    """Whether the client and the server use the wire fast path (client/wire.py), or protobuf."""
+    import rollserve.client.client as client_module
+    import rollserve.server.app as app_module
+    from rollserve.client.wire import CRC32_IMPLEMENTATION
+
+    client = "wire" if hasattr(client_module, "update_weights_messages") else "protobuf"
+    server = "wire" if hasattr(app_module, "add_rollout_servicer") else "protobuf"
+    return f"client {client}, server {server}, CRC-32 by {CRC32_IMPLEMENTATION}"
 
 
 def _machine() -> str:
@@ -305,6 +334,7 @@ def main(argv: list[str]) -> int:
     tuned = all(os.environ.get(k) == v for k, v in TUNED_MALLOC.items())
     print(f"machine: {_machine()}")
     print(f"load average before: {os.getloadavg()[0]:.2f} (2 cores shared with other work)")
+    print(f"UpdateWeights path: {_wire_path()}")
     settings = " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items())
     print(f"malloc: {'tuned ' + settings if tuned else 'default'}")
     tcp_bytes = int(args.tcp_gib * GIB)
@@ -326,11 +356,13 @@ def main(argv: list[str]) -> int:
         weights_file = str(Path(tmp) / "model.safetensors")
         client = ctx.Process(
             target=_update_client,
-            args=(child_conn, weights_file, args.chunk_bytes, not args.no_crc32),
+            args=(child_conn, weights_file, args.chunk_bytes, args.crc32),
         )
         client.start()
         try:
             assert conn.recv() == "ready"
+            if args.wait_quiet is not None:  # every process is started and idle
+                _wait_quiet(args.wait_quiet)
             rss_loaded_gib = _read_status_kib(proc.pid, "VmRSS") / 2**20
             cold = run_update(conn, targets["rollserve"], proc.pid, version=1)
             raw_tcp_gbps(tcp_bytes)  # warm-ups
@@ -341,7 +373,11 @@ def main(argv: list[str]) -> int:
                 update = run_update(conn, targets["rollserve"], proc.pid, version=index + 2)
                 drained = run_update(conn, targets["drain"], drain.pid, version=index + 2)
                 rows.append((tcp, update, drained))
-                print(f"round {index + 1}: {_describe(tcp, update, drained)}", flush=True)
+                load = os.getloadavg()[0]
+                print(
+                    f"round {index + 1} (load {load:.2f}): {_describe(tcp, update, drained)}",
+                    flush=True,
+                )
         finally:
             conn.send(None)
             client.join(timeout=60)
@@ -381,7 +417,7 @@ def _summary(args, parameters, rss_loaded_gib, cold, rows, tuned) -> dict:
         "parameters": parameters,
         "file_bytes": cold.file_bytes,
         "chunk_bytes": args.chunk_bytes,
-        "crc32": not args.no_crc32,
+        "crc32": args.crc32,
         "ratios": [update.gbps / tcp for tcp, update, _ in rows],
         "median_ratio": median(update.gbps / tcp for tcp, update, _ in rows),
         "median_drain_ratio": median(drained.gbps / tcp for tcp, _, drained in rows),

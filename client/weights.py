@@ -8,18 +8,22 @@ memory; `update_weights_messages` joins each with its protobuf framing (client/w
 copy this side makes. At any moment the generator holds one chunk plus at most one contiguous
 host copy of the tensor being read (none for contiguous CPU tensors).
 
-Checksums. Per-chunk CRC-32 is on by default. TCP's 16-bit checksum is weak and usually verified
-by the NIC, so it does not cover host memory, the copies in gRPC and the kernel, or an HTTP/2
-proxy that re-frames the stream; HTTP/2 itself has no checksum and TLS is often off inside a
-cluster. A flipped bit in a weight is silent (the server's NaN/range checks catch only a few),
-and it would poison every rollout after the swap, so the check is worth its price, which ISA-L
-makes small: per side about 0.09 CPU-s per GiB with the `isal` package (11.7 GiB/s per core on
-the 2-core dev VM), 0.3 with zlib's fallback (3.5 GiB/s), against gRPC's own ~0.4 per side.
-Turn it off (crc32=False) only over TLS, whose record MAC already covers every byte.
-The whole-file SHA-256 is off by default: the hash must sit in the header, before the first
-chunk, so it costs a complete extra read of every tensor (about 1.5 GiB/s per core with SHA-NI,
-plus an extra device-to-host copy of each GPU tensor); use it when the file must be proven
-identical end to end.
+Checksums are verification the caller asks for; neither is on by default.
+
+* Per-chunk CRC-32 (crc32=True; the server verifies every CRC it is sent). It guards the path
+  between the two processes: gRPC's and the kernel's copies, host memory, and any HTTP/2 proxy
+  that re-frames the stream, which HTTP/2 (no checksum) and TCP (a 16-bit sum, usually checked
+  by the NIC) do not cover; Ethernet's CRC covers only the wire, TLS's MAC nearly all of it. Its
+  price is large on small machines: measured end to end on the 2-core dev VM, it cuts the
+  applied throughput by about a fifth (median ratio to raw TCP 0.265 without, 0.217 with,
+  paired rounds, ISA-L on both sides; bench/RESULTS.md), i.e. ~0.08 CPU-s per GiB on the client
+  and ~0.15 on the server, where the data is read from memory rather than cache. zlib instead of
+  ISA-L (the optional `isal` package) costs 3.3x more. Ask for it across proxies you do not
+  control and on hosts without ECC memory; the server's value checks (NaN, infinity, range)
+  run regardless.
+* The whole-file SHA-256 (sha256=True): the hash must sit in the header, before the first chunk,
+  so it costs a complete extra read of every tensor (about 1.5 GiB/s per core with SHA-NI, plus
+  an extra device-to-host copy of each GPU tensor); it also proves the file end to end.
 """
 
 from __future__ import annotations
@@ -305,7 +309,7 @@ def update_weights_requests(
     version: int,
     mode: int | str,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    crc32: bool = True,
+    crc32: bool = False,
     sha256: bool = False,
     lora: pb.LoraAdapter | None = None,
     allow_non_finite: bool = False,
@@ -343,7 +347,7 @@ def update_weights_messages(
     version: int,
     mode: int | str,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    crc32: bool = True,
+    crc32: bool = False,
     sha256: bool = False,
     lora: pb.LoraAdapter | None = None,
     allow_non_finite: bool = False,

@@ -106,6 +106,7 @@ def test_requests_carry_header_offsets_and_checksums() -> None:
             version=9,
             mode="partial",
             chunk_bytes=MIN_CHUNK_BYTES,
+            crc32=True,
             sha256=True,
         )
     )
@@ -131,13 +132,12 @@ def test_requests_carry_header_offsets_and_checksums() -> None:
 
 
 def test_optional_header_fields_can_be_left_out() -> None:
-    requests = list(
+    requests = list(  # checksums are asked for, never on by default
         update_weights_requests(
             {"w": torch.ones(3)},
             target=pb.MODEL_ROLE_ACTOR,
             version=1,
             mode=pb.UPDATE_MODE_FULL,
-            crc32=False,
             manifest=False,
         )
     )

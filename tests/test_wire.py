@@ -307,7 +307,9 @@ def test_malformed_or_corrupt_messages_are_invalid_argument(wire_server, corrupt
     servicer, channel = wire_server
     before = {k: v.clone() for k, v in servicer.model.state_dict().items()}
     sender = {k: v * 2 for k, v in before.items()}
-    messages = list(update_weights_messages(sender, target="actor", version=9, mode="full"))
+    messages = list(
+        update_weights_messages(sender, target="actor", version=9, mode="full", crc32=True)
+    )
     with pytest.raises(grpc.RpcError) as caught:
         update_weights_callable(channel)(iter(corrupt(messages)), timeout=30)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
