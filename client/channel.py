@@ -24,7 +24,8 @@ __all__ = [
     "open_channel",
 ]
 
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# 65 MiB: the largest weight chunk (64 MiB) plus its message framing fits.
+DEFAULT_MAX_MESSAGE_BYTES = 65 * 1024 * 1024
 SERVICE_NAME = "rollserve.v1.Rollout"
 
 _RETRY_POLICY = {

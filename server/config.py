@@ -57,7 +57,8 @@ class ServerConfig:
     reward_model: str | None = None  # None: not loaded
     device: str = "auto"  # auto: cuda if available, else cpu
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-    max_message_bytes: int = 64 * MIB  # both directions; finite on purpose
+    # Both directions; finite on purpose. 65 MiB: a 64 MiB weight chunk plus its framing fits.
+    max_message_bytes: int = 65 * MIB
     max_new_tokens: int = 64
     default_preset: str | None = None  # None: rollserve.server.algorithms.DEFAULT_PRESET
     generate_batch_size: int = 64  # rows per generation call when a request sets none

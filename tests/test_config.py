@@ -20,7 +20,7 @@ def test_defaults() -> None:
     assert config.actor is None and config.reference is None
     assert config.critic is None and config.reward_model is None
     assert (config.device, config.dtype) == ("auto", "auto")
-    assert config.max_message_bytes == 64 * MIB
+    assert config.max_message_bytes == 65 * MIB
     assert config.default_preset is None  # the algorithms package's DEFAULT_PRESET
     assert (config.shutdown_grace_s, config.drain_delay_s) == (10.0, 0.0)
     assert config.wait_for_weights is False and config.port_file is None

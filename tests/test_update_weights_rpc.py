@@ -26,7 +26,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rollserve.client.channel import open_channel
 from rollserve.client.client import RolloutClient
-from rollserve.client.errors import FailedPrecondition, ResourceExhausted
+from rollserve.client.errors import FailedPrecondition
 from rollserve.client.weights import update_weights_requests
 from rollserve.server.app import RolloutServer
 from rollserve.server.config import ServerConfig
@@ -506,16 +506,7 @@ def _wide_embedding_models() -> ModelSet:
 @pytest.mark.parametrize(
     "max_message_bytes",
     [
-        pytest.param(
-            None,
-            id="default-limits",
-            marks=pytest.mark.xfail(
-                raises=ResourceExhausted,
-                strict=True,
-                reason="the default max message size (64 MiB, client and server) leaves no "
-                "room for the framing of a 64 MiB chunk (MAX_CHUNK_BYTES)",
-            ),
-        ),
+        pytest.param(None, id="default-limits"),
         pytest.param(65 * MIB, id="65-MiB-limits"),
     ],
 )
