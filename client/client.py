@@ -17,14 +17,14 @@ from rollserve.client.calls import (
     subscribe_request,
     subscribed_batch,
     typed_errors,
-    with_progress,
 )
 from rollserve.client.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_credentials, open_channel
 from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable
 from rollserve.client.experience import Experience, experience_from_proto
 from rollserve.client.requests import Prompts, build_make_experience_request
 from rollserve.client.results import HealthStatus, UpdateResult
-from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_requests
+from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_messages
+from rollserve.client.wire import update_weights_callable
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
@@ -75,6 +75,8 @@ class RolloutClient:
             extra_options=channel_options,
         )
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
+        # UpdateWeights sends hand-encoded messages (client/wire.py): one copy from tensors.
+        self._update_weights = update_weights_callable(self._channel)
 
     @property
     def timeout_s(self) -> float:
@@ -209,20 +211,21 @@ class RolloutClient:
         """Stream weights to the server, which verifies them and swaps atomically.
 
         Never retried automatically. `progress(sent_bytes, total_bytes)` is called per chunk.
-        `stream_options` go to `update_weights_requests` (crc32, sha256, lora, ...).
+        `stream_options` go to `update_weights_messages` (crc32, sha256, lora, ...).
         """
-        requests = update_weights_requests(
+        requests = update_weights_messages(
             weights,
             target=target,
             version=version,
             mode=mode,
             chunk_bytes=chunk_bytes,
+            progress=progress,
             **stream_options,  # type: ignore[arg-type]
         )
         started_s = time.monotonic()
         with typed_errors():
-            reply = self._stub.UpdateWeights(
-                with_progress(requests, progress),
+            reply = self._update_weights(
+                requests,
                 timeout=self._settings.timeout(timeout_s),
                 metadata=self._settings.metadata_for(request_id),
             )

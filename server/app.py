@@ -33,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 from rollserve.server.config import ServerConfig
 from rollserve.server.continuous import ContinuousRollout
 from rollserve.server.experience_request import RequestDefaults
+from rollserve.server.handlers import add_rollout_servicer
 from rollserve.server.interceptors import AuthInterceptor, TelemetryInterceptor
 from rollserve.server.maker import NaiveExperienceMaker
 from rollserve.server.metrics import MetricsHttpServer, ServerMetrics, start_metrics_http
@@ -48,7 +49,6 @@ from rollserve.server.security import (
 )
 from rollserve.server.servicer import RolloutServicer
 from rollserve.v1 import rollout_pb2 as pb
-from rollserve.v1 import rollout_pb2_grpc
 
 __all__ = ["BindError", "RolloutServer", "ROLLOUT_SERVICE", "grpc_server_options", "serve"]
 
@@ -124,7 +124,7 @@ class RolloutServer:
         servicer = RolloutServicer(
             self.state, metrics=self.metrics, readiness=self.readiness, rollout=self.rollout
         )
-        rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, server)
+        add_rollout_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (ROLLOUT_SERVICE, _HEALTH_SERVICE, reflection.SERVICE_NAME), server
