@@ -121,9 +121,7 @@ class RolloutServer:
             # Telemetry first (outermost): calls refused by auth are logged and counted too.
             interceptors=(TelemetryInterceptor(self.metrics), AuthInterceptor(tokens)),
         )
-        servicer = RolloutServicer(
-            self.state, metrics=self.metrics, readiness=self.readiness, rollout=self.rollout
-        )
+        servicer = RolloutServicer(self.state, metrics=self.metrics, rollout=self.rollout)
         add_rollout_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -161,7 +159,7 @@ class RolloutServer:
         started_s = time.monotonic()
         models = self._preloaded if self._preloaded is not None else load_models(self.config)
         self.state.set_models(models)
-        self.state.runtime = build_runtime(self.state, models)
+        self.state.runtime = build_runtime(self.state, models, self.readiness)
         self.readiness.check_startup()  # ReadinessError: never report SERVING on broken models
         if self.rollout is not None:
             self.rollout.start(self.state.runtime)  # RolloutSetupError on a bad template
@@ -237,8 +235,11 @@ class RolloutServer:
             self._health.set(name, status)
 
 
-def build_runtime(state: ServerState, models: ModelSet) -> Runtime:
-    """The engine, experience maker and updater for loaded models, configured from the flags."""
+def build_runtime(
+    state: ServerState, models: ModelSet, readiness: Readiness | None = None
+) -> Runtime:
+    """The engine, experience maker and updater for loaded models, configured from the flags;
+    `readiness` probes each model right after its weights are updated."""
     config = state.config
     rewards = RewardRegistry.from_specs(
         config.reward_fn, config.reward_endpoint, timeout_s=config.reward_timeout_s
@@ -251,7 +252,9 @@ def build_runtime(state: ServerState, models: ModelSet) -> Runtime:
         micro_batch_size=config.micro_batch_size,
         max_request_rows=config.max_request_rows,
     )
-    return Runtime(state, models, NaiveExperienceMaker(models, rewards, defaults))
+    maker = NaiveExperienceMaker(models, rewards, defaults)
+    after_update = None if readiness is None else readiness.check_updated
+    return Runtime(state, models, maker, after_update=after_update)
 
 
 def _host_for_address(host: str) -> str:

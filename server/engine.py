@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TypeVar
 
 from rollserve.client.errors import Cancelled, ResourceExhausted, Unavailable
@@ -59,6 +59,31 @@ class Engine:
     def call(self, job: Callable[[], T], *, timeout_s: float | None = None) -> T:
         """Run `job` on the worker and wait for its result (its exception is re-raised)."""
         return self.submit(job).result(timeout=timeout_s)
+
+    def call_then(self, job: Callable[[], T], then: Callable[[T], object]) -> T:
+        """Run `job` on the worker and return its result as soon as it has one; the worker then
+        runs `then(result)` before any later job.
+
+        For work that must follow `job` before anything else uses the device, but that the caller
+        need not wait for (the readiness probe of new weights). `then`'s own errors are logged.
+        """
+        early: Future[T] = Future()
+
+        def job_then() -> None:
+            try:
+                result = job()
+            except BaseException as error:
+                early.set_exception(error)
+                raise
+            early.set_result(result)
+            try:
+                then(result)
+            except Exception:
+                log.exception("the follow-up of an engine job failed")
+
+        future = self.submit(job_then)
+        wait((early, future), return_when=FIRST_COMPLETED)
+        return early.result() if early.done() else future.result()  # type: ignore[return-value]
 
     def stream(
         self, produce: Callable[[], Iterator[T]], *, cancelled: threading.Event | None = None

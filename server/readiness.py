@@ -8,8 +8,10 @@ weight update whose probe failed, and from the start of a drain on.
 The probe is a forward pass over two token ids on the engine thread (the one thread that uses
 the device), checking that it returns finite outputs: it catches a broken device, a model that
 does not run, and weights that produce NaN (e.g. an update sent with allow_non_finite). At start
-it probes every loaded model; after an update, the updated one, without delaying the update's
-reply: the probe is queued behind the swap and its verdict lands in the health status. A failed
+it probes every loaded model; after an update, the updated one, on the engine right after the
+swap and before any other job (Engine.call_then), without delaying the update's reply: no
+experience is made on weights that were not probed, and the verdict lands in the health status
+and in the phase that MakeExperience jobs check on the engine. A failed
 post-update probe moves the server to WAITING_FOR_WEIGHTS (NOT_SERVING; MakeExperience answers
 FAILED_PRECONDITION) until an update whose probe passes.
 """
@@ -18,10 +20,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future
 
 import torch
-from rollserve.client.errors import RolloutError
 from rollserve.server.models import LoadedModel, ModelSet, Phase, ServerState
 
 __all__ = ["Readiness", "ReadinessError", "probe_model"]
@@ -67,21 +67,21 @@ class Readiness:
 
         runtime.engine.call(probe_all)
 
-    def after_update(self, role: str) -> None:
-        """Queue a probe of `role` behind the swap; its verdict moves the phase when it ends."""
-        runtime, models = self._state.runtime, self._state.models
+    def check_updated(self, role: str) -> None:
+        """Probe `role` after its weights were swapped; call on the engine thread, right after
+        the swap (Runtime does), so that no experience job runs on weights not yet probed."""
+        models = self._state.models
         model = None if models is None else getattr(models, role, None)
-        if runtime is None or model is None:
+        if models is None or model is None:
             return
         try:
-            future = runtime.engine.submit(lambda: probe_model(model, models))
-        except RolloutError as exc:  # queue full or shutting down: keep the current verdict
-            _LOG.warning("readiness probe after the %s update skipped: %s", role, exc.message)
-            return
-        future.add_done_callback(lambda done: self._record(role, done))
+            probe_model(model, models)
+        except ReadinessError as error:
+            self._record(role, error)
+        else:
+            self._record(role, None)
 
-    def _record(self, role: str, done: Future[None]) -> None:
-        error = done.exception()
+    def _record(self, role: str, error: ReadinessError | None) -> None:
         with self._lock:
             was_failing = bool(self._failed_roles)
             if error is None:

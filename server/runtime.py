@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rollserve.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rollserve.client.experience import experience_to_proto
@@ -15,6 +15,7 @@ from rollserve.server.engine import Engine
 from rollserve.server.maker import NaiveExperienceMaker
 from rollserve.server.models import LoadedModel, ModelSet, Phase, ServerState
 from rollserve.server.weights import (
+    AppliedUpdate,
     LoraState,
     StagedUpdate,
     UpdateStager,
@@ -39,7 +40,17 @@ _ROLES = {
 class Runtime:
     """The engine thread plus the operations the Rollout RPCs run on it."""
 
-    def __init__(self, state: ServerState, models: ModelSet, maker: NaiveExperienceMaker) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        models: ModelSet,
+        maker: NaiveExperienceMaker,
+        *,
+        after_update: Callable[[str], None] | None = None,
+    ) -> None:
+        # after_update(role): runs on the engine right after a swap, before any other job (the
+        # readiness probe of the new weights); the update's reply does not wait for it.
+        self._after_update = after_update
         self.state = state
         self.models = models
         self.maker = maker
@@ -57,6 +68,8 @@ class Runtime:
         spec = self.maker.decode(request)
 
         def produce():
+            # Again on the engine: a probe that ran since the check above may have failed.
+            self._check_accepting()
             version = self.state.policy_version("actor")  # read on the engine: no swap races it
             if spec.min_policy_version > version:
                 raise FailedPrecondition(
@@ -100,7 +113,7 @@ class Runtime:
             with staging_arena(model.module).lease() as arena:
                 stager = UpdateStager(header, model.module, self._lora[role], arena=arena)
                 staged = stage_chunks(stager, requests)
-                applied = self.engine.call(lambda: self._swap(role, model, staged))
+                applied = self._run_swap(role, model, staged)
             seconds = time.monotonic() - started_s
         _LOG.info(
             "updated %s to version %d: %d tensors, %d bytes in %.2f s (%.2f GB/s)",
@@ -135,7 +148,16 @@ class Runtime:
                 f"header.version: {version} is not above the {role}'s current version {current}"
             )
 
-    def _swap(self, role: str, model: LoadedModel, staged: StagedUpdate):
+    def _run_swap(self, role: str, model: LoadedModel, staged: StagedUpdate) -> AppliedUpdate:
+        def swap() -> AppliedUpdate:
+            return self._swap(role, model, staged)
+
+        after_update = self._after_update
+        if after_update is None:
+            return self.engine.call(swap)
+        return self.engine.call_then(swap, lambda _: after_update(role))
+
+    def _swap(self, role: str, model: LoadedModel, staged: StagedUpdate) -> AppliedUpdate:
         """On the engine thread: no experience job is running, so the swap is atomic for them."""
         self._check_version(role, staged.version)
         applied = staged.apply(model.module)

@@ -16,9 +16,8 @@ from collections.abc import Iterator
 import grpc
 from rollserve.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rollserve.server.continuous import ContinuousRollout, RolloutStats
-from rollserve.server.metrics import ServerMetrics, role_name
+from rollserve.server.metrics import ServerMetrics
 from rollserve.server.models import Phase, ServerState
-from rollserve.server.readiness import Readiness
 from rollserve.server.runtime import Runtime
 from rollserve.server.security import RequestLimits, check_request_limits
 from rollserve.server.status import handles_errors
@@ -50,12 +49,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         state: ServerState,
         *,
         metrics: ServerMetrics | None = None,
-        readiness: Readiness | None = None,
         rollout: ContinuousRollout | None = None,
     ) -> None:
         self._state = state
         self._metrics = metrics or ServerMetrics(state)
-        self._readiness = readiness or Readiness(state)
         self._limits = RequestLimits.from_config(state.config)
         self._rollout = rollout  # None: the server was started without --rollout-prompts
 
@@ -75,7 +72,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     ) -> pb.UpdateWeightsResponse:
         response = self._runtime().update_weights(request_iterator)
         self._metrics.observe_weight_update(response)
-        self._readiness.after_update(role_name(response.target))
         return response
 
     @handles_errors

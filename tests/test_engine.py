@@ -85,3 +85,43 @@ def test_closed_engine_refuses_jobs() -> None:
     engine.close()
     with pytest.raises(Unavailable):
         engine.submit(lambda: None)
+
+
+def test_call_then_returns_before_the_follow_up_which_runs_before_later_jobs(
+    engine: Engine,
+) -> None:
+    follow_up_may_end = threading.Event()
+    order: list[str] = []
+
+    def follow_up(result: int) -> None:
+        order.append(f"then {result}")
+        follow_up_may_end.wait(5)
+
+    # call_then returns while the follow-up is still blocked: the caller does not wait for it.
+    assert engine.call_then(lambda: 7, follow_up) == 7
+    later = engine.submit(lambda: order.append("later job"))
+    assert not later.done()
+    follow_up_may_end.set()
+    later.result(timeout=5)
+    assert order == ["then 7", "later job"]
+
+
+def test_call_then_reraises_and_skips_the_follow_up(engine: Engine) -> None:
+    followed: list[object] = []
+
+    def fail() -> int:
+        raise FailedPrecondition("no")
+
+    with pytest.raises(FailedPrecondition, match="no"):
+        engine.call_then(fail, followed.append)
+    engine.call(lambda: None)  # the worker is still alive
+    assert followed == []
+
+
+def test_a_failing_follow_up_is_logged_not_raised(engine: Engine, caplog) -> None:
+    def broken(_: int) -> None:
+        raise RuntimeError("probe exploded")
+
+    assert engine.call_then(lambda: 3, broken) == 3
+    assert engine.call(lambda: "alive") == "alive"
+    assert "probe exploded" in caplog.text

@@ -292,12 +292,14 @@ def test_weights_that_fail_the_probe_stop_serving_until_good_ones_arrive(tiny_mo
         with grpc.insecure_channel(target) as channel:
             stub = rollout_pb2_grpc.RolloutStub(channel)
             stub.UpdateWeights(iter(_norm_update(1, float("nan"))), timeout=WAIT_S)
-            wait_for(lambda: _health(target) != serving, "NOT_SERVING after NaN weights")
-            status = stub.Health(pb.HealthRequest(), timeout=WAIT_S).status
-            assert status == pb.SERVING_STATUS_WAITING_FOR_WEIGHTS
+            # At once, without waiting for the verdict: the probe runs on the engine right
+            # after the swap, so this job, queued behind it, sees its verdict.
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.MakeExperience(make_request(rows=1), timeout=WAIT_S))
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            wait_for(lambda: _health(target) != serving, "NOT_SERVING after NaN weights")
+            status = stub.Health(pb.HealthRequest(), timeout=WAIT_S).status
+            assert status == pb.SERVING_STATUS_WAITING_FOR_WEIGHTS
             stub.UpdateWeights(iter(_norm_update(2, 1.0)), timeout=WAIT_S)
             wait_for(lambda: _health(target) == serving, "SERVING after good weights")
             assert len(list(stub.MakeExperience(make_request(rows=1), timeout=WAIT_S))) == 1
