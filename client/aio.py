@@ -6,9 +6,11 @@ Same arguments, results and exceptions as the sync client (shared through
 
 CPU work and the event loop: decoding a micro-batch is zero-copy and runs on the loop (landing
 in pinned memory, with CUDA present, is one copy per micro-batch). Building an UpdateWeights
-stream is not cheap (each 1 MiB chunk is copied out of a tensor and checksummed, a GPU tensor is
-first copied to the host whole, sha256=True reads everything once more), so the header is built
-and the request generator advanced in worker threads, one message per hop: the loop only waits.
+stream is not cheap (each 1 MiB chunk message is one copy out of the tensors, plus its CRC when
+asked for; a GPU tensor is first copied to the host whole, sha256=True reads everything once
+more), so the header is built and the message generator advanced in worker threads, one message
+per hop: the loop only waits. The messages are the sync client's hand-encoded bytes
+(client/wire.py), sent through the same raw-bytes method.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 import grpc
@@ -26,7 +29,6 @@ from rollserve.client.calls import (
     SubscribedBatch,
     join_micro_batches,
     land,
-    progress_reporter,
     subscribe_request,
     subscribed_batch,
     typed_errors,
@@ -41,7 +43,8 @@ from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable
 from rollserve.client.experience import Experience, experience_from_proto
 from rollserve.client.requests import Prompts, build_make_experience_request
 from rollserve.client.results import HealthStatus, UpdateResult
-from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_requests
+from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_messages
+from rollserve.client.wire import update_weights_callable
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
@@ -80,6 +83,8 @@ class AsyncRolloutClient:
             extra_options=channel_options,
         )
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
+        # UpdateWeights sends hand-encoded messages (client/wire.py): one copy from tensors.
+        self._update_weights = update_weights_callable(self._channel)
 
     @property
     def timeout_s(self) -> float:
@@ -196,22 +201,32 @@ class AsyncRolloutClient:
     ) -> UpdateResult:
         """Stream weights to the server (see RolloutClient.update_weights); never retried.
 
-        The header (and the SHA-256 pass, when asked for) and every chunk are built in worker
-        threads; `progress` is called on the event loop.
+        The header (and the SHA-256 pass, when asked for) and every chunk message are built in
+        worker threads; `progress` is called on the event loop.
         """
-        requests = await asyncio.to_thread(
-            update_weights_requests,
+        noted: deque[tuple[int, int]] = deque()  # (sent, total) noted by the worker threads
+
+        def note(sent: int, total: int) -> None:
+            noted.append((sent, total))
+
+        def report_noted() -> None:  # on the loop, after each hop
+            while noted and progress is not None:
+                progress(*noted.popleft())
+
+        messages = await asyncio.to_thread(
+            update_weights_messages,
             weights,
             target=target,
             version=version,
             mode=mode,
             chunk_bytes=chunk_bytes,
+            progress=None if progress is None else note,
             **stream_options,  # type: ignore[arg-type]
         )
         started_s = time.monotonic()
         with typed_errors():
-            reply = await self._stub.UpdateWeights(
-                _off_loop(requests, progress),
+            reply = await self._update_weights(
+                _off_loop(messages, report_noted),
                 timeout=self._settings.timeout(timeout_s),
                 metadata=self._settings.metadata_for(request_id),
             )
@@ -229,18 +244,20 @@ class AsyncRolloutClient:
 
 
 async def _off_loop(
-    requests: Iterator[pb.UpdateWeightsRequest], progress: Callable[[int, int], None] | None
-) -> AsyncIterator[pb.UpdateWeightsRequest]:
-    """Advance a sync request generator in a worker thread, one message per hop.
+    messages: Iterator[bytes], after_hop: Callable[[], None]
+) -> AsyncIterator[bytes]:
+    """Advance a sync message generator in a worker thread, one message per hop.
 
+    `after_hop` runs on the loop after each hop (the last one included, which ends the stream).
     One hop costs tens of microseconds against ~1 ms of work per 1 MiB chunk; the generator is
     never advanced by two threads at once, because each hop is awaited before the next.
     """
-    report = progress_reporter(progress) if progress is not None else None
     end = object()
     # No explicit close on cancellation: the worker may still be inside the generator then
     # (closing it would raise); dropping the last reference frees it once the worker is done.
-    while (request := await asyncio.to_thread(next, requests, end)) is not end:
-        yield request  # type: ignore[misc]
-        if report is not None:
-            report(request)  # type: ignore[arg-type]
+    while True:
+        message = await asyncio.to_thread(next, messages, end)
+        after_hop()
+        if message is end:
+            return
+        yield message  # type: ignore[misc]

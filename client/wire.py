@@ -132,8 +132,14 @@ def encode_chunk(
     return b"".join([prefix, *pieces, tail])  # the one copy of the payload
 
 
-def update_weights_callable(channel: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
-    """Rollout.UpdateWeights on `channel`, taking already encoded request messages (bytes)."""
+def update_weights_callable(
+    channel: grpc.Channel | grpc.aio.Channel,
+) -> grpc.StreamUnaryMultiCallable | grpc.aio.StreamUnaryMultiCallable:
+    """Rollout.UpdateWeights on `channel`, taking already encoded request messages (bytes).
+
+    A sync channel gives a sync callable (an iterator of bytes); a grpc.aio channel gives an
+    awaitable one (a sync or async iterator of bytes).
+    """
     # request_serializer=None: gRPC sends each bytes object as it is (it still copies it once
     # into its own buffer; grpcio 1.85 accepts only bytes there, not memoryviews).
     return channel.stream_unary(

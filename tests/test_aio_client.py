@@ -10,9 +10,11 @@ current version first.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -20,6 +22,7 @@ import test_client
 import torch
 from helpers_server import free_port
 from rollserve.client.aio import AsyncRolloutClient
+from rollserve.client.channel import SERVICE_NAME
 from rollserve.client.client import RolloutClient
 from rollserve.client.errors import (
     DeadlineExceeded,
@@ -28,10 +31,13 @@ from rollserve.client.errors import (
     Unavailable,
 )
 from rollserve.client.experience import Experience, concat_experiences
+from rollserve.client.weights import MIN_CHUNK_BYTES, update_weights_messages
 from rollserve.server.app import RolloutServer
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, load_models
+from rollserve.v1 import rollout_pb2 as pb
 from test_client import HANG, ONE_THEN_HANG, SCRIPTED_VERSION, TOKEN, WAIT_S, Pki
+from test_update_weights_rpc import assert_logprobs_match, perturbed, state_hash
 
 # The scripted stand-in server and the TLS fixtures of tests/test_client.py.
 pki = test_client.pki
@@ -133,15 +139,17 @@ def test_update_weights_swaps_and_builds_chunks_off_the_loop(
 ) -> None:
     new_norm = torch.linspace(0.5, 1.5, models.actor.module.state_dict()[NORM].numel())
     weights = _ThreadRecordingWeights({NORM: new_norm})
-    progress: list[tuple[int, int]] = []
+    progress: list[tuple[int, int, int]] = []  # (sent, total, calling thread)
 
     async def main():
         async with AsyncRolloutClient(server.address, timeout_s=WAIT_S) as client:
             version = (await client.health()).policy_version + 1
             loop_thread = threading.get_ident()
             result = await client.update_weights(
-                weights, version=version, mode="partial",
-                progress=lambda sent, total: progress.append((sent, total)),
+                weights,
+                version=version,
+                mode="partial",
+                progress=lambda sent, total: progress.append((sent, total, threading.get_ident())),
             )
             health = await client.health()
             experience = await client.make_experience([[5, 6]], **{**REQUEST, "gt_answers": ["a"]})
@@ -153,7 +161,81 @@ def test_update_weights_swaps_and_builds_chunks_off_the_loop(
     assert experience.policy_version.tolist() == [version, version]
     assert torch.equal(models.actor.module.state_dict()[NORM], new_norm)
     assert weights.reader_threads and loop_thread not in weights.reader_threads
-    assert progress[-1] == (result.bytes, result.bytes) and progress[0][0] == 0
+    assert progress[-1] == (result.bytes, result.bytes, loop_thread) and progress[0][0] == 0
+    assert {thread for _, _, thread in progress} == {loop_thread}  # reported on the loop
+
+
+def test_update_weights_lands_bit_exact_and_the_logprobs_are_the_trainers(
+    server: RolloutServer, models: ModelSet
+) -> None:
+    trainer = copy.deepcopy(models.actor.module)
+    trainer.load_state_dict(perturbed(trainer, seed=11))
+    prompts = [[5, 6, 7], [40, 41]]
+
+    async def main():
+        async with AsyncRolloutClient(server.address, timeout_s=WAIT_S) as client:
+            version = (await client.health()).policy_version + 1
+            result = await client.update_weights(
+                trainer, version=version, chunk_bytes=MIN_CHUNK_BYTES, crc32=True, sha256=True
+            )
+            request = {**REQUEST, "gt_answers": ["a", "b"]}
+            return version, result, await client.make_experience(prompts, **request)
+
+    version, result, experience = asyncio.run(main())
+    assert result.bytes > MIN_CHUNK_BYTES  # several chunks, cut across tensor boundaries
+    assert (result.version, result.tensors) == (version, len(trainer.state_dict()))
+    assert state_hash(models.actor.module) == state_hash(trainer)
+    assert experience.policy_version.tolist() == [version] * 4
+    assert_logprobs_match(experience, trainer)
+
+
+class _RawUpdateWeights:
+    """A stand-in server whose UpdateWeights keeps every request message as the bytes that
+    arrived (no deserializer), so a test compares the wire itself."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[bytes]] = []
+        handler = grpc.stream_unary_rpc_method_handler(
+            self._update_weights,
+            request_deserializer=None,
+            response_serializer=pb.UpdateWeightsResponse.SerializeToString,
+        )
+        self.server = grpc.server(ThreadPoolExecutor(2))
+        self.server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler(SERVICE_NAME, {"UpdateWeights": handler})]
+        )
+        self.target = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def _update_weights(self, messages: Iterator[bytes], context) -> pb.UpdateWeightsResponse:
+        self.calls.append(list(messages))
+        return pb.UpdateWeightsResponse(version=1)
+
+
+@pytest.fixture
+def raw_update_weights() -> Iterator[_RawUpdateWeights]:
+    stand_in = _RawUpdateWeights()
+    yield stand_in
+    stand_in.server.stop(0)
+
+
+def test_both_clients_put_the_hand_encoded_messages_on_the_wire(raw_update_weights) -> None:
+    torch.manual_seed(4)
+    base = torch.randn(300, 500)  # 600,000 bytes: chunks cut across tensors
+    weights = {"w": base, "t": base.T, "h": torch.randn(999).half(), "n": torch.tensor(3)}
+    options = dict(version=1, chunk_bytes=MIN_CHUNK_BYTES, crc32=True, sha256=True)
+
+    async def main():
+        async with AsyncRolloutClient(raw_update_weights.target, timeout_s=WAIT_S) as client:
+            return await client.update_weights(weights, **options)
+
+    asyncio.run(main())
+    with RolloutClient(raw_update_weights.target, timeout_s=WAIT_S) as sync_client:
+        sync_client.update_weights(weights, **options)
+    encoded = list(update_weights_messages(weights, target="actor", mode="full", **options))
+    assert len(encoded) == 1 + 5  # the header, then 1.2 MB in five chunks
+    sent_async, sent_sync = raw_update_weights.calls
+    assert sent_async == encoded and sent_sync == encoded
 
 
 def test_errors_are_typed(server: RolloutServer) -> None:
