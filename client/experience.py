@@ -17,6 +17,9 @@ from rollserve.client.errors import InvalidArgument
 from rollserve.v1 import rollout_pb2 as pb
 
 __all__ = [
+    "EXPERIENCE_ACTION_FIELDS",
+    "EXPERIENCE_SEQUENCE_FIELDS",
+    "EXPERIENCE_TENSOR_FIELDS",
     "Experience",
     "BufferItem",
     "experience_to_proto",
@@ -57,6 +60,18 @@ _INDEX_SPECS: tuple[_Spec, ...] = (
     _Spec("prompt_index", "", torch.int64),
 )
 _EXPERIENCE_SPECS = _STEP_SPECS + _INDEX_SPECS
+
+# The names of Experience's per-row tensor fields (optional ones included), read from the specs
+# above so that code touching every field (slicing rows, trimming columns) cannot miss a new one.
+EXPERIENCE_TENSOR_FIELDS: tuple[str, ...] = tuple(spec.name for spec in _EXPERIENCE_SPECS)
+# Those shaped (B, S): one column per token.
+EXPERIENCE_SEQUENCE_FIELDS: tuple[str, ...] = tuple(
+    spec.name for spec in _EXPERIENCE_SPECS if spec.axis == "S"
+)
+# Those shaped (B, A): one column per action.
+EXPERIENCE_ACTION_FIELDS: tuple[str, ...] = tuple(
+    spec.name for spec in _EXPERIENCE_SPECS if spec.axis == "A"
+)
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

@@ -25,7 +25,13 @@ from dataclasses import dataclass, replace
 
 import torch
 from rollserve.client.errors import FailedPrecondition
-from rollserve.client.experience import Experience, concat_experiences
+from rollserve.client.experience import (
+    EXPERIENCE_ACTION_FIELDS,
+    EXPERIENCE_SEQUENCE_FIELDS,
+    EXPERIENCE_TENSOR_FIELDS,
+    Experience,
+    concat_experiences,
+)
 from rollserve.client.requests import Prompts, build_make_experience_request
 from rollserve.server.algorithms import ShapedExperience, shape_experience
 from rollserve.server.experience_request import (
@@ -353,21 +359,7 @@ def _float(t: torch.Tensor | None) -> torch.Tensor | None:
 def _select_rows(e: Experience, rows: slice) -> Experience:
     """Rows of an Experience (views)."""
     changes: dict[str, object] = {}
-    for name in (
-        "sequences",
-        "attention_mask",
-        "action_mask",
-        "action_log_probs",
-        "base_action_log_probs",
-        "values",
-        "reward",
-        "kl",
-        "advantages",
-        "returns",
-        "action_entropy",
-        "policy_version",
-        "prompt_index",
-    ):
+    for name in EXPERIENCE_TENSOR_FIELDS:
         value = getattr(e, name)
         changes[name] = None if value is None else value[rows]
     changes["info"] = {key: value[rows] for key, value in e.info.items()}
@@ -382,23 +374,14 @@ def _tight(e: Experience) -> Experience:
     width = e.prompt_width
     width_p = int(mask[:, :width].sum(-1).max())  # longest prompt
     width_a = int(mask[:, width:].sum(-1).max())  # longest response (>= 1 token per row)
-    seq = slice(width - width_p, width + width_a)
-    changes: dict[str, object] = {
-        "sequences": e.sequences[:, seq].contiguous(),
-        "attention_mask": mask[:, seq].contiguous(),
-    }
-    for name in (
-        "action_mask",
-        "action_log_probs",
-        "base_action_log_probs",
-        "values",
-        "kl",
-        "advantages",
-        "returns",
-        "action_entropy",
-    ):
+    # Token columns keep the longest prompt and response; action columns the longest response.
+    # Per-row fields (reward, indices) have no columns to trim.
+    columns = dict.fromkeys(EXPERIENCE_SEQUENCE_FIELDS, slice(width - width_p, width + width_a))
+    columns.update(dict.fromkeys(EXPERIENCE_ACTION_FIELDS, slice(0, width_a)))
+    changes: dict[str, object] = {}
+    for name, kept in columns.items():
         value = getattr(e, name)
-        changes[name] = None if value is None else value[:, :width_a].contiguous()
+        changes[name] = None if value is None else value[:, kept].contiguous()
     actions = e.num_actions
     changes["info"] = {
         key: value[:, :width_a].contiguous()

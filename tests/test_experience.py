@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 
 import pytest
@@ -12,6 +13,9 @@ from hypothesis import strategies as st
 from rollserve.client.codec import encode_tensor_into
 from rollserve.client.errors import InvalidArgument, TensorCodecError
 from rollserve.client.experience import (
+    EXPERIENCE_ACTION_FIELDS,
+    EXPERIENCE_SEQUENCE_FIELDS,
+    EXPERIENCE_TENSOR_FIELDS,
     BufferItem,
     Experience,
     concat_experiences,
@@ -22,21 +26,6 @@ from rollserve.client.experience import (
 )
 from rollserve.v1 import rollout_pb2 as pb
 
-TENSOR_FIELDS = (
-    "sequences",
-    "attention_mask",
-    "action_mask",
-    "action_log_probs",
-    "base_action_log_probs",
-    "values",
-    "reward",
-    "kl",
-    "advantages",
-    "returns",
-    "action_entropy",
-    "policy_version",
-    "prompt_index",
-)
 OPTIONAL_FIELDS = ("base_action_log_probs", "values", "action_entropy")
 
 
@@ -128,7 +117,7 @@ def assert_bit_equal(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
 
 
 def assert_same_experience(got: Experience, want: Experience) -> None:
-    for name in TENSOR_FIELDS:
+    for name in EXPERIENCE_TENSOR_FIELDS:
         g, w = getattr(got, name), getattr(want, name)
         assert (g is None) == (w is None), name
         if w is not None:
@@ -151,6 +140,30 @@ def test_properties_and_frozenness() -> None:
         exp.reward = torch.zeros(3)  # type: ignore[misc]
     listed = dataclasses.replace(exp, response_texts=["a", "b", "c"])
     assert listed.response_texts == ("a", "b", "c")  # normalised to an immutable tuple
+
+
+def test_the_tensor_field_names_are_every_tensor_field_of_experience() -> None:
+    # Read from the annotations, not from the specs the tuple is built from: a tensor field
+    # added to Experience but not to the specs (so not sliced by the maker) fails here.
+    hints = typing.get_type_hints(Experience)
+    annotated = {
+        f.name
+        for f in dataclasses.fields(Experience)
+        if hints[f.name] in (torch.Tensor, torch.Tensor | None)
+    }
+    assert "info" not in annotated and "sequences" in annotated  # the reading itself works
+    assert sorted(EXPERIENCE_TENSOR_FIELDS) == sorted(annotated)
+
+
+def test_the_axis_field_names_match_the_shapes_of_a_real_experience() -> None:
+    # B = 3, S = 9, A = 5 all differ, so a shape names its axis without ambiguity.
+    exp = build_batch([2, 4, 1], [3, 1, 5]).experience
+    b, s, a = exp.num_rows, exp.sequences.shape[1], exp.num_actions
+    assert len({b, s, a}) == 3
+    shapes = {name: tuple(getattr(exp, name).shape) for name in EXPERIENCE_TENSOR_FIELDS}
+    assert sorted(EXPERIENCE_SEQUENCE_FIELDS) == sorted(n for n, x in shapes.items() if x == (b, s))
+    assert sorted(EXPERIENCE_ACTION_FIELDS) == sorted(n for n, x in shapes.items() if x == (b, a))
+    assert all(x in {(b,), (b, s), (b, a)} for x in shapes.values()), shapes
 
 
 @pytest.mark.parametrize(
@@ -482,12 +495,12 @@ def test_pin_memory_pins_and_to_device_moves_to_cuda() -> None:
     exp = wire_round_trip(build_batch([2, 4, 1], [3, 1, 5]).experience)
     pinned = exp.pin_memory()
     assert pinned is not exp
-    for name in TENSOR_FIELDS:
+    for name in EXPERIENCE_TENSOR_FIELDS:
         assert getattr(pinned, name).is_pinned(), name
     assert all(t.is_pinned() for t in pinned.info.values())
     on_gpu = pinned.to_device("cuda", non_blocking=True)
     torch.cuda.synchronize()
-    assert all(getattr(on_gpu, n).is_cuda for n in TENSOR_FIELDS)
+    assert all(getattr(on_gpu, n).is_cuda for n in EXPERIENCE_TENSOR_FIELDS)
     assert all(t.is_cuda for t in on_gpu.info.values())
     assert_same_experience(on_gpu, exp)
     assert on_gpu.pin_memory() is not None  # pinning CUDA tensors leaves them be
