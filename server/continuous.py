@@ -575,9 +575,12 @@ class ContinuousRollout:
     def _run(self, runtime: Runtime) -> None:
         try:
             for planned in self._plan():
-                if not self.dealer.wait_for_demand(self._can_make):
-                    return
-                if not self._make_one(runtime, planned):
+                made: bool | None = None
+                while made is None:  # None: the phase changed before the engine got to it
+                    if not self.dealer.wait_for_demand(self._can_make):
+                        return
+                    made = self._make_one(runtime, planned)
+                if not made:
                     return
             _LOG.info("continuous rollout: the last batch is made")
         except Exception:  # a bug: say so loudly, and let the streams end
@@ -585,11 +588,15 @@ class ContinuousRollout:
         finally:
             self.dealer.finish()
 
-    def _make_one(self, runtime: Runtime, planned: PlannedBatch) -> bool:
-        """Make one batch and queue it; False when the server is stopping."""
+    def _make_one(self, runtime: Runtime, planned: PlannedBatch) -> bool | None:
+        """Make one batch and queue it; False when the server is stopping, None when it stopped
+        serving before the engine got to the batch (new weights failed their probe): retry."""
         try:
             spec = runtime.maker.decode(self._request(planned))
-            version, parts = self._on_engine(runtime, spec)
+            made = self._on_engine(runtime, spec)
+            if made is None:
+                return None
+            version, parts = made
         except Exception as exc:  # a bad prompt, a reward source down: skip this batch
             if self._closed.is_set():  # stopping: the engine refuses, the make was cancelled
                 return False
@@ -617,10 +624,15 @@ class ContinuousRollout:
             self._epoch = planned.epoch
         return True
 
-    def _on_engine(self, runtime: Runtime, spec: ExperienceSpec) -> tuple[int, list[Experience]]:
-        """Run the maker on the engine thread; wait while the engine's queue is full."""
+    def _on_engine(
+        self, runtime: Runtime, spec: ExperienceSpec
+    ) -> tuple[int, list[Experience]] | None:
+        """Run the maker on the engine thread; wait while the engine's queue is full. None when,
+        on the engine, the server no longer makes experience (a probe failed meanwhile)."""
 
-        def produce() -> tuple[int, list[Experience]]:
+        def produce() -> tuple[int, list[Experience]] | None:
+            if not self._can_make():  # checked on the engine: after any queued probe
+                return None
             version = self._state.policy_version("actor")  # on the engine: no swap races it
             batches = runtime.maker.iter_experience(
                 spec, policy_version=version, cancelled=self._closed

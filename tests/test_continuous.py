@@ -29,6 +29,7 @@ from helpers_server import ServerProcess
 from prometheus_client import generate_latest
 from rollserve.client import AsyncRolloutClient, FailedPrecondition, RolloutClient
 from rollserve.client.calls import SubscribedBatch
+from rollserve.client.experience import experience_from_proto
 from rollserve.server.app import RolloutServer
 from rollserve.server.config import ConfigError, ServerConfig
 from rollserve.server.continuous import (
@@ -337,6 +338,49 @@ def test_the_loop_pauses_when_the_queue_is_full(
         assert (stats.made, stats.delivered) == (queue + 1, 1)
         batches.close()  # leaves the ring
         assert rollout.stats().subscribers == 0
+
+
+def _versions(response: pb.SubscribeResponse) -> set[int]:
+    return set(experience_from_proto(response.experience).policy_version.tolist())
+
+
+def test_no_batch_is_made_on_weights_that_fail_their_probe(
+    models: ModelSet, files: dict[str, Path], actor_weights: dict[str, torch.Tensor]
+) -> None:
+    norm = "model.norm.weight"
+    with (
+        serving(models, files, rollout_epochs=0, rollout_queue_batches=1) as server,
+        RolloutClient(server.address) as client,
+    ):
+        rollout, engine = server.rollout, server.state.runtime.engine
+        idle = rollout.subscribe("idle", 0, lambda: True)
+        _wait_until(lambda: rollout.stats().queued == 1, "the queue fills up: the loop pauses")
+        # Hold the engine; queue the swap of weights that produce NaN, then make room so that
+        # the loop queues its next batch behind the swap (and behind the probe that follows it).
+        gate, gated = threading.Event(), threading.Event()
+        held = engine.submit(lambda: (gated.set(), gate.wait(WAIT_S)))
+        assert gated.wait(WAIT_S)
+        pushed = threading.Thread(
+            target=client.update_weights,
+            args=({norm: torch.full_like(actor_weights[norm], float("nan"))},),
+            kwargs=dict(version=1, mode="partial", allow_non_finite=True),
+        )
+        pushed.start()
+        _wait_until(lambda: engine.queue_depth == 1, "the swap waits behind the gate")
+        batches = iter(idle)
+        assert _versions(next(batches)) == {0}
+        _wait_until(lambda: engine.queue_depth == 2, "the loop queues a batch behind the swap")
+        made = rollout.stats().made
+        gate.set()
+        held.result()
+        pushed.join(WAIT_S)
+        _wait_until(lambda: server.state.phase.value == "waiting_for_weights", "probe failed")
+        _wait_until(lambda: engine.queue_depth == 0, "the queued batch job ran")
+        time.sleep(0.3)  # time enough for a batch the loop should not make
+        assert rollout.stats().made == made, "a batch was made on weights that failed the probe"
+        client.update_weights({norm: actor_weights[norm]}, version=2, mode="partial")
+        assert _versions(next(batches)) == {2}
+        batches.close()
 
 
 def test_no_batch_is_sent_more_than_one_version_behind(
