@@ -54,6 +54,7 @@ TUNED_MALLOC = {
 MIB = 1 << 20
 GIB = 1 << 30
 TCP_BLOCK_BYTES = 4 * MIB
+PROBE_SETTLE_S = 0.3
 _TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
 
 
@@ -236,12 +237,16 @@ def run_update(conn: Connection, target: str, server_pid: int, version: int) -> 
     server_cpu_before = _cpu_s(server_pid)
     conn.send((target, version))
     file_bytes, wall_s, server_s, client_cpu_s = conn.recv()
+    server_cpu_s = _cpu_s(server_pid) - server_cpu_before
+    # The server probes the new weights on its engine right after the reply (a forward pass,
+    # ~55 ms on two threads for this model): let it end before the next measurement starts.
+    time.sleep(PROBE_SETTLE_S)
     return UpdateRound(
         file_bytes=file_bytes,
         wall_s=wall_s,
         server_s=server_s,
         client_cpu_s=client_cpu_s,
-        server_cpu_s=_cpu_s(server_pid) - server_cpu_before,
+        server_cpu_s=server_cpu_s,
         server_rss_before_gib=rss_before_kib / 2**20,
         server_peak_rss_gib=_read_status_kib(server_pid, "VmHWM") / 2**20,
     )

@@ -11,6 +11,11 @@ host holds at most one staging copy of the model's largest update so far (the da
 its safetensors file, in the wire dtype), plus the one chunk being received. `release` gives the
 memory back.
 
+Pinned for CUDA models: the arena of a model with parameters on a CUDA device is page-locked
+host memory, so the apply's host-to-device copies are direct DMA rather than a pass through the
+driver's pageable bounce buffer. Pinning costs once per arena (the arena is kept), never per
+update.
+
 Sharing: the arenas live in a registry keyed weakly by the model module, so two servers sharing
 one loaded model (tests do) share its arena; `lease` makes the holder exclusive for the whole
 stage-verify-apply of one update, since the staged tensors are views into the arena.
@@ -31,7 +36,9 @@ __all__ = ["StagingArena", "staging_arena"]
 class StagingArena:
     """A growable uint8 host buffer; hand out with `lease`, then `take(nbytes)` per update."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, pin_memory: bool = False) -> None:
+        # pin_memory: page-locked host memory (only with CUDA; for models on a CUDA device).
+        self.pin_memory = pin_memory
         self._buffer: torch.Tensor | None = None
         self._lease = threading.Lock()
         self.allocations = 0  # buffers allocated so far (a steady state allocates none)
@@ -53,7 +60,7 @@ class StagingArena:
         """
         if nbytes > self.capacity_bytes:
             self._buffer = None  # free the old buffer first: never two arenas at once
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
             self.allocations += 1
         if self._buffer is None:  # nbytes == 0 and nothing allocated yet
             return torch.empty(0, dtype=torch.uint8)
@@ -70,9 +77,11 @@ _ARENAS_LOCK = threading.Lock()
 
 
 def staging_arena(model: torch.nn.Module) -> StagingArena:
-    """The arena of `model` (created empty on first use; dropped with the model)."""
+    """The arena of `model` (created empty on first use; dropped with the model); pinned when
+    the model has parameters on a CUDA device."""
     with _ARENAS_LOCK:
         arena = _ARENAS.get(model)
         if arena is None:
-            arena = _ARENAS[model] = StagingArena()
+            on_cuda = any(tensor.is_cuda for tensor in model.parameters())
+            arena = _ARENAS[model] = StagingArena(pin_memory=on_cuda)
         return arena
