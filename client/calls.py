@@ -1,15 +1,15 @@
 """Per-call pieces shared by RolloutClient and AsyncRolloutClient.
 
-Deadlines, metadata (bearer token, request ids), error translation, landing of experience,
-upload progress and Subscribe's request and batches live here once, so that the two clients
-differ only in how they wait.
+Deadlines, metadata (bearer token, request ids), error translation, landing of experience, and
+Subscribe's request and batches live here once, so that the two clients differ only in how they
+wait.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -27,11 +27,9 @@ __all__ = [
     "Metadata",
     "SubscribedBatch",
     "land",
-    "progress_reporter",
     "subscribe_request",
     "subscribed_batch",
     "typed_errors",
-    "with_progress",
 ]
 
 AUTHORIZATION_KEY = "authorization"
@@ -40,7 +38,6 @@ REQUEST_ID_KEY = "x-request-id"
 Metadata = Sequence[tuple[str, str | bytes]]
 # HTTP/2 header names as gRPC accepts them (lowercase); "grpc-" names are reserved.
 _KEY = re.compile(r"[0-9a-z_.\-]+")
-ProgressCallback = Callable[[int, int], None]
 
 
 def _check_ascii(name: str, value: str) -> str:
@@ -120,34 +117,6 @@ def join_micro_batches(replies: Sequence[tuple[Experience, int]]) -> Experience:
     """One Experience from streamed (micro-batch, pad_token_id) pairs, padded as the server pads."""
     pad_token_id = replies[0][1] if replies else 0
     return concat_experiences([experience for experience, _ in replies], pad_token_id)
-
-
-def progress_reporter(progress: ProgressCallback) -> Callable[[pb.UpdateWeightsRequest], None]:
-    """A function to call after each request is handed to gRPC: progress(sent, total bytes)."""
-    total = sent = 0
-
-    def report(request: pb.UpdateWeightsRequest) -> None:
-        nonlocal total, sent
-        if request.HasField("header"):
-            total = request.header.total_bytes
-        else:
-            sent += len(request.chunk.data)
-        progress(sent, total)
-
-    return report
-
-
-def with_progress(
-    requests: Iterator[pb.UpdateWeightsRequest], progress: ProgressCallback | None
-) -> Iterator[pb.UpdateWeightsRequest]:
-    """`requests` unchanged, reporting progress as gRPC takes each one."""
-    if progress is None:
-        yield from requests
-        return
-    report = progress_reporter(progress)
-    for request in requests:
-        yield request
-        report(request)
 
 
 @dataclass(frozen=True)

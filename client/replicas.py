@@ -27,7 +27,7 @@ from rollserve.client.errors import DeadlineExceeded, FailedPrecondition, Rollou
 from rollserve.client.experience import Experience
 from rollserve.client.requests import Prompts
 from rollserve.client.results import HealthStatus, UpdateResult
-from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_requests
+from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_messages
 
 __all__ = [
     "POLICIES",
@@ -413,7 +413,7 @@ class ReplicatedRolloutClient:
         now serve `version` (retry the failed ones with `replicas=list(error.failures)`).
         """
         # Bad arguments fail here, once, before any stream opens (sha256 would hash it all).
-        update_weights_requests(
+        update_weights_messages(
             weights, target=target, version=version, mode=mode, chunk_bytes=chunk_bytes,
             **{**stream_options, "sha256": False},
         )

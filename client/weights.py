@@ -51,7 +51,6 @@ __all__ = [
     "iter_safetensors_bytes",
     "safetensors_header",
     "update_weights_messages",
-    "update_weights_requests",
 ]
 
 MIN_CHUNK_BYTES = 256 * 1024
@@ -302,44 +301,6 @@ def _prepare(
     return _Stream(header, state_dict, chunk_bytes, crc32)
 
 
-def update_weights_requests(
-    weights: StateDict | torch.nn.Module,
-    *,
-    target: int | str,
-    version: int,
-    mode: int | str,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    crc32: bool = False,
-    sha256: bool = False,
-    lora: pb.LoraAdapter | None = None,
-    allow_non_finite: bool = False,
-    manifest: bool = True,
-) -> Iterator[pb.UpdateWeightsRequest]:
-    """The UpdateWeights request stream as protobuf messages: one header, then the chunks.
-
-    Arguments are validated here, before the first message. target and mode take enum values or
-    short names ("actor", "full" / "partial" / "lora"). sha256=True reads every tensor twice.
-    For a stub with the generated serializer; update_weights_messages is the fast path.
-    """
-    stream = _prepare(
-        weights, target=target, version=version, mode=mode, chunk_bytes=chunk_bytes,
-        crc32=crc32, sha256=sha256, lora=lora, allow_non_finite=allow_non_finite,
-        manifest=manifest,
-    )  # fmt: skip
-    return _requests(stream)
-
-
-def _requests(stream: _Stream) -> Iterator[pb.UpdateWeightsRequest]:
-    yield pb.UpdateWeightsRequest(header=stream.header)
-    offset = 0
-    for pieces in iter_chunk_pieces(stream.state_dict, stream.chunk_bytes):
-        chunk = pb.WeightsChunk(offset=offset, data=b"".join(pieces))
-        if stream.crc32:
-            chunk.crc32 = crc32_of_pieces(pieces)
-        yield pb.UpdateWeightsRequest(chunk=chunk)
-        offset += len(chunk.data)
-
-
 def update_weights_messages(
     weights: StateDict | torch.nn.Module,
     *,
@@ -354,8 +315,11 @@ def update_weights_messages(
     manifest: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[bytes]:
-    """The same stream as update_weights_requests, already encoded: protobuf bytes per message.
+    """The UpdateWeights request stream, encoded: one header message, then the chunks, each as
+    the protobuf bytes of an UpdateWeightsRequest.
 
+    Arguments are validated here, before the first message. target and mode take enum values or
+    short names ("actor", "full" / "partial" / "lora"). sha256=True reads every tensor twice.
     Each chunk message is one join of a few framing bytes and views of the tensors (wire.py), so
     its payload is copied once; send them with wire.update_weights_callable (a raw-bytes
     serializer). `progress(sent_bytes, total_bytes)` is called as gRPC takes each message.

@@ -24,10 +24,10 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers_weights import update_weights_requests
 from rollserve.client.channel import open_channel
 from rollserve.client.client import RolloutClient
 from rollserve.client.errors import FailedPrecondition
-from rollserve.client.weights import update_weights_requests
 from rollserve.server.app import RolloutServer
 from rollserve.server.config import ServerConfig
 from rollserve.server.default_model import TinyModelSpec, build_byte_tokenizer, save_tiny_causal_lm

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from helpers_weights import update_weights_requests
 from rollserve.client.errors import FailedPrecondition, InvalidArgument
 from rollserve.client.weights import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
     iter_safetensors_bytes,
-    update_weights_requests,
 )
 from rollserve.server.weights import LoraState, stage_update
 from rollserve.v1 import rollout_pb2 as pb

@@ -12,13 +12,14 @@ from collections.abc import Sequence
 import pytest
 import safetensors.torch
 import torch
+from helpers_weights import update_weights_requests
 from rollserve.client.errors import InvalidArgument
 from rollserve.client.weights import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
     iter_safetensors_bytes,
     safetensors_header,
-    update_weights_requests,
+    update_weights_messages,
 )
 from rollserve.server.weights.header import StreamEntry, parse_header
 from rollserve.server.weights.stream import SafetensorsStager
@@ -161,7 +162,7 @@ def test_optional_header_fields_can_be_left_out() -> None:
 def test_bad_arguments_raise_before_the_first_message(kwargs: dict) -> None:
     arguments = {"target": "actor", "version": 1, "mode": "full", **kwargs}
     with pytest.raises(InvalidArgument):
-        update_weights_requests({"w": torch.ones(3)}, **arguments)
+        update_weights_messages({"w": torch.ones(3)}, **arguments)
 
 
 def test_unsupported_dtypes_and_names_are_refused() -> None:

@@ -4,6 +4,7 @@ protobuf runtime in both directions, on malformed input, and over real gRPC into
 from __future__ import annotations
 
 import copy
+import hashlib
 import zlib
 from collections.abc import Iterator
 from concurrent import futures
@@ -11,14 +12,15 @@ from concurrent import futures
 import grpc
 import pytest
 import torch
+from helpers_weights import update_weights_requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rollserve.client.errors import InvalidArgument
 from rollserve.client.weights import (
     MIN_CHUNK_BYTES,
     iter_chunk_pieces,
+    iter_safetensors_bytes,
     update_weights_messages,
-    update_weights_requests,
 )
 from rollserve.client.wire import (
     MalformedRequest,
@@ -193,7 +195,7 @@ def tensors() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("crc", [True, False])
-def test_encoded_messages_equal_the_protobuf_requests(crc: bool) -> None:
+def test_encoded_messages_equal_what_protobuf_writes_for_the_stream(crc: bool) -> None:
     options = dict(target="critic", version=4, mode="partial", chunk_bytes=MIN_CHUNK_BYTES)
     seen: list[tuple[int, int]] = []
     messages = list(
@@ -201,9 +203,20 @@ def test_encoded_messages_equal_the_protobuf_requests(crc: bool) -> None:
             tensors(), crc32=crc, sha256=True, progress=lambda *p: seen.append(p), **options
         )
     )
-    requests = list(update_weights_requests(tensors(), crc32=crc, sha256=True, **options))
-    assert messages == [r.SerializeToString() for r in requests]
-    total = requests[0].header.total_bytes
+    # The reference: protobuf's own serializer over the file, cut at the same offsets.
+    header = pb.UpdateWeightsRequest.FromString(messages[0]).header
+    blob = b"".join(iter_safetensors_bytes(tensors(), MIN_CHUNK_BYTES))
+    offsets = range(0, len(blob), MIN_CHUNK_BYTES)
+    pieces = [blob[offset : offset + MIN_CHUNK_BYTES] for offset in offsets]
+    expected = [
+        protobuf_chunk(offset, piece, zlib.crc32(piece) if crc else None).SerializeToString()
+        for offset, piece in zip(offsets, pieces, strict=True)
+    ]
+    assert header.target == pb.MODEL_ROLE_CRITIC and header.mode == pb.UPDATE_MODE_PARTIAL
+    assert header.version == 4 and header.total_bytes == len(blob)
+    assert header.sha256 == hashlib.sha256(blob).hexdigest()
+    assert len(expected) > 2 and messages[1:] == expected
+    total = header.total_bytes
     assert seen[0] == (0, total) and seen[-1] == (total, total) and len(seen) == len(messages)
 
 

@@ -1,0 +1,28 @@
+"""The UpdateWeights request stream as protobuf messages, for tests that need message objects.
+
+The library builds one stream, the encoded bytes of `update_weights_messages`; a test that edits
+messages (a corrupt CRC, a truncated stream), feeds the server's staging directly, or plays a
+plain protobuf client with the generated stub parses those bytes with protobuf's own parser
+here. There is no second builder to drift from the first, and every such test also checks that
+the hand-encoded bytes are valid protobuf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+from rollserve.client.weights import update_weights_messages
+from rollserve.v1 import rollout_pb2 as pb
+
+__all__ = ["update_weights_requests"]
+
+
+def update_weights_requests(
+    weights: Mapping[str, torch.Tensor] | torch.nn.Module, **options: object
+) -> Iterator[pb.UpdateWeightsRequest]:
+    """update_weights_messages(weights, **options), each message parsed by protobuf.
+
+    Arguments are validated before the first message, as update_weights_messages does.
+    """
+    return map(pb.UpdateWeightsRequest.FromString, update_weights_messages(weights, **options))
