@@ -200,6 +200,8 @@ def _load(
             f"{role} model in {directory} must have num_labels=1, has {module.config.num_labels}"
         )
     module = module.to(device).eval().requires_grad_(False)
+    if device.type == "cpu":
+        _own_memory(module)
     return LoadedModel(
         role=role,
         module=module,
@@ -208,6 +210,21 @@ def _load(
         dtype=str(dtype).removeprefix("torch."),
         num_parameters=sum(p.numel() for p in module.parameters()),
     )
+
+
+def _own_memory(module: torch.nn.Module) -> None:
+    """Move every tensor that from_pretrained left in a mapping of the checkpoint file into
+    private memory.
+
+    On CPU, transformers keeps the weights in a copy-on-write mmap of the safetensors file. Then
+    (1) a trainer rewriting that file in place changes, or (if it shrinks) crashes with SIGBUS,
+    the weights being served, and (2) the first weight update pays a page fault per 4 KiB of
+    every parameter (0.9 s for a 0.48 GB model on the dev VM, ~20x a warm update's apply). One
+    copy at load time, while nothing is served yet, removes both.
+    """
+    with torch.no_grad():
+        for tensor in (*module.parameters(), *module.buffers()):  # each shared tensor once
+            tensor.data = tensor.data.clone()
 
 
 def _load_tokenizer(directory: str):
