@@ -19,77 +19,32 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
-import grpc
 import torch
 from rollserve.client.calls import (
-    CallSettings,
-    Metadata,
+    BaseClient,
     SubscribedBatch,
     join_micro_batches,
     land,
-    subscribe_request,
     subscribed_batch,
     typed_errors,
 )
-from rollserve.client.channel import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    channel_credentials,
-    open_aio_channel,
-)
+from rollserve.client.channel import open_aio_channel
 from rollserve.client.client import POLL_CALL_S
 from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable
 from rollserve.client.experience import Experience, experience_from_proto
-from rollserve.client.requests import Prompts, build_make_experience_request
+from rollserve.client.requests import Prompts
 from rollserve.client.results import HealthStatus, UpdateResult
 from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_messages
-from rollserve.client.wire import update_weights_callable
-from rollserve.v1 import rollout_pb2 as pb
-from rollserve.v1 import rollout_pb2_grpc
 
 __all__ = ["AsyncRolloutClient"]
 
 
-class AsyncRolloutClient:
+class AsyncRolloutClient(BaseClient):
     """A grpc.aio connection to one rollserve server; see RolloutClient for the options."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout_s: float = 60.0,
-        token: str | None = None,
-        metadata: Metadata = (),
-        credentials: grpc.ChannelCredentials | None = None,
-        root_certificates: bytes | None = None,
-        private_key: bytes | None = None,
-        certificate_chain: bytes | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        channel_options: Sequence[tuple[str, object]] = (),
-    ) -> None:
-        self.target = target
-        self._settings = CallSettings.build(timeout_s=timeout_s, token=token, metadata=metadata)
-        tls = channel_credentials(
-            credentials=credentials,
-            root_certificates=root_certificates,
-            private_key=private_key,
-            certificate_chain=certificate_chain,
-        )
-        self._channel = open_aio_channel(
-            target,
-            credentials=tls,
-            max_message_bytes=max_message_bytes,
-            extra_options=channel_options,
-        )
-        self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
-        # UpdateWeights sends hand-encoded messages (client/wire.py): one copy from tensors.
-        self._update_weights = update_weights_callable(self._channel)
-
-    @property
-    def timeout_s(self) -> float:
-        """The default deadline of every call."""
-        return self._settings.timeout_s
+    _open_channel = staticmethod(open_aio_channel)
 
     async def health(self, *, timeout_s: float | None = None) -> HealthStatus:
         """The server's readiness, model versions and load."""
@@ -97,12 +52,7 @@ class AsyncRolloutClient:
 
     async def _health(self, timeout_s: float | None, *, wait_for_ready: bool) -> HealthStatus:
         with typed_errors():
-            reply = await self._stub.Health(
-                pb.HealthRequest(),
-                timeout=self._settings.timeout(timeout_s),
-                metadata=self._settings.metadata_for(),
-                wait_for_ready=wait_for_ready,
-            )
+            reply = await self._health_call(timeout_s, wait_for_ready=wait_for_ready)
         return HealthStatus.from_proto(reply)
 
     async def wait_until_ready(
@@ -150,12 +100,7 @@ class AsyncRolloutClient:
     async def _micro_batches(
         self, prompts: Prompts, timeout_s: float | None, options: Mapping[str, object]
     ) -> AsyncIterator[tuple[Experience, int]]:
-        request = build_make_experience_request(prompts, **options)  # type: ignore[arg-type]
-        call = self._stub.MakeExperience(
-            request,
-            timeout=self._settings.timeout(timeout_s),
-            metadata=self._settings.metadata_for(request.request_id),
-        )
+        call = self._make_experience_call(prompts, timeout_s, options)
         try:
             with typed_errors():
                 async for reply in call:
@@ -173,12 +118,7 @@ class AsyncRolloutClient:
     ) -> AsyncIterator[SubscribedBatch]:
         """Batches of the server's continuous rollout (see RolloutClient.subscribe); closing
         the iterator (aclose, or leaving `async for` early) cancels the call."""
-        request = subscribe_request(subscriber_id, max_batches)
-        call = self._stub.Subscribe(
-            request,
-            timeout=self._settings.timeout(timeout_s),
-            metadata=self._settings.metadata_for(),
-        )
+        call = self._subscribe_call(subscriber_id, max_batches, timeout_s)
         try:
             with typed_errors():
                 async for reply in call:
@@ -225,10 +165,8 @@ class AsyncRolloutClient:
         )
         started_s = time.monotonic()
         with typed_errors():
-            reply = await self._update_weights(
-                _off_loop(messages, report_noted),
-                timeout=self._settings.timeout(timeout_s),
-                metadata=self._settings.metadata_for(request_id),
+            reply = await self._update_weights_call(
+                _off_loop(messages, report_noted), timeout_s, request_id
             )
         return UpdateResult.from_proto(reply, wall_s=time.monotonic() - started_s)
 

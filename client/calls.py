@@ -1,28 +1,35 @@
-"""Per-call pieces shared by RolloutClient and AsyncRolloutClient.
+"""What RolloutClient and AsyncRolloutClient share.
 
-Deadlines, metadata (bearer token, request ids), error translation, landing of experience, and
-Subscribe's request and batches live here once, so that the two clients differ only in how they
-wait.
+Construction (target, deadline, token and metadata, TLS, channel options) and the start of each
+call (`BaseClient`), deadlines, metadata (bearer token, request ids), error translation, landing
+of experience, and Subscribe's request and batches live here once, so that the two clients
+differ only in how they wait.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import grpc
 import torch
+from rollserve.client.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_credentials
 from rollserve.client.errors import from_rpc_error
 from rollserve.client.experience import Experience, concat_experiences, experience_from_proto
+from rollserve.client.requests import Prompts, build_make_experience_request
+from rollserve.client.wire import update_weights_callable
 from rollserve.v1 import rollout_pb2 as pb
+from rollserve.v1 import rollout_pb2_grpc
 
 __all__ = [
     "join_micro_batches",
     "AUTHORIZATION_KEY",
     "REQUEST_ID_KEY",
+    "BaseClient",
     "CallSettings",
     "Metadata",
     "SubscribedBatch",
@@ -95,6 +102,97 @@ def _check_timeout(timeout_s: float) -> float:
     if not (0 < timeout_s < math.inf):
         raise ValueError(f"timeout_s must be positive and finite, got {timeout_s!r}")
     return float(timeout_s)
+
+
+class BaseClient:
+    """What RolloutClient and AsyncRolloutClient share: construction (options: RolloutClient)
+    and the start of every call.
+
+    A subclass names the function that opens its channel (sync or grpc.aio); the rest is the
+    same: validated call settings, TLS credentials, the channel, its stub, and UpdateWeights as a
+    raw-bytes method for the hand-encoded messages (client/wire.py: one copy from tensors).
+    """
+
+    # open_channel or open_aio_channel (as a staticmethod): target, credentials=,
+    # max_message_bytes=, extra_options= -> a channel.
+    _open_channel: ClassVar[Callable[..., Any]]
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float = 60.0,
+        token: str | None = None,
+        metadata: Metadata = (),
+        credentials: grpc.ChannelCredentials | None = None,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        channel_options: Sequence[tuple[str, object]] = (),
+    ) -> None:
+        self.target = target
+        self._settings = CallSettings.build(timeout_s=timeout_s, token=token, metadata=metadata)
+        tls = channel_credentials(
+            credentials=credentials,
+            root_certificates=root_certificates,
+            private_key=private_key,
+            certificate_chain=certificate_chain,
+        )
+        self._channel = self._open_channel(
+            target,
+            credentials=tls,
+            max_message_bytes=max_message_bytes,
+            extra_options=channel_options,
+        )
+        self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
+        self._update_weights = update_weights_callable(self._channel)
+
+    @property
+    def timeout_s(self) -> float:
+        """The default deadline of every call."""
+        return self._settings.timeout_s
+
+    # Every call starts here, with its deadline and metadata. What comes back is the sync
+    # stub's reply (or reply iterator), or grpc.aio's awaitable (or async iterator): each client
+    # waits its own way, and turns gRPC errors into typed ones with typed_errors.
+
+    def _health_call(self, timeout_s: float | None, *, wait_for_ready: bool) -> Any:
+        return self._stub.Health(
+            pb.HealthRequest(),
+            timeout=self._settings.timeout(timeout_s),
+            metadata=self._settings.metadata_for(),
+            wait_for_ready=wait_for_ready,
+        )
+
+    def _make_experience_call(
+        self, prompts: Prompts, timeout_s: float | None, options: Mapping[str, object]
+    ) -> Any:
+        request = build_make_experience_request(prompts, **options)  # type: ignore[arg-type]
+        return self._stub.MakeExperience(
+            request,
+            timeout=self._settings.timeout(timeout_s),
+            metadata=self._settings.metadata_for(request.request_id),
+        )
+
+    def _subscribe_call(self, subscriber_id: str, max_batches: int, timeout_s: float | None) -> Any:
+        return self._stub.Subscribe(
+            subscribe_request(subscriber_id, max_batches),
+            timeout=self._settings.timeout(timeout_s),
+            metadata=self._settings.metadata_for(),
+        )
+
+    def _update_weights_call(
+        self,
+        messages: Iterable[bytes] | AsyncIterable[bytes],
+        timeout_s: float | None,
+        request_id: str | None,
+    ) -> Any:
+        return self._update_weights(
+            messages,
+            timeout=self._settings.timeout(timeout_s),
+            metadata=self._settings.metadata_for(request_id),
+        )
 
 
 @contextmanager

@@ -4,29 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 
-import grpc
 import torch
 from rollserve.client.calls import (
-    CallSettings,
-    Metadata,
+    BaseClient,
     SubscribedBatch,
     join_micro_batches,
     land,
-    subscribe_request,
     subscribed_batch,
     typed_errors,
 )
-from rollserve.client.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_credentials, open_channel
+from rollserve.client.channel import open_channel
 from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable
 from rollserve.client.experience import Experience, experience_from_proto
-from rollserve.client.requests import Prompts, build_make_experience_request
+from rollserve.client.requests import Prompts
 from rollserve.client.results import HealthStatus, UpdateResult
 from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_messages
-from rollserve.client.wire import update_weights_callable
-from rollserve.v1 import rollout_pb2 as pb
-from rollserve.v1 import rollout_pb2_grpc
 
 __all__ = ["RolloutClient"]
 
@@ -34,7 +28,7 @@ __all__ = ["RolloutClient"]
 POLL_CALL_S = 5.0
 
 
-class RolloutClient:
+class RolloutClient(BaseClient):
     """A connection to one rollserve server.
 
     Every call has a deadline (`timeout_s`, defaulting to the client's) and carries the client's
@@ -46,42 +40,7 @@ class RolloutClient:
     `rollserve.client.channel`); UpdateWeights never is.
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout_s: float = 60.0,
-        token: str | None = None,
-        metadata: Metadata = (),
-        credentials: grpc.ChannelCredentials | None = None,
-        root_certificates: bytes | None = None,
-        private_key: bytes | None = None,
-        certificate_chain: bytes | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        channel_options: Sequence[tuple[str, object]] = (),
-    ) -> None:
-        self.target = target
-        self._settings = CallSettings.build(timeout_s=timeout_s, token=token, metadata=metadata)
-        tls = channel_credentials(
-            credentials=credentials,
-            root_certificates=root_certificates,
-            private_key=private_key,
-            certificate_chain=certificate_chain,
-        )
-        self._channel = open_channel(
-            target,
-            credentials=tls,
-            max_message_bytes=max_message_bytes,
-            extra_options=channel_options,
-        )
-        self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
-        # UpdateWeights sends hand-encoded messages (client/wire.py): one copy from tensors.
-        self._update_weights = update_weights_callable(self._channel)
-
-    @property
-    def timeout_s(self) -> float:
-        """The default deadline of every call."""
-        return self._settings.timeout_s
+    _open_channel = staticmethod(open_channel)
 
     def health(self, *, timeout_s: float | None = None) -> HealthStatus:
         """The server's readiness, model versions and load."""
@@ -89,12 +48,7 @@ class RolloutClient:
 
     def _health(self, timeout_s: float | None, *, wait_for_ready: bool) -> HealthStatus:
         with typed_errors():
-            reply = self._stub.Health(
-                pb.HealthRequest(),
-                timeout=self._settings.timeout(timeout_s),
-                metadata=self._settings.metadata_for(),
-                wait_for_ready=wait_for_ready,
-            )
+            reply = self._health_call(timeout_s, wait_for_ready=wait_for_ready)
         return HealthStatus.from_proto(reply)
 
     def wait_until_ready(self, timeout_s: float = 60.0, *, poll_s: float = 0.2) -> HealthStatus:
@@ -153,12 +107,7 @@ class RolloutClient:
     def _micro_batches(
         self, prompts: Prompts, timeout_s: float | None, options: Mapping[str, object]
     ) -> Iterator[tuple[Experience, int]]:
-        request = build_make_experience_request(prompts, **options)  # type: ignore[arg-type]
-        call = self._stub.MakeExperience(
-            request,
-            timeout=self._settings.timeout(timeout_s),
-            metadata=self._settings.metadata_for(request.request_id),
-        )
+        call = self._make_experience_call(prompts, timeout_s, options)
         try:
             with typed_errors():
                 for reply in call:
@@ -182,12 +131,7 @@ class RolloutClient:
         iterator cancels the call; batches not sent yet go to the other subscribers.
         FailedPrecondition when the server runs no continuous rollout.
         """
-        request = subscribe_request(subscriber_id, max_batches)
-        call = self._stub.Subscribe(
-            request,
-            timeout=self._settings.timeout(timeout_s),
-            metadata=self._settings.metadata_for(),
-        )
+        call = self._subscribe_call(subscriber_id, max_batches, timeout_s)
         try:
             with typed_errors():
                 for reply in call:
@@ -213,7 +157,7 @@ class RolloutClient:
         Never retried automatically. `progress(sent_bytes, total_bytes)` is called per chunk.
         `stream_options` go to `update_weights_messages` (crc32, sha256, lora, ...).
         """
-        requests = update_weights_messages(
+        messages = update_weights_messages(
             weights,
             target=target,
             version=version,
@@ -224,11 +168,7 @@ class RolloutClient:
         )
         started_s = time.monotonic()
         with typed_errors():
-            reply = self._update_weights(
-                requests,
-                timeout=self._settings.timeout(timeout_s),
-                metadata=self._settings.metadata_for(request_id),
-            )
+            reply = self._update_weights_call(messages, timeout_s, request_id)
         return UpdateResult.from_proto(reply, wall_s=time.monotonic() - started_s)
 
     def close(self) -> None:
