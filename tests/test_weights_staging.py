@@ -20,7 +20,7 @@ from rollserve.client.weights import (
     MIN_CHUNK_BYTES,
     iter_safetensors_bytes,
 )
-from rollserve.server.weights import LoraState, stage_update
+from rollserve.server.weights import LoraState, stage_update, staging_arena
 from rollserve.v1 import rollout_pb2 as pb
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -488,6 +488,11 @@ def test_cuda_sender_and_cuda_bfloat16_receiver(
     on_device = {k: v.cuda() for k, v in sender.state_dict().items()}
     on_device[Q] = sender.state_dict()[Q].T.contiguous().cuda().T  # a non-contiguous device view
     receiver = copy.deepcopy(actor).to("cuda", torch.bfloat16)
-    stage_update(make_requests(on_device), receiver, None).apply(receiver)
+    arena = staging_arena(receiver)
+    assert arena.pin_memory, "a CUDA model stages into page-locked host memory"
+    with arena.lease():
+        staged = stage_update(make_requests(on_device), receiver, None, arena=arena)
+        assert all(t.is_pinned() for t in staged.tensors.values())
+        staged.apply(receiver)
     want = {k: v.to(torch.bfloat16) for k, v in sender.state_dict().items()}
     assert_state_equal({k: v.cpu() for k, v in receiver.state_dict().items()}, want)
