@@ -139,12 +139,11 @@ class BaseClient:
             private_key=private_key,
             certificate_chain=certificate_chain,
         )
-        self._channel = self._open_channel(
-            target,
-            credentials=tls,
-            max_message_bytes=max_message_bytes,
-            extra_options=channel_options,
+        # Kept to open more channels like this one (AsyncRolloutClient's upload channel).
+        self._channel_settings: dict[str, Any] = dict(
+            credentials=tls, max_message_bytes=max_message_bytes, extra_options=channel_options
         )
+        self._channel = self._open_channel(target, **self._channel_settings)
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
         self._update_weights = update_weights_callable(self._channel)
 
