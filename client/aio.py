@@ -9,8 +9,8 @@ in pinned memory, with CUDA present, is one copy per micro-batch). Building an U
 stream is not cheap (each 1 MiB chunk message is one copy out of the tensors, plus its CRC when
 asked for; a GPU tensor is first copied to the host whole, sha256=True reads everything once
 more), so the header is built in a worker thread and the chunk messages in gRPC's sending
-thread: the upload goes through a sync channel of the same settings (see `_upload_callable` for
-why), and the loop only waits. The messages are the sync client's hand-encoded bytes
+thread: the upload goes through a sync channel of the same settings (see `_open_upload_channel`
+for why), and the loop only waits. The messages are the sync client's hand-encoded bytes
 (client/wire.py), sent through the same raw-bytes method.
 """
 
@@ -38,7 +38,6 @@ from rollserve.client.experience import Experience, experience_from_proto
 from rollserve.client.requests import Prompts
 from rollserve.client.results import HealthStatus, UpdateResult
 from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_messages
-from rollserve.client.wire import update_weights_callable
 
 __all__ = ["AsyncRolloutClient"]
 
@@ -47,7 +46,6 @@ class AsyncRolloutClient(BaseClient):
     """A grpc.aio connection to one rollserve server; see RolloutClient for the options."""
 
     _open_channel = staticmethod(open_aio_channel)
-    _upload: tuple[grpc.Channel, grpc.StreamUnaryMultiCallable] | None = None
 
     async def health(self, *, timeout_s: float | None = None) -> HealthStatus:
         """The server's readiness, model versions and load."""
@@ -163,34 +161,26 @@ class AsyncRolloutClient(BaseClient):
             **stream_options,  # type: ignore[arg-type]
         )
         started_s = time.monotonic()
-        call = self._upload_callable().future(
-            messages,
-            timeout=self._settings.timeout(timeout_s),
-            metadata=self._settings.metadata_for(request_id),
-        )
+        call = self._update_weights_call(messages, timeout_s, request_id, future=True)
         with typed_errors():
             reply = await _settled(call)
         return UpdateResult.from_proto(reply, wall_s=time.monotonic() - started_s)
 
-    def _upload_callable(self) -> grpc.StreamUnaryMultiCallable:
-        """UpdateWeights on a sync channel of this client's settings, opened on first use.
+    def _open_upload_channel(self) -> grpc.Channel:
+        """UpdateWeights streams on a sync channel of this client's settings.
 
         Why not grpc.aio: when the server ends the call early (a stale version, a NaN in a
         chunk) while messages are still being written, grpc.aio's failed write replaces the
         server's status with INTERNAL "Internal error from Core" (grpcio 1.85; grpc/grpc#36066);
         measured: 4 of 20 stale-version updates of 32 MB. The sync stream keeps the server's
-        status, and runs the message generator in gRPC's own thread, off the event loop.
+        status, and runs the message generator in gRPC's own thread, off the event loop (a sync
+        channel connects on first use: nothing is opened until the first update).
         """
-        if self._upload is None:
-            channel = open_channel(self.target, **self._channel_settings)
-            self._upload = (channel, update_weights_callable(channel))
-        return self._upload[1]
+        return open_channel(self.target, **self._channel_settings)
 
     async def close(self) -> None:
         """Close the channel; calls still running are cancelled."""
-        if self._upload is not None:
-            self._upload[0].close()
-            self._upload = None
+        self._upload_channel.close()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncRolloutClient:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -139,13 +139,18 @@ class BaseClient:
             private_key=private_key,
             certificate_chain=certificate_chain,
         )
-        # Kept to open more channels like this one (AsyncRolloutClient's upload channel).
         self._channel_settings: dict[str, Any] = dict(
             credentials=tls, max_message_bytes=max_message_bytes, extra_options=channel_options
         )
         self._channel = self._open_channel(target, **self._channel_settings)
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
-        self._update_weights = update_weights_callable(self._channel)
+        self._upload_channel = self._open_upload_channel()
+        self._update_weights = update_weights_callable(self._upload_channel)
+
+    def _open_upload_channel(self) -> Any:
+        """The channel UpdateWeights streams on: this client's own (AsyncRolloutClient: a sync
+        channel of the same settings)."""
+        return self._channel
 
     @property
     def timeout_s(self) -> float:
@@ -183,11 +188,15 @@ class BaseClient:
 
     def _update_weights_call(
         self,
-        messages: Iterable[bytes] | AsyncIterable[bytes],
+        messages: Iterable[bytes],
         timeout_s: float | None,
         request_id: str | None,
+        *,
+        future: bool = False,
     ) -> Any:
-        return self._update_weights(
+        # future: a grpc.Future instead of waiting for the reply (the asyncio client awaits it).
+        start = self._update_weights.future if future else self._update_weights
+        return start(
             messages,
             timeout=self._settings.timeout(timeout_s),
             metadata=self._settings.metadata_for(request_id),
