@@ -4,37 +4,32 @@
 filesystem, no torch), so tests build configs directly and importing this module costs nothing.
 Precedence is flag > environment > default. Every field `foo_bar` is the flag `--foo-bar` and the
 variable `ROLLSERVE_FOO_BAR`; an empty variable counts as unset (so compose files can blank one).
+
+Three homes: the fields and the checks across fields are here; how each value is read from text
+is in config_values.py; the flag table (parser, help, metavar per field) is in config_flags.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
-__all__ = ["ConfigError", "ServerConfig", "ENV_PREFIX", "DTYPES", "LOG_LEVELS"]
+from .config_flags import ENV_PREFIX, FLAGS, Flag, env_name, flag_name
+from .config_values import DTYPES, LOG_LEVELS, MIB
 
-ENV_PREFIX = "ROLLSERVE_"
-MIB = 1 << 20
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-# gRPC message length options are C ints: anything above this cannot be represented.
-_MAX_GRPC_MESSAGE_BYTES = (1 << 31) - 1
-_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-_BYTE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "kb": 10**3,
-    "mb": 10**6,
-}
-_DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+__all__ = [
+    "ConfigError",
+    "ServerConfig",
+    "ENV_PREFIX",
+    "DTYPES",
+    "LOG_LEVELS",
+    "build_parser",
+    "env_name",
+    "flag_name",
+]
 
 
 class ConfigError(ValueError):
@@ -108,7 +103,7 @@ class ServerConfig:
         namespace = parser.parse_args(list(argv))
         values: dict[str, Any] = {}
         for field in fields(cls):
-            spec = _SPECS[field.name]
+            spec = FLAGS[field.name]
             is_list = field.type.startswith("tuple")
             if hasattr(namespace, field.name):
                 value = getattr(namespace, field.name)
@@ -131,9 +126,9 @@ class ServerConfig:
                 continue
             try:
                 if field.type.startswith("tuple"):
-                    normalized = tuple(_SPECS[field.name].parse(str(v)) for v in value)
+                    normalized = tuple(FLAGS[field.name].parse(str(v)) for v in value)
                 else:
-                    normalized = _SPECS[field.name].parse(str(value))
+                    normalized = FLAGS[field.name].parse(str(value))
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 raise ConfigError(f"{field.name}: {exc}") from None
             object.__setattr__(self, field.name, normalized)
@@ -159,21 +154,6 @@ class ServerConfig:
             )
 
 
-@dataclass(frozen=True)
-class _Spec:
-    parse: Callable[[str], Any]
-    help: str
-    metavar: str | None = None
-
-
-def env_name(field_name: str) -> str:
-    return ENV_PREFIX + field_name.upper()
-
-
-def flag_name(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse that raises ConfigError instead of exiting, so from_args stays pure."""
 
@@ -191,7 +171,7 @@ def build_parser(prog: str = "rollserve serve") -> argparse.ArgumentParser:
     )
     defaults = ServerConfig()
     for field in fields(ServerConfig):
-        spec = _SPECS[field.name]
+        spec = FLAGS[field.name]
         default = getattr(defaults, field.name)
         help_text = spec.help if default is None else f"{spec.help} (default: {default!r})"
         if field.type == "bool":
@@ -213,192 +193,8 @@ def build_parser(prog: str = "rollserve serve") -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_env(field_name: str, spec: _Spec, raw: str) -> Any:
+def _parse_env(field_name: str, spec: Flag, raw: str) -> Any:
     try:
         return spec.parse(raw)
     except (ValueError, argparse.ArgumentTypeError) as exc:
         raise ConfigError(f"environment variable {env_name(field_name)}: {exc}") from None
-
-
-# ---- value parsers: each raises ArgumentTypeError with a message argparse shows as is ----------
-
-
-def _port(raw: str) -> int:
-    value = _int(raw)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {value}")
-    return value
-
-
-def _int(raw: str) -> int:
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {raw!r}") from None
-
-
-def _positive_int(raw: str) -> int:
-    value = _int(raw)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(raw: str) -> int:
-    value = _int(raw)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _staleness(raw: str) -> int | None:
-    """Versions as an integer >= 0, or "unlimited" (None: no staleness bound)."""
-    if raw.strip().lower() in ("unlimited", "none"):
-        return None
-    return _non_negative_int(raw)
-
-
-def _seconds(raw: str) -> float:
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {raw!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {raw!r}")
-    return value
-
-
-def _byte_size(raw: str) -> int:
-    """Bytes as an integer with an optional unit: 67108864, 64MiB, 512KiB, 1GiB."""
-    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", raw)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _BYTE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte size (e.g. 67108864 or 64MiB): {raw!r}")
-    value = int(match.group(1)) * _BYTE_UNITS[unit]
-    if not 1024 <= value <= _MAX_GRPC_MESSAGE_BYTES:
-        raise argparse.ArgumentTypeError(
-            f"must be between 1KiB and {_MAX_GRPC_MESSAGE_BYTES} bytes, got {value}"
-        )
-    return value
-
-
-def _device(raw: str) -> str:
-    value = raw.strip().lower()
-    if not _DEVICE_RE.match(value):
-        raise argparse.ArgumentTypeError(
-            f"device must be auto, cpu, mps, cuda or cuda:N, got {raw!r}"
-        )
-    return value
-
-
-def _dtype(raw: str) -> str:
-    value = raw.strip().lower()
-    value = _DTYPE_ALIASES.get(value, value)
-    if value not in DTYPES:
-        raise argparse.ArgumentTypeError(f"dtype must be one of {', '.join(DTYPES)}, got {raw!r}")
-    return value
-
-
-def _log_level(raw: str) -> str:
-    value = raw.strip().upper()
-    if value not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(
-            f"log level must be one of {', '.join(LOG_LEVELS)}, got {raw!r}"
-        )
-    return value
-
-
-def _non_empty(raw: str) -> str:
-    if raw.strip() == "":
-        raise argparse.ArgumentTypeError("must not be empty")
-    return raw
-
-
-def _preset(raw: str) -> str:
-    # Imported here, not at module import: the preset table pulls in torch.
-    from rollserve.server.algorithms.presets import PRESET_NAMES
-
-    value = raw.strip().lower()
-    if value not in PRESET_NAMES:
-        raise argparse.ArgumentTypeError(
-            f"preset must be one of {', '.join(PRESET_NAMES)}, got {raw!r}"
-        )
-    return value
-
-
-def _named(raw: str) -> str:
-    name, sep, value = raw.partition("=")
-    if not sep or not name.strip() or not value.strip():
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {raw!r}")
-    return f"{name.strip()}={value.strip()}"
-
-
-def _token(raw: str) -> str:
-    # It travels as the HTTP/2 header value "Bearer <token>": printable ASCII, no spaces.
-    value = raw.strip()
-    if not value or not all(33 <= ord(c) <= 126 for c in value):
-        raise argparse.ArgumentTypeError("a token must be non-empty printable ASCII without spaces")
-    return value
-
-
-def _bool(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"not a boolean (true/false/1/0): {raw!r}")
-
-
-_SPECS: dict[str, _Spec] = {
-    "host": _Spec(_non_empty, "address to bind", "HOST"),
-    "port": _Spec(_port, "port to bind; 0 picks a free one", "PORT"),
-    "actor": _Spec(_non_empty, "actor (policy) model directory; unset: built-in tiny model", "DIR"),
-    "reference": _Spec(_non_empty, "reference model directory; unset: copy of the actor", "DIR"),
-    "critic": _Spec(_non_empty, "critic (value) model directory, one label per token", "DIR"),
-    "reward_model": _Spec(_non_empty, "reward model directory, one label per sequence", "DIR"),
-    "device": _Spec(_device, "auto, cpu, mps, cuda or cuda:N", "DEVICE"),
-    "dtype": _Spec(_dtype, "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16", "DTYPE"),
-    "max_message_bytes": _Spec(_byte_size, "max gRPC message size, send and receive", "BYTES"),
-    "max_new_tokens": _Spec(_positive_int, "default response token budget", "N"),
-    "default_preset": _Spec(_preset, "algorithm preset when a request names none", "NAME"),
-    "generate_batch_size": _Spec(_positive_int, "default rows per generation call", "N"),
-    "forward_batch_size": _Spec(_positive_int, "default rows per scoring forward pass", "N"),
-    "micro_batch_size": _Spec(_positive_int, "default rows per streamed Experience", "N"),
-    "max_request_rows": _Spec(_positive_int, "most prompts x samples in one request", "N"),
-    "max_queue_depth": _Spec(_positive_int, "requests queued before RESOURCE_EXHAUSTED", "N"),
-    "max_prompts": _Spec(_positive_int, "most prompts in one request", "N"),
-    "max_samples_per_prompt": _Spec(_positive_int, "most samples per prompt in one request", "N"),
-    "max_new_tokens_limit": _Spec(_positive_int, "most max_new_tokens a request may ask", "N"),
-    "reward_fn": _Spec(_named, "reward source NAME=MODULE:FUNCTION", "NAME=MODULE:FUNC"),
-    "reward_endpoint": _Spec(_named, "reward source NAME=URL (JSON over HTTP POST)", "NAME=URL"),
-    "reward_timeout_s": _Spec(_seconds, "timeout of one reward endpoint call", "S"),
-    "shutdown_grace_s": _Spec(_seconds, "seconds in-flight calls get to finish on shutdown", "S"),
-    "drain_delay_s": _Spec(_seconds, "seconds to report NOT_SERVING before refusing calls", "S"),
-    "max_workers": _Spec(_positive_int, "gRPC handler threads", "N"),
-    "log_level": _Spec(_log_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL", "LEVEL"),
-    "wait_for_weights": _Spec(_bool, "report WAITING_FOR_WEIGHTS until the first update"),
-    "port_file": _Spec(_non_empty, "write the bound port to this file once bound", "PATH"),
-    "metrics_port": _Spec(_port, "Prometheus metrics HTTP port on --host; 0 turns it off", "PORT"),
-    "tls_cert": _Spec(_non_empty, "PEM server certificate (chain); enables TLS", "FILE"),
-    "tls_key": _Spec(_non_empty, "PEM private key of --tls-cert", "FILE"),
-    "tls_client_ca": _Spec(_non_empty, "PEM CA: require client certs it signed (mTLS)", "FILE"),
-    "data_token": _Spec(_token, "bearer token for MakeExperience and Health", "TOKEN"),
-    "admin_token": _Spec(_token, "bearer token for UpdateWeights (and every data call)", "TOKEN"),
-    "data_token_file": _Spec(_non_empty, "read --data-token from this file", "FILE"),
-    "admin_token_file": _Spec(_non_empty, "read --admin-token from this file", "FILE"),
-    "rollout_prompts": _Spec(
-        _non_empty, "JSONL prompt source of the continuous rollout (Subscribe)", "FILE"
-    ),
-    "rollout_request": _Spec(
-        _non_empty, "MakeExperienceRequest template without prompts, protobuf JSON", "FILE"
-    ),
-    "rollout_prompts_per_batch": _Spec(_positive_int, "prompts per rollout batch", "N"),
-    "rollout_epochs": _Spec(_non_negative_int, "passes over the prompts; 0: no limit", "N"),
-    "rollout_steps": _Spec(_non_negative_int, "rollout batches to make; 0: no limit", "N"),
-    "rollout_seed": _Spec(_non_negative_int, "seed of the prompt shuffle and sampling", "N"),
-    "rollout_queue_batches": _Spec(_positive_int, "made batches held for subscribers", "N"),
-    "max_staleness": _Spec(
-        _staleness, "drop rollout batches this many versions behind; or unlimited", "N"
-    ),
-}

@@ -278,3 +278,11 @@ def test_tokens_stay_out_of_the_config_repr() -> None:
 def test_cli_conflicting_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--tls-cert", "/c.pem"]) == 2
     assert "tls_cert and tls_key" in capsys.readouterr().err
+
+
+def test_flag_table_has_one_row_per_field() -> None:
+    from dataclasses import fields
+
+    from rollserve.server.config_flags import FLAGS
+
+    assert list(FLAGS) == [field.name for field in fields(ServerConfig)]

@@ -1,0 +1,105 @@
+"""The flag table of `rollserve serve`: for every ServerConfig field, its parser, help and metavar.
+
+Every field `foo_bar` is the flag `--foo-bar` and the variable `ROLLSERVE_FOO_BAR`. A new setting is
+a field in ServerConfig (server/config.py) plus one row here (tests/test_config.py checks
+that both list the same names, in the same order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import config_values as parse
+
+ENV_PREFIX = "ROLLSERVE_"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one setting is read from text: `parse` raises argparse.ArgumentTypeError."""
+
+    parse: Callable[[str], Any]
+    help: str
+    metavar: str | None = None
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+FLAGS: dict[str, Flag] = {
+    "host": Flag(parse.non_empty, "address to bind", "HOST"),
+    "port": Flag(parse.port, "port to bind; 0 picks a free one", "PORT"),
+    "actor": Flag(
+        parse.non_empty, "actor (policy) model directory; unset: built-in tiny model", "DIR"
+    ),
+    "reference": Flag(
+        parse.non_empty, "reference model directory; unset: copy of the actor", "DIR"
+    ),
+    "critic": Flag(parse.non_empty, "critic (value) model directory, one label per token", "DIR"),
+    "reward_model": Flag(parse.non_empty, "reward model directory, one label per sequence", "DIR"),
+    "device": Flag(parse.device, "auto, cpu, mps, cuda or cuda:N", "DEVICE"),
+    "dtype": Flag(
+        parse.dtype, "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16", "DTYPE"
+    ),
+    "max_message_bytes": Flag(parse.byte_size, "max gRPC message size, send and receive", "BYTES"),
+    "max_new_tokens": Flag(parse.positive_int, "default response token budget", "N"),
+    "default_preset": Flag(parse.preset, "algorithm preset when a request names none", "NAME"),
+    "generate_batch_size": Flag(parse.positive_int, "default rows per generation call", "N"),
+    "forward_batch_size": Flag(parse.positive_int, "default rows per scoring forward pass", "N"),
+    "micro_batch_size": Flag(parse.positive_int, "default rows per streamed Experience", "N"),
+    "max_request_rows": Flag(parse.positive_int, "most prompts x samples in one request", "N"),
+    "max_queue_depth": Flag(parse.positive_int, "requests queued before RESOURCE_EXHAUSTED", "N"),
+    "max_prompts": Flag(parse.positive_int, "most prompts in one request", "N"),
+    "max_samples_per_prompt": Flag(
+        parse.positive_int, "most samples per prompt in one request", "N"
+    ),
+    "max_new_tokens_limit": Flag(parse.positive_int, "most max_new_tokens a request may ask", "N"),
+    "reward_fn": Flag(parse.named, "reward source NAME=MODULE:FUNCTION", "NAME=MODULE:FUNC"),
+    "reward_endpoint": Flag(
+        parse.named, "reward source NAME=URL (JSON over HTTP POST)", "NAME=URL"
+    ),
+    "reward_timeout_s": Flag(parse.seconds, "timeout of one reward endpoint call", "S"),
+    "shutdown_grace_s": Flag(
+        parse.seconds, "seconds in-flight calls get to finish on shutdown", "S"
+    ),
+    "drain_delay_s": Flag(
+        parse.seconds, "seconds to report NOT_SERVING before refusing calls", "S"
+    ),
+    "max_workers": Flag(parse.positive_int, "gRPC handler threads", "N"),
+    "log_level": Flag(parse.log_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL", "LEVEL"),
+    "wait_for_weights": Flag(parse.boolean, "report WAITING_FOR_WEIGHTS until the first update"),
+    "port_file": Flag(parse.non_empty, "write the bound port to this file once bound", "PATH"),
+    "metrics_port": Flag(
+        parse.port, "Prometheus metrics HTTP port on --host; 0 turns it off", "PORT"
+    ),
+    "tls_cert": Flag(parse.non_empty, "PEM server certificate (chain); enables TLS", "FILE"),
+    "tls_key": Flag(parse.non_empty, "PEM private key of --tls-cert", "FILE"),
+    "tls_client_ca": Flag(parse.non_empty, "PEM CA: require client certs it signed (mTLS)", "FILE"),
+    "data_token": Flag(parse.token, "bearer token for MakeExperience and Health", "TOKEN"),
+    "admin_token": Flag(
+        parse.token, "bearer token for UpdateWeights (and every data call)", "TOKEN"
+    ),
+    "data_token_file": Flag(parse.non_empty, "read --data-token from this file", "FILE"),
+    "admin_token_file": Flag(parse.non_empty, "read --admin-token from this file", "FILE"),
+    "rollout_prompts": Flag(
+        parse.non_empty, "JSONL prompt source of the continuous rollout (Subscribe)", "FILE"
+    ),
+    "rollout_request": Flag(
+        parse.non_empty, "MakeExperienceRequest template without prompts, protobuf JSON", "FILE"
+    ),
+    "rollout_prompts_per_batch": Flag(parse.positive_int, "prompts per rollout batch", "N"),
+    "rollout_epochs": Flag(parse.non_negative_int, "passes over the prompts; 0: no limit", "N"),
+    "rollout_steps": Flag(parse.non_negative_int, "rollout batches to make; 0: no limit", "N"),
+    "rollout_seed": Flag(parse.non_negative_int, "seed of the prompt shuffle and sampling", "N"),
+    "rollout_queue_batches": Flag(parse.positive_int, "made batches held for subscribers", "N"),
+    "max_staleness": Flag(
+        parse.staleness, "drop rollout batches this many versions behind; or unlimited", "N"
+    ),
+}

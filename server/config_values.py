@@ -1,0 +1,156 @@
+"""Value parsers of the `serve` settings: one raw string in, one typed value out.
+
+Each parser takes the text of a flag or ROLLSERVE_* variable (or `str()` of a value given in code)
+and returns the normalised value ("bf16" -> "bfloat16", "64MiB" -> 67108864), or raises
+argparse.ArgumentTypeError with a message argparse shows as is. Pure: no torch, no filesystem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+MIB = 1 << 20
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# gRPC message length options are C ints: anything above this cannot be represented.
+MAX_GRPC_MESSAGE_BYTES = (1 << 31) - 1
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "kb": 10**3,
+    "mb": 10**6,
+}
+DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+def port(raw: str) -> int:
+    value = integer(raw)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {value}")
+    return value
+
+
+def integer(raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {raw!r}") from None
+
+
+def positive_int(raw: str) -> int:
+    value = integer(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(raw: str) -> int:
+    value = integer(raw)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def staleness(raw: str) -> int | None:
+    """Versions as an integer >= 0, or "unlimited" (None: no staleness bound)."""
+    if raw.strip().lower() in ("unlimited", "none"):
+        return None
+    return non_negative_int(raw)
+
+
+def seconds(raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {raw!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {raw!r}")
+    return value
+
+
+def byte_size(raw: str) -> int:
+    """Bytes as an integer with an optional unit: 67108864, 64MiB, 512KiB, 1GiB."""
+    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", raw)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size (e.g. 67108864 or 64MiB): {raw!r}")
+    value = int(match.group(1)) * BYTE_UNITS[unit]
+    if not 1024 <= value <= MAX_GRPC_MESSAGE_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"must be between 1KiB and {MAX_GRPC_MESSAGE_BYTES} bytes, got {value}"
+        )
+    return value
+
+
+def device(raw: str) -> str:
+    value = raw.strip().lower()
+    if not DEVICE_RE.match(value):
+        raise argparse.ArgumentTypeError(
+            f"device must be auto, cpu, mps, cuda or cuda:N, got {raw!r}"
+        )
+    return value
+
+
+def dtype(raw: str) -> str:
+    value = raw.strip().lower()
+    value = DTYPE_ALIASES.get(value, value)
+    if value not in DTYPES:
+        raise argparse.ArgumentTypeError(f"dtype must be one of {', '.join(DTYPES)}, got {raw!r}")
+    return value
+
+
+def log_level(raw: str) -> str:
+    value = raw.strip().upper()
+    if value not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"log level must be one of {', '.join(LOG_LEVELS)}, got {raw!r}"
+        )
+    return value
+
+
+def non_empty(raw: str) -> str:
+    if raw.strip() == "":
+        raise argparse.ArgumentTypeError("must not be empty")
+    return raw
+
+
+def preset(raw: str) -> str:
+    # Imported here, not at module import: the preset table pulls in torch.
+    from rollserve.server.algorithms.presets import PRESET_NAMES
+
+    value = raw.strip().lower()
+    if value not in PRESET_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"preset must be one of {', '.join(PRESET_NAMES)}, got {raw!r}"
+        )
+    return value
+
+
+def named(raw: str) -> str:
+    name, sep, value = raw.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {raw!r}")
+    return f"{name.strip()}={value.strip()}"
+
+
+def token(raw: str) -> str:
+    # It travels as the HTTP/2 header value "Bearer <token>": printable ASCII, no spaces.
+    value = raw.strip()
+    if not value or not all(33 <= ord(c) <= 126 for c in value):
+        raise argparse.ArgumentTypeError("a token must be non-empty printable ASCII without spaces")
+    return value
+
+
+def boolean(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean (true/false/1/0): {raw!r}")
