@@ -291,7 +291,7 @@ class LoraAdapter(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., fan_in_fan_out: _Optional[bool] = ...) -> None: ...
 
 class WeightsHeader(_message.Message):
-    __slots__ = ("target", "version", "mode", "total_bytes", "manifest", "sha256", "lora", "allow_non_finite")
+    __slots__ = ("target", "version", "mode", "total_bytes", "manifest", "sha256", "lora", "allow_non_finite", "shared_memory", "distributed", "parallel")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +300,9 @@ class WeightsHeader(_message.Message):
     SHA256_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTED_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
     target: ModelRole
     version: int
     mode: UpdateMode
@@ -308,7 +311,38 @@ class WeightsHeader(_message.Message):
     sha256: str
     lora: LoraAdapter
     allow_non_finite: bool
-    def __init__(self, target: _Optional[_Union[ModelRole, str]] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., total_bytes: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., sha256: _Optional[str] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., allow_non_finite: _Optional[bool] = ...) -> None: ...
+    shared_memory: SharedMemorySource
+    distributed: DistributedSource
+    parallel: ParallelPart
+    def __init__(self, target: _Optional[_Union[ModelRole, str]] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., total_bytes: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., sha256: _Optional[str] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., allow_non_finite: _Optional[bool] = ..., shared_memory: _Optional[_Union[SharedMemorySource, _Mapping]] = ..., distributed: _Optional[_Union[DistributedSource, _Mapping]] = ..., parallel: _Optional[_Union[ParallelPart, _Mapping]] = ...) -> None: ...
+
+class SharedMemorySource(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DistributedSource(_message.Message):
+    __slots__ = ("group", "bucket_bytes")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    bucket_bytes: int
+    def __init__(self, group: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class ParallelPart(_message.Message):
+    __slots__ = ("update_id", "streams", "index", "begin", "end")
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    streams: int
+    index: int
+    begin: int
+    end: int
+    def __init__(self, update_id: _Optional[str] = ..., streams: _Optional[int] = ..., index: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
     __slots__ = ("offset", "data", "crc32")
@@ -329,18 +363,56 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., chunk: _Optional[_Union[WeightsChunk, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("target", "version", "tensors", "bytes", "seconds")
+    __slots__ = ("target", "version", "tensors", "bytes", "seconds", "transport")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     target: ModelRole
     version: int
     tensors: int
     bytes: int
     seconds: float
-    def __init__(self, target: _Optional[_Union[ModelRole, str]] = ..., version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    transport: str
+    def __init__(self, target: _Optional[_Union[ModelRole, str]] = ..., version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
+
+class InitWeightsGroupRequest(_message.Message):
+    __slots__ = ("group", "master_address", "master_port", "world_size", "rank", "backend", "timeout_s")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    master_address: str
+    master_port: int
+    world_size: int
+    rank: int
+    backend: str
+    timeout_s: float
+    def __init__(self, group: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class InitWeightsGroupResponse(_message.Message):
+    __slots__ = ("backend", "device")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    device: str
+    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class DestroyWeightsGroupRequest(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    def __init__(self, group: _Optional[str] = ...) -> None: ...
+
+class DestroyWeightsGroupResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("subscriber_id", "max_batches")
@@ -403,7 +475,7 @@ class ModelInfo(_message.Message):
     def __init__(self, role: _Optional[_Union[ModelRole, str]] = ..., source: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., num_parameters: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "policy_version", "models", "device", "queue_depth", "uptime_s", "server_version", "default_preset", "vocab_size", "max_context_tokens", "rollout")
+    __slots__ = ("status", "policy_version", "models", "device", "queue_depth", "uptime_s", "server_version", "default_preset", "vocab_size", "max_context_tokens", "rollout", "shm_host_id", "weight_transports")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -415,6 +487,8 @@ class HealthResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_FIELD_NUMBER: _ClassVar[int]
+    SHM_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     status: ServingStatus
     policy_version: int
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
@@ -426,4 +500,6 @@ class HealthResponse(_message.Message):
     vocab_size: int
     max_context_tokens: int
     rollout: RolloutProgress
-    def __init__(self, status: _Optional[_Union[ServingStatus, str]] = ..., policy_version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., device: _Optional[str] = ..., queue_depth: _Optional[int] = ..., uptime_s: _Optional[float] = ..., server_version: _Optional[str] = ..., default_preset: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., rollout: _Optional[_Union[RolloutProgress, _Mapping]] = ...) -> None: ...
+    shm_host_id: str
+    weight_transports: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[_Union[ServingStatus, str]] = ..., policy_version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., device: _Optional[str] = ..., queue_depth: _Optional[int] = ..., uptime_s: _Optional[float] = ..., server_version: _Optional[str] = ..., default_preset: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., rollout: _Optional[_Union[RolloutProgress, _Mapping]] = ..., shm_host_id: _Optional[str] = ..., weight_transports: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -56,6 +56,16 @@ class RolloutStub:
                 request_serializer=rollserve_dot_v1_dot_rollout__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=rollserve_dot_v1_dot_rollout__pb2.SubscribeResponse.FromString,
                 _registered_method=True)
+        self.InitWeightsGroup = channel.unary_unary(
+                '/rollserve.v1.Rollout/InitWeightsGroup',
+                request_serializer=rollserve_dot_v1_dot_rollout__pb2.InitWeightsGroupRequest.SerializeToString,
+                response_deserializer=rollserve_dot_v1_dot_rollout__pb2.InitWeightsGroupResponse.FromString,
+                _registered_method=True)
+        self.DestroyWeightsGroup = channel.unary_unary(
+                '/rollserve.v1.Rollout/DestroyWeightsGroup',
+                request_serializer=rollserve_dot_v1_dot_rollout__pb2.DestroyWeightsGroupRequest.SerializeToString,
+                response_deserializer=rollserve_dot_v1_dot_rollout__pb2.DestroyWeightsGroupResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -102,6 +112,25 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InitWeightsGroup(self, request, context):
+        """Joins this server to a torch.distributed process group that a trainer set up (a TCPStore at
+        master_address:master_port, the trainer as rank 0), for UpdateWeights whose header names
+        a DistributedSource: the bytes then arrive by broadcast instead of as chunks, and one
+        broadcast updates every server of the group. Blocks until every rank joined or timeout_s.
+        Needs the admin token. FAILED_PRECONDITION if a group of that name exists already;
+        DEADLINE_EXCEEDED / UNAVAILABLE when the rendezvous fails.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DestroyWeightsGroup(self, request, context):
+        """Leaves and forgets a group made by InitWeightsGroup (NOT_FOUND if there is none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +153,16 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.Subscribe,
                     request_deserializer=rollserve_dot_v1_dot_rollout__pb2.SubscribeRequest.FromString,
                     response_serializer=rollserve_dot_v1_dot_rollout__pb2.SubscribeResponse.SerializeToString,
+            ),
+            'InitWeightsGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightsGroup,
+                    request_deserializer=rollserve_dot_v1_dot_rollout__pb2.InitWeightsGroupRequest.FromString,
+                    response_serializer=rollserve_dot_v1_dot_rollout__pb2.InitWeightsGroupResponse.SerializeToString,
+            ),
+            'DestroyWeightsGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DestroyWeightsGroup,
+                    request_deserializer=rollserve_dot_v1_dot_rollout__pb2.DestroyWeightsGroupRequest.FromString,
+                    response_serializer=rollserve_dot_v1_dot_rollout__pb2.DestroyWeightsGroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -236,6 +275,60 @@ class Rollout:
             '/rollserve.v1.Rollout/Subscribe',
             rollserve_dot_v1_dot_rollout__pb2.SubscribeRequest.SerializeToString,
             rollserve_dot_v1_dot_rollout__pb2.SubscribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightsGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollserve.v1.Rollout/InitWeightsGroup',
+            rollserve_dot_v1_dot_rollout__pb2.InitWeightsGroupRequest.SerializeToString,
+            rollserve_dot_v1_dot_rollout__pb2.InitWeightsGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DestroyWeightsGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollserve.v1.Rollout/DestroyWeightsGroup',
+            rollserve_dot_v1_dot_rollout__pb2.DestroyWeightsGroupRequest.SerializeToString,
+            rollserve_dot_v1_dot_rollout__pb2.DestroyWeightsGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
