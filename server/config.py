@@ -84,7 +84,7 @@ class ServerConfig:
     admin_token: str | None = dataclasses.field(default=None, repr=False)
     data_token_file: str | None = None
     admin_token_file: str | None = None
-    # Continuous rollout (server/continuous.py): off unless rollout_prompts names a JSONL file.
+    # Continuous rollout (server/continuous/): off unless rollout_prompts names a JSONL file.
     rollout_prompts: str | None = None
     rollout_request: str | None = None  # MakeExperienceRequest template (protobuf JSON)
     rollout_prompts_per_batch: int = 8

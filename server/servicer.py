@@ -1,6 +1,6 @@
 """The rollserve.v1.Rollout servicer: a few lines of glue per RPC (KServe style).
 
-Subscribe hands the call to the continuous rollout (continuous.py), which deals its batches.
+Subscribe hands the call to the continuous rollout (continuous/subscribe.py).
 
 Decoding, validation and the engine live elsewhere; this module maps state to messages and lets
 `status.handles_errors` turn exceptions into statuses.
@@ -14,8 +14,8 @@ import threading
 from collections.abc import Iterator
 
 import grpc
-from rollserve.client.errors import FailedPrecondition, InvalidArgument, Unavailable
-from rollserve.server.continuous import ContinuousRollout, RolloutStats
+from rollserve.client.errors import Unavailable
+from rollserve.server.continuous import ContinuousRollout, RolloutStats, serve_subscribe
 from rollserve.server.metrics import ServerMetrics
 from rollserve.server.models import Phase, ServerState
 from rollserve.server.runtime import Runtime
@@ -38,7 +38,6 @@ _ROLE = {
     "critic": pb.MODEL_ROLE_CRITIC,
     "reward": pb.MODEL_ROLE_REWARD,
 }
-_MAX_SUBSCRIBER_ID_CHARS = 128  # it lands in log lines
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
@@ -82,15 +81,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def Subscribe(
         self, request: pb.SubscribeRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.SubscribeResponse]:
-        if self._rollout is None:
-            raise FailedPrecondition("this server runs no continuous rollout (--rollout-prompts)")
-        if request.max_batches < 0:
-            raise InvalidArgument(f"max_batches: must be >= 0, got {request.max_batches}")
-        name = _subscriber_name(request.subscriber_id, context.peer())
-        subscription = self._rollout.subscribe(name, request.max_batches, context.is_active)
-        if not context.add_callback(subscription.cancel):  # the call is already over
-            subscription.cancel()
-        for response in subscription:
+        for response in serve_subscribe(self._rollout, request, context):
             self._metrics.observe_experience(response.experience)
             yield response
 
@@ -99,14 +90,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if runtime is None:
             raise Unavailable(f"the server is {self._state.phase.value}")
         return runtime
-
-
-def _subscriber_name(subscriber_id: str, peer: str) -> str:
-    if len(subscriber_id) > _MAX_SUBSCRIBER_ID_CHARS or not subscriber_id.isprintable():
-        raise InvalidArgument(
-            f"subscriber_id: at most {_MAX_SUBSCRIBER_ID_CHARS} printable characters"
-        )
-    return subscriber_id or peer
 
 
 def health_response(

@@ -1,0 +1,188 @@
+"""The dealer: made batches wait in a bounded queue and go round-robin to a ring of subscribers.
+
+Dealing: subscribers form a ring in the order they joined and batches go strictly round-robin:
+batch k waits for the subscriber whose turn it is (a slow trainer slows the ring rather than
+being skipped, as in ColossalChat). A subscriber that leaves (cancel, disconnect, max_batches)
+leaves the ring at once; a batch dealt to a call that is already over goes back to the front of
+the queue, and queued batches wait for the next subscriber. A batch counts as delivered once it
+is handed to gRPC on a live call; gRPC may still hold it in network buffers, so a subscriber that
+dies at that instant loses it (the contract has no acknowledgements). batch_index numbers the
+delivered batches from 0 across all subscribers, without gaps.
+
+Back-pressure: the loop makes a batch only while a subscriber is connected and the queue holds
+fewer than `capacity` batches (wait_for_demand), so memory stays bounded.
+
+Staleness: a batch whose policy_version is below (newest actor version - max_staleness) is
+dropped, not sent, and counted. The check runs when a batch is dealt and when the loop looks for
+room. Default 1: a batch may come from the previous weights, so making overlaps training by one
+step (one-step off-policy, as in async PPO); None ("unlimited") turns the check off.
+
+End: once the loop has finished and the queue is empty every stream ends normally (OK), also for
+late subscribers; close() (the server shutting down) ends them with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rollserve.client.errors import Unavailable
+from rollserve.v1 import rollout_pb2 as pb
+
+from .subscribe import Subscription
+
+__all__ = ["Dealer", "MadeBatch"]
+
+_LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MadeBatch:
+    """A made batch waiting in the queue; batch_index is set when it is dealt."""
+
+    response: pb.SubscribeResponse
+    policy_version: int
+
+
+class Dealer:
+    """Made batches waiting in a bounded queue, dealt round-robin to a ring of subscribers."""
+
+    def __init__(
+        self, *, capacity: int, newest_version: Callable[[], int], max_staleness: int | None
+    ) -> None:
+        self._cond = threading.Condition()
+        self._queue: collections.deque[MadeBatch] = collections.deque()
+        self._ring: list[Subscription] = []
+        self._turn = 0  # index in _ring of the subscriber the next batch goes to
+        self._capacity = capacity
+        self._newest_version = newest_version
+        self._max_staleness = max_staleness
+        self._done = False  # the loop made its last batch
+        self._closed = False
+        self._delivered = 0
+        self._dropped_stale = 0
+
+    # ---- the subscriber side --------------------------------------------------------------
+
+    def join(self, name: str, max_batches: int, is_live: Callable[[], bool]) -> Subscription:
+        subscription = Subscription(self, name, max_batches, is_live)
+        with self._cond:
+            self._ring.append(subscription)
+            self._cond.notify_all()  # demand: the loop may start making
+            _LOG.info("subscriber %s joined (%d connected)", name, len(self._ring))
+        return subscription
+
+    def leave(self, sub: Subscription) -> None:
+        with self._cond:
+            if not sub.gone:
+                self._leave_locked(sub)
+
+    def _leave_locked(self, sub: Subscription) -> None:
+        sub.gone = True
+        index = self._ring.index(sub)
+        del self._ring[index]
+        if index < self._turn:
+            self._turn -= 1
+        if self._turn >= len(self._ring):
+            self._turn = 0
+        self._cond.notify_all()
+        _LOG.info(
+            "subscriber %s left after %d batches (%d connected)",
+            sub.name,
+            sub.received,
+            len(self._ring),
+        )
+
+    def take(self, sub: Subscription) -> pb.SubscribeResponse | None:
+        """Block until it is `sub`'s turn and a fresh batch waits; None when its stream ends."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise Unavailable("the server is shutting down; the rollout stopped")
+                if sub.gone or sub.remaining == 0:
+                    return None
+                self._drop_stale_locked()
+                if self._queue and self._ring[self._turn] is sub:
+                    return self._deal_locked(sub)
+                if self._done and not self._queue:
+                    return None
+                self._cond.wait()
+
+    def _deal_locked(self, sub: Subscription) -> pb.SubscribeResponse | None:
+        batch = self._queue.popleft()
+        if not sub.is_live():  # gone before the cancel callback ran: the batch waits for others
+            self._queue.appendleft(batch)
+            self._leave_locked(sub)
+            return None
+        response = batch.response
+        response.batch_index = self._delivered
+        self._delivered += 1
+        sub.received += 1
+        self._turn = (self._turn + 1) % len(self._ring)
+        if sub.remaining is not None:
+            sub.remaining -= 1
+            if sub.remaining == 0:  # done: the next batches go to the others
+                self._leave_locked(sub)
+        self._cond.notify_all()  # room in the queue, and someone else's turn
+        return response
+
+    def _drop_stale_locked(self) -> None:
+        if self._max_staleness is None or not self._queue:
+            return
+        oldest_fresh = self._newest_version() - self._max_staleness
+        fresh = [batch for batch in self._queue if batch.policy_version >= oldest_fresh]
+        dropped = len(self._queue) - len(fresh)
+        if dropped:
+            self._dropped_stale += dropped
+            self._queue = collections.deque(fresh)
+            self._cond.notify_all()
+            _LOG.info(
+                "dropped %d rollout batches older than policy version %d", dropped, oldest_fresh
+            )
+
+    # ---- the loop side --------------------------------------------------------------------
+
+    def wait_for_demand(self, can_make: Callable[[], bool]) -> bool:
+        """Block until a subscriber is connected, the queue has room and `can_make()`.
+
+        False when the dealer was closed.
+        """
+        with self._cond:
+            while not self._closed:
+                self._drop_stale_locked()
+                if self._ring and len(self._queue) < self._capacity and can_make():
+                    return True
+                self._cond.wait()
+        return False
+
+    def put(self, batch: MadeBatch) -> None:
+        with self._cond:
+            self._queue.append(batch)
+            self._cond.notify_all()
+
+    def notify(self) -> None:
+        """Wake every waiter to re-check its condition (the server's phase changed)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """No more batches will come: streams end once the queue is empty."""
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """The server stops: waiting streams end with UNAVAILABLE."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def counts(self) -> tuple[bool, int, int, int, int]:
+        """(finished, delivered, dropped_stale, queued, subscribers), read together."""
+        with self._cond:
+            finished = self._done and not self._queue
+            delivered, dropped = self._delivered, self._dropped_stale
+            return finished, delivered, dropped, len(self._queue), len(self._ring)
