@@ -5,14 +5,12 @@ over to another replica on UNAVAILABLE before any result arrived (MakeExperience
 a weight update fans out to every replica in parallel and succeeds only when all of them serve
 the new version.
 
-Replicas come from a list of "host:port" targets, or from "dns:///name:port" targets that are
-resolved with the system resolver (socket.getaddrinfo) into one replica per distinct address,
-at construction and on `refresh()` (e.g. a Kubernetes headless service).
+Replicas come from a list of "host:port" targets, or from "dns:///name:port" targets resolved
+into one replica per distinct address at construction and on `refresh()` (targets.py).
 """
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +27,8 @@ from rollserve.client.requests import Prompts
 from rollserve.client.results import HealthStatus, UpdateResult
 from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_messages
 
+from .targets import ReplicaAddress, as_target_list, resolve_addresses, resolve_targets
+
 __all__ = [
     "POLICIES",
     "ReplicaHealth",
@@ -40,75 +40,6 @@ __all__ = [
 POLICIES = ("round_robin", "least_outstanding")
 _TLS_OPTIONS = ("credentials", "root_certificates", "private_key", "certificate_chain")
 T = TypeVar("T")
-
-
-# ---- targets -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Address:
-    """One replica to dial, and the DNS name it came from (None for a target given as is)."""
-
-    target: str  # "10.0.0.7:50051", "[fd00::7]:50051" or "host:50051"
-    dns_name: str | None = None  # the name it was resolved from
-    port: int = 0
-
-    @property
-    def authority(self) -> str:
-        host = f"[{self.dns_name}]" if ":" in (self.dns_name or "") else self.dns_name
-        return f"{host}:{self.port}"
-
-
-def _split_host_port(hostport: str, original: str) -> tuple[str, int]:
-    if hostport.startswith("["):  # [v6]:port
-        host, sep, port = hostport[1:].partition("]:")
-    else:
-        host, sep, port = hostport.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{original!r}: expected dns:///name:port with an explicit port")
-    return host, int(port)
-
-
-def _expand(target: str) -> list[_Address]:
-    """A "dns:" target becomes one address per distinct resolved IP; others stay as they are."""
-    if not target.startswith("dns:"):
-        return [_Address(target)]
-    rest = target.removeprefix("dns:")
-    if rest.startswith("//"):
-        authority, _, rest = rest[2:].partition("/")
-        if authority:  # a custom DNS server: getaddrinfo cannot ask one
-            raise ValueError(f"{target!r}: a DNS server authority is not supported; use dns:///")
-    host, port = _split_host_port(rest, target)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise Unavailable(f"cannot resolve {target}: {exc}") from None
-    addresses: dict[str, _Address] = {}  # insertion-ordered set
-    for family, _, _, _, sockaddr in infos:
-        ip = str(sockaddr[0])
-        dial = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
-        addresses.setdefault(dial, _Address(dial, host, port))
-    return list(addresses.values())
-
-
-def _resolve(targets: Sequence[str]) -> list[_Address]:
-    resolved: dict[str, _Address] = {}
-    for target in targets:
-        for address in _expand(target):
-            resolved.setdefault(address.target, address)
-    return list(resolved.values())
-
-
-def resolve_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
-    """The distinct replica addresses of `targets`, in order ("dns:///" names resolved)."""
-    return tuple(a.target for a in _resolve(_as_list(targets)))
-
-
-def _as_list(targets: str | Sequence[str]) -> list[str]:
-    listed = [targets] if isinstance(targets, str) else list(targets)
-    if not listed or not all(isinstance(t, str) and t for t in listed):
-        raise ValueError(f"targets must be one or more non-empty strings, got {targets!r}")
-    return listed
 
 
 # ---- results and errors ------------------------------------------------------------------------
@@ -149,8 +80,7 @@ class ReplicaUpdateError(RolloutError):
         total = len(failures) + len(results)
         lines = "; ".join(_describe(t, e) for t, e in failures.items())
         super().__init__(
-            f"weights version {version} reached {len(results)} of {total} replicas; "
-            f"failed: {lines}"
+            f"weights version {version} reached {len(results)} of {total} replicas; failed: {lines}"
         )
         codes = {error.code for error in failures.values()}
         self.code = codes.pop() if len(codes) == 1 else grpc.StatusCode.UNKNOWN
@@ -173,7 +103,7 @@ def _named(error: RolloutError, target: str) -> RolloutError:
 class _Replica:
     """Mutable routing state of one replica (guarded by the client's lock)."""
 
-    address: _Address
+    address: ReplicaAddress
     client: RolloutClient
     outstanding: int = 0  # experience calls in flight
     calls: int = 0  # experience calls routed here, failed attempts included
@@ -204,7 +134,7 @@ class ReplicatedRolloutClient:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.policy = policy
         self.failover = failover
-        self._specs = _as_list(targets)
+        self._specs = as_target_list(targets)
         self._options = dict(client_options)
         self._tls = any(self._options.get(name) is not None for name in _TLS_OPTIONS)
         self._lock = threading.Lock()
@@ -220,7 +150,7 @@ class ReplicatedRolloutClient:
         A retired replica finishes its calls in flight, then closes. On a resolution error the
         replicas stay as they were.
         """
-        resolved = _resolve(self._specs)
+        resolved = resolve_addresses(self._specs)
         with self._lock:
             old = self._replicas
             self._replicas = {
@@ -232,7 +162,7 @@ class ReplicatedRolloutClient:
                     self._close_if_idle(replica)
             return tuple(self._replicas)
 
-    def _open(self, address: _Address) -> _Replica:
+    def _open(self, address: ReplicaAddress) -> _Replica:
         options = dict(self._options)
         if address.dns_name is not None:
             # Present the DNS name, not the IP, as :authority and as the TLS name to verify.
@@ -381,9 +311,7 @@ class ReplicatedRolloutClient:
 
     def wait_until_ready(self, timeout_s: float = 60.0) -> dict[str, HealthStatus]:
         """Wait until every replica is SERVING; DeadlineExceeded naming those that are not."""
-        answers = self._fan_out(
-            self._chosen(None), lambda r: r.client.wait_until_ready(timeout_s)
-        )
+        answers = self._fan_out(self._chosen(None), lambda r: r.client.wait_until_ready(timeout_s))
         failed = {t: a for t, a in answers.items() if isinstance(a, RolloutError)}
         if failed:
             lines = "; ".join(_describe(t, e) for t, e in failed.items())
@@ -414,15 +342,26 @@ class ReplicatedRolloutClient:
         """
         # Bad arguments fail here, once, before any stream opens (sha256 would hash it all).
         update_weights_messages(
-            weights, target=target, version=version, mode=mode, chunk_bytes=chunk_bytes,
+            weights,
+            target=target,
+            version=version,
+            mode=mode,
+            chunk_bytes=chunk_bytes,
             **{**stream_options, "sha256": False},
         )
 
         def push(replica: _Replica) -> UpdateResult:
             report = None if progress is None else _bind_progress(progress, replica.target)
             result = replica.client.update_weights(
-                weights, version=version, target=target, mode=mode, chunk_bytes=chunk_bytes,
-                timeout_s=timeout_s, request_id=request_id, progress=report, **stream_options,
+                weights,
+                version=version,
+                target=target,
+                mode=mode,
+                chunk_bytes=chunk_bytes,
+                timeout_s=timeout_s,
+                request_id=request_id,
+                progress=report,
+                **stream_options,
             )
             if result.version != version:
                 raise FailedPrecondition(f"now serves version {result.version}, not {version}")
