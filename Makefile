@@ -1,4 +1,5 @@
-# The two commands of the README: `make serve` and `make test`. Both create .venv on first use.
+# The two commands of the README: `make serve` and `make test` (and `make lint` for style).
+# All create .venv on first use.
 # torch is installed first, pinned: the CPU wheel on our machines (a plain `torch` requirement
 # would pull a multi-GB CUDA build); pyproject's range accepts it, so pip keeps it.
 PYTHON ?= python3
@@ -11,7 +12,7 @@ export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_TRIM_THRESHOLD_ ?= 1073741824
 export MALLOC_TOP_PAD_ ?= 67108864
 
-.PHONY: serve test install proto bench clean
+.PHONY: serve test lint install proto bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +27,11 @@ serve: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# `ruff format` clean over the whole tree, and the lint rules of pyproject.toml.
+lint: $(BIN)/.installed
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 
 # Regenerate the checked-in stubs after editing rollout.proto (a test diffs them).
 proto: $(BIN)/.installed

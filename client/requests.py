@@ -54,6 +54,8 @@ def _set_optional(message, **fields: object) -> None:
             setattr(message, name, value)
 
 
+# Over 60 lines only through its signature: one keyword per request field, flat on purpose so
+# that RolloutClient.make_experience can forward them unchanged.
 def build_make_experience_request(
     prompts: Prompts,
     *,
@@ -83,9 +85,7 @@ def build_make_experience_request(
 ) -> pb.MakeExperienceRequest:
     """One MakeExperienceRequest. `algorithm` maps AlgorithmOptions field names to values
     (e.g. {"advantage_estimator": "group_norm", "kl_coef": 0.0}); None means the preset's."""
-    request = pb.MakeExperienceRequest(
-        min_policy_version=min_policy_version, request_id=request_id
-    )
+    request = pb.MakeExperienceRequest(min_policy_version=min_policy_version, request_id=request_id)
     _set_prompts(request, prompts, apply_chat_template)
     if gt_answers is not None:
         request.gt_answers.extend(gt_answers)

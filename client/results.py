@@ -10,7 +10,8 @@ __all__ = ["ModelStatus", "HealthStatus", "UpdateResult"]
 
 
 def _enum_suffix(enum_type, value: int, prefix: str) -> str:
-    """"SERVING" for SERVING_STATUS_SERVING; the number for values this client does not know."""
+    """The enum value's name without `prefix` (SERVING_STATUS_SERVING -> SERVING); for values
+    this client does not know, the number."""
     try:
         return enum_type.Name(value).removeprefix(prefix)
     except ValueError:

@@ -138,7 +138,9 @@ class ScriptedRollout(rollout_pb2_grpc.RolloutServicer):
         self._enter("UpdateWeights", context)
         received = sum(len(r.chunk.data) for r in request_iterator)
         return pb.UpdateWeightsResponse(
-            target=header.target, version=header.version, tensors=len(header.manifest),
+            target=header.target,
+            version=header.version,
+            tensors=len(header.manifest),
             bytes=received,
         )
 

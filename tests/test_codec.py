@@ -15,7 +15,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from rollserve.client import codec
 from rollserve.client.codec import (
     ITEMSIZES,

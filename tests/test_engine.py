@@ -6,7 +6,6 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-
 from rollserve.client.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from rollserve.server.engine import Engine
 

@@ -54,7 +54,9 @@ def test_generated_stubs_match_proto(tmp_path: Path) -> None:
 
 def test_dependency_floors_equal_generated_runtime_versions() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    deps = {re.split(r"[<>=!~ \[]", d, maxsplit=1)[0]: d for d in pyproject["project"]["dependencies"]}
+    deps = {
+        re.split(r"[<>=!~ \[]", d, maxsplit=1)[0]: d for d in pyproject["project"]["dependencies"]
+    }
     grpc_stub = (PROTO_DIR / "rollserve/v1/rollout_pb2_grpc.py").read_text()
     grpc_version = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_stub).group(1)
     pb_stub = (PROTO_DIR / "rollserve/v1/rollout_pb2.py").read_text()
@@ -84,8 +86,18 @@ def test_wheel_contains_every_module(tmp_path: Path) -> None:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, build_dir / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(tmp_path / "dist"), str(build_dir)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(build_dir),
+        ],
         check=True,
     )
     (wheel,) = (tmp_path / "dist").glob("rollserve-*.whl")

@@ -101,12 +101,12 @@ def test_round_robin_alternates_between_replicas(servers: list[str]) -> None:
 
 def test_least_outstanding_avoids_the_busy_replica(servers: list[str]) -> None:
     a, b = servers
-    with ReplicatedRolloutClient(
-        servers, policy="least_outstanding", timeout_s=WAIT_S
-    ) as replicas:
+    with ReplicatedRolloutClient(servers, policy="least_outstanding", timeout_s=WAIT_S) as replicas:
         # Hold a stream open (two micro-batches; take one): its replica stays busy.
         stream = replicas.stream_experience(
-            [[5, 6, 7], [8, 9]], micro_batch_size=1, algorithm={"whitening": "none"},
+            [[5, 6, 7], [8, 9]],
+            micro_batch_size=1,
+            algorithm={"whitening": "none"},
             **{**REQUEST, "gt_answers": ["x", "y"]},
         )
         next(stream)
@@ -127,7 +127,9 @@ def test_update_fans_out_to_every_replica(servers: list[str]) -> None:
     sent: dict[str, int] = {}
     with ReplicatedRolloutClient(servers, timeout_s=WAIT_S) as replicas:
         results = replicas.update_weights(
-            _norm(0.5), version=version, mode="partial",
+            _norm(0.5),
+            version=version,
+            mode="partial",
             progress=lambda target, done, total: sent.__setitem__(target, done),
         )
         assert set(results) == set(servers)

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
 from rollserve.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rollserve.server.rewards import (
     RewardRegistry,
@@ -30,8 +29,13 @@ def test_exact_match_ignores_whitespace_only() -> None:
 
 @pytest.mark.parametrize(
     ("text", "number"),
-    [("the answer is 12", 12.0), ("3 + 4 = 7.", 7.0), ("-1.5e3", -1500.0), ("1,234", 1234.0),
-     ("none", None)],
+    [
+        ("the answer is 12", 12.0),
+        ("3 + 4 = 7.", 7.0),
+        ("-1.5e3", -1500.0),
+        ("1,234", 1234.0),
+        ("none", None),
+    ],
 )
 def test_last_number(text: str, number: float | None) -> None:
     assert last_number(text) == number
@@ -62,8 +66,12 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.mode == "ok":
-            reply = {"rewards": [len(r) + (gt == "x") for r, gt in
-                                 zip(body["responses"], body["gt_answers"], strict=True)]}
+            reply = {
+                "rewards": [
+                    len(r) + (gt == "x")
+                    for r, gt in zip(body["responses"], body["gt_answers"], strict=True)
+                ]
+            }
         else:
             reply = {"scores": []}
         payload = json.dumps(reply).encode()
