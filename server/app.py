@@ -34,7 +34,11 @@ from rollserve.server.config import ServerConfig
 from rollserve.server.continuous import ContinuousRollout
 from rollserve.server.experience_request import RequestDefaults
 from rollserve.server.handlers import add_rollout_servicer
-from rollserve.server.interceptors import AuthInterceptor, TelemetryInterceptor
+from rollserve.server.interceptors import (
+    AuthInterceptor,
+    MalformedRequestInterceptor,
+    TelemetryInterceptor,
+)
 from rollserve.server.maker import NaiveExperienceMaker
 from rollserve.server.metrics import MetricsHttpServer, ServerMetrics, start_metrics_http
 from rollserve.server.models import ModelSet, Phase, ServerState, check_model_dirs, load_models
@@ -119,7 +123,12 @@ class RolloutServer:
             ThreadPoolExecutor(config.max_workers, thread_name_prefix="rollserve-rpc"),
             options=grpc_server_options(config),
             # Telemetry first (outermost): calls refused by auth are logged and counted too.
-            interceptors=(TelemetryInterceptor(self.metrics), AuthInterceptor(tokens)),
+            # Undecodable requests last (innermost): INVALID_ARGUMENT, not grpc's INTERNAL.
+            interceptors=(
+                TelemetryInterceptor(self.metrics),
+                AuthInterceptor(tokens),
+                MalformedRequestInterceptor(),
+            ),
         )
         servicer = RolloutServicer(self.state, metrics=self.metrics, rollout=self.rollout)
         add_rollout_servicer(servicer, server)

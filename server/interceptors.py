@@ -29,7 +29,12 @@ import grpc
 from rollserve.server.metrics import ServerMetrics, split_method
 from rollserve.server.security import OPEN_SERVICES, AuthTokens, authorize
 
-__all__ = ["REQUEST_ID_KEY", "AuthInterceptor", "TelemetryInterceptor"]
+__all__ = [
+    "REQUEST_ID_KEY",
+    "AuthInterceptor",
+    "MalformedRequestInterceptor",
+    "TelemetryInterceptor",
+]
 
 _ACCESS_LOG = logging.getLogger("rollserve.access")
 REQUEST_ID_KEY = "x-request-id"
@@ -260,3 +265,93 @@ class AuthInterceptor(grpc.ServerInterceptor):
             context.abort(code, message)
 
         return _rewrap(handler, unary_out=lambda _: refuse, stream_out=lambda _: refuse)
+
+
+class _Undecodable:
+    """Stands for a request message whose bytes did not parse (the deserializer raised)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class MalformedRequestInterceptor(grpc.ServerInterceptor):
+    """Request bytes that do not parse are INVALID_ARGUMENT, not grpc's INTERNAL.
+
+    grpc answers a request whose deserializer raises with INTERNAL "Exception deserializing
+    request!", which says "server bug" for what is a client error (the fuzz campaign sent random
+    and bit-flipped bytes to every method: tests/test_fuzz.py). Here the deserializer never
+    raises; it returns a marker, and the call is aborted with INVALID_ARGUMENT naming the
+    message type before the real behavior sees it (for a request stream: when it reaches the
+    bad message). Innermost of the interceptors, so telemetry still counts and logs the call.
+    """
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        deserializer = _tolerant(handler.request_deserializer)
+        if handler.request_streaming:
+            return _rewrap(
+                handler,
+                unary_out=_checking_stream_requests,
+                stream_out=_checking_stream_requests,
+                request_deserializer=deserializer,
+            )
+        return _rewrap(
+            handler,
+            unary_out=_checking_unary_request,
+            stream_out=_checking_unary_request_stream,
+            request_deserializer=deserializer,
+        )
+
+
+def _tolerant(inner: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    message_type = getattr(getattr(inner, "__self__", None), "DESCRIPTOR", None)
+    name = message_type.full_name if message_type is not None else "the request message"
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return inner(data)
+        except Exception as error:  # protobuf's DecodeError, or anything a parser raises
+            return _Undecodable(f"request: the bytes do not parse as {name} ({error})")
+
+    return deserialize
+
+
+def _abort_if_undecodable(request: Any, context: grpc.ServicerContext) -> None:
+    if isinstance(request, _Undecodable):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+
+
+def _checking_unary_request(behavior: _Behavior) -> _Behavior:
+    def unary(request: Any, context: grpc.ServicerContext) -> Any:
+        _abort_if_undecodable(request, context)
+        return behavior(request, context)
+
+    return unary
+
+
+def _checking_unary_request_stream(behavior: _Behavior) -> _Behavior:
+    def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        _abort_if_undecodable(request, context)
+        yield from behavior(request, context)
+
+    return stream
+
+
+def _checking_stream_requests(behavior: _Behavior) -> _Behavior:
+    def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        def checked() -> Iterator[Any]:
+            for request in requests:
+                _abort_if_undecodable(request, context)
+                yield request
+
+        return behavior(checked(), context)
+
+    return call

@@ -1,0 +1,153 @@
+"""Fuzz: malformed requests to every RPC of a real server process get a clear client-error status.
+
+A fixed-seed sample of tests/helpers_fuzz.py's cases (random and bit-flipped bytes, field
+mutations of MakeExperience and Subscribe requests, lying or broken UpdateWeights streams) runs
+against one `rollserve serve` subprocess. Every call must end with INVALID_ARGUMENT,
+FAILED_PRECONDITION or RESOURCE_EXHAUSTED and a message, or OK where the mutation left a valid
+request; never INTERNAL or UNKNOWN, never a deadline; the process stays up, and afterwards its
+weights give the same greedy log-probs as before. The long campaign (10,000+ cases) is
+bench/soak.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
+from helpers_fuzz import FuzzReport, WeightsStreams, base_experience_request, fuzz_cases, run_case
+from helpers_server import ServerProcess, start_server_process
+from rollserve.client.client import RolloutClient
+from rollserve.server.config import ServerConfig
+from rollserve.server.models import ModelSet, load_models
+from rollserve.v1 import rollout_pb2 as pb
+
+SEED = 20261124
+CASES = int(os.environ.get("ROLLSERVE_TEST_FUZZ_CASES", "800"))
+CALL_TIMEOUT_S = 30.0  # a call that reaches it is a hang
+
+
+@pytest.fixture(scope="module")
+def models(tiny_actor_dir: Path) -> ModelSet:
+    return load_models(ServerConfig(device="cpu", actor=str(tiny_actor_dir)))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_actor_dir: Path) -> Iterator[tuple[ServerProcess, str]]:
+    proc, port = start_server_process(
+        "--actor", str(tiny_actor_dir), "--device", "cpu", "--metrics-port", "0"
+    )
+    try:
+        yield proc, f"127.0.0.1:{port}"
+    finally:
+        assert proc.terminate_and_wait() == 0
+
+
+@pytest.fixture(scope="module")
+def channel(server) -> Iterator[grpc.Channel]:
+    options = [("grpc.max_send_message_length", 64 << 20)]
+    with grpc.insecure_channel(server[1], options=options) as opened:
+        yield opened
+
+
+def greedy_log_probs(target: str) -> tuple[list[float], int]:
+    """Greedy log-probs of a fixed request and the policy version stamped on its rows."""
+    with RolloutClient(target, timeout_s=CALL_TIMEOUT_S) as client:
+        experience = client.make_experience(
+            [[1, 72, 101, 108], [1, 50, 51]],
+            max_new_tokens=6,
+            temperature=0.0,
+            seed=1,
+            rewards=["exact_match"],
+            gt_answers=["a", "b"],
+        )
+    return experience.action_log_probs.flatten().tolist(), int(experience.policy_version[0])
+
+
+# One undecodable message per method (0x0a 0x05: a length-delimited field 1 running past the end).
+_UNDECODABLE = b"\x0a\x05\x01"
+_METHODS = [
+    ("/rollserve.v1.Rollout/MakeExperience", "unary_stream"),
+    ("/rollserve.v1.Rollout/Health", "unary_unary"),
+    ("/rollserve.v1.Rollout/Subscribe", "unary_stream"),
+    ("/grpc.health.v1.Health/Check", "unary_unary"),
+    ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "stream_stream"),
+]
+
+
+@pytest.mark.parametrize("method, kind", _METHODS)
+def test_undecodable_request_bytes_are_invalid_argument(channel, method: str, kind: str) -> None:
+    # Regression: grpc answered these with INTERNAL "Exception deserializing request!".
+    with pytest.raises(grpc.RpcError) as info:
+        if kind == "unary_unary":
+            channel.unary_unary(method)(_UNDECODABLE, timeout=CALL_TIMEOUT_S)
+        elif kind == "unary_stream":
+            list(channel.unary_stream(method)(_UNDECODABLE, timeout=CALL_TIMEOUT_S))
+        else:
+            list(channel.stream_stream(method)(iter([_UNDECODABLE]), timeout=CALL_TIMEOUT_S))
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert "request: the bytes do not parse as" in info.value.details()
+
+
+def test_valid_requests_still_pass_the_undecodable_check(channel) -> None:
+    check = channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+    assert check(health_pb2.HealthCheckRequest(), timeout=CALL_TIMEOUT_S).status == 1  # SERVING
+    reflect = channel.stream_stream(
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    (response,) = list(reflect(iter([request]), timeout=CALL_TIMEOUT_S))
+    names = {service.name for service in response.list_services_response.service}
+    assert "rollserve.v1.Rollout" in names
+    rows = list(
+        channel.unary_stream(
+            "/rollserve.v1.Rollout/MakeExperience",
+            response_deserializer=pb.MakeExperienceResponse.FromString,
+        )(base_experience_request().SerializeToString(), timeout=CALL_TIMEOUT_S)
+    )
+    assert rows and rows[0].experience.sequences.shape[0] == 4
+
+
+def test_a_fixed_seed_fuzz_sample_gets_only_client_error_statuses(
+    server, channel, models: ModelSet
+) -> None:
+    proc, target = server
+    log_probs_before, _ = greedy_log_probs(target)
+    with RolloutClient(target) as client:
+        version = {"now": client.health().policy_version}
+    start_version = version["now"]
+    streams = WeightsStreams(models.actor.module.state_dict())
+    report = FuzzReport()
+    cases = fuzz_cases(
+        SEED,
+        CASES,
+        vocab_size=models.vocab_size,
+        streams=streams,
+        next_version=lambda: version["now"] + 1,
+    )
+    for case in cases:
+        outcome = run_case(channel, case, CALL_TIMEOUT_S)
+        report.add(outcome)
+        if case.method == "UpdateWeights" and outcome.code is grpc.StatusCode.OK:
+            version["now"] += 1
+        assert proc.poll() is None, f"server died on {case.category} {case.note}"
+    bad = [
+        f"{o.case.category} {o.case.method} [{o.case.note[:80]}]: {o.code.name} {o.details[:120]}"
+        for o in report.bad
+    ]
+    assert not bad, "\n".join(bad[:20])
+    assert report.total == CASES
+    # The streams carried the served weights: any accepted one changed the version only.
+    log_probs_after, stamped = greedy_log_probs(target)
+    assert log_probs_after == log_probs_before
+    assert stamped == version["now"] == start_version + report.accepted_updates
