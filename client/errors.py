@@ -1,9 +1,11 @@
 """The one table of rollserve's domain errors and their gRPC status codes.
 
 Server and client share it: the server raises these (its servicer turns them into
-`context.abort(code, message)` in one place), and the client turns a `grpc.RpcError` back into
-the same classes, so a trainer catches `FailedPrecondition` whether the model ran in-process or
-on another machine.
+`context.abort(code, message)` in one place, server/status.py; the auth interceptor refuses with
+the Unauthenticated / PermissionDenied that security.authorize returns), and the client turns a
+`grpc.RpcError` back into the same classes (`from_rpc_error`), so a trainer catches
+`FailedPrecondition` whether the model ran in-process or on another machine. A new error is a
+class here with its `code`; nothing else maps exceptions to statuses.
 """
 
 from __future__ import annotations

@@ -258,11 +258,10 @@ class AuthInterceptor(grpc.ServerInterceptor):
         refusal = authorize(self._tokens, handler_call_details.method, metadata)
         if refusal is None:
             return handler
-        code, message = refusal
 
         # The real behavior never runs: not even a request stream is read.
         def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(code, message)
+            context.abort(refusal.code, refusal.message)  # the code of errors.py's table
 
         return _rewrap(handler, unary_out=lambda _: refuse, stream_out=lambda _: refuse)
 

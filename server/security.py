@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from rollserve.client.errors import InvalidArgument
+from rollserve.client.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from rollserve.server.config import ServerConfig
 from rollserve.v1 import rollout_pb2 as pb
 
@@ -54,7 +54,14 @@ OPEN_SERVICES = frozenset(
         "grpc.reflection.v1.ServerReflection",
     }
 )
-_ADMIN_METHODS = frozenset({"/rollserve.v1.Rollout/UpdateWeights"})
+_ADMIN_METHODS = frozenset(
+    {
+        "/rollserve.v1.Rollout/UpdateWeights",
+        # They make the server connect to an address the caller names and take weights from it.
+        "/rollserve.v1.Rollout/InitWeightsGroup",
+        "/rollserve.v1.Rollout/DestroyWeightsGroup",
+    }
+)
 _BEARER = "bearer "
 
 
@@ -123,21 +130,21 @@ def required_role(method: str) -> Role:
 
 def authorize(
     tokens: AuthTokens, method: str, metadata: tuple[tuple[str, str | bytes], ...]
-) -> tuple[grpc.StatusCode, str] | None:
-    """None when the call may proceed, else (UNAUTHENTICATED or PERMISSION_DENIED, message)."""
+) -> Unauthenticated | PermissionDenied | None:
+    """None when the call may proceed, else the error to refuse it with (its code: errors.py)."""
     role = required_role(method)
     if not tokens.enabled or role is Role.OPEN:
         return None
     presented = _bearer_token(metadata)
     if presented is None:
-        return grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata"
+        return Unauthenticated("missing 'authorization: Bearer <token>' metadata")
     # Compare with both tokens every time, so the time taken does not tell which one matched.
     is_admin = tokens.admin is not None and hmac.compare_digest(presented, tokens.admin)
     is_data = tokens.data is not None and hmac.compare_digest(presented, tokens.data)
     if not (is_admin or is_data):
-        return grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"
+        return Unauthenticated("invalid bearer token")
     if role is Role.ADMIN and not is_admin:
-        return grpc.StatusCode.PERMISSION_DENIED, f"{method} needs the admin token"
+        return PermissionDenied(f"{method} needs the admin token")
     return None
 
 

@@ -482,7 +482,7 @@ def _auth(value: str) -> tuple[tuple[str, str], ...]:
 )
 def test_authorize(tokens: AuthTokens, method: str, metadata, expected) -> None:
     result = authorize(tokens, method, metadata)
-    assert (None if result is None else result[0]) == expected
+    assert (None if result is None else result.code) == expected
 
 
 def test_tokens_never_appear_in_reprs() -> None:
