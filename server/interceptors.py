@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+from rollserve.client.errors import InvalidArgument
 from rollserve.server.metrics import ServerMetrics, split_method
 from rollserve.server.security import OPEN_SERVICES, AuthTokens, authorize
 
@@ -325,7 +326,8 @@ def _tolerant(inner: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 
 def _abort_if_undecodable(request: Any, context: grpc.ServicerContext) -> None:
     if isinstance(request, _Undecodable):
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        error = InvalidArgument(request.reason)  # the code of errors.py's table
+        context.abort(error.code, error.message)
 
 
 def _checking_unary_request(behavior: _Behavior) -> _Behavior:
