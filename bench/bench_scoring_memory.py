@@ -1,19 +1,21 @@
 """Peak memory of chunked action_log_probs divided by a naive full float32 log-softmax.
 
 The naive baseline is what many RLHF codebases do: logits for every position (B, S, V), a float32
-log_softmax over all of it, then gather the action columns. rollserve's action_log_probs asks the
-model for the A + 1 positions it reads (`logits_to_keep`), runs forward_batch_size rows at a time
-and does the float32 math positions_per_chunk (row, column) pairs at a time.
+log_softmax over all of it, then gather the action columns. rollserve's action_log_probs runs
+forward_batch_size rows through the backbone at a time and applies lm_head, then the float32
+math, to positions_per_chunk (row, column) pairs at a time. It is measured at every forward
+batch size given (0 = the whole batch in one forward), each against the same naive runs.
 
 Each measurement runs in a fresh subprocess (the variants must not share an allocator's
 high-water mark), after the model is built and one small warm-up forward ran:
   * CPU: the process's peak RSS (VmHWM, reset through /proc/self/clear_refs) minus the RSS
     before scoring; falls back to ru_maxrss when the reset is not allowed.
   * CUDA: torch.cuda.max_memory_allocated() minus memory_allocated() before scoring.
-Repetitions alternate the variants. The ratio of medians is the headline, target <= 0.25.
+Repetitions rotate the order of the variants. The ratio of medians per forward batch size is
+the headline, target <= 0.25 at every one.
 
-    python bench/bench_scoring_memory.py                   # CPU, B 8, S 1024, V 32k: ~1 minute
-    python bench/bench_scoring_memory.py --forward-batch-size 2 --entropy
+    python bench/bench_scoring_memory.py                   # CPU, B 8, S 1024, V 32k: ~2 minutes
+    python bench/bench_scoring_memory.py --forward-batch-sizes 0 --entropy
     python bench/bench_scoring_memory.py --device cuda --dtype bfloat16
 """
 
@@ -41,11 +43,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--response-len", type=int, default=512)
-    parser.add_argument("--forward-batch-size", type=int, default=4, help="0: the whole batch")
+    parser.add_argument(
+        "--forward-batch-sizes", type=int, nargs="+", default=[1, 2, 4, 0],
+        help="rows per forward to measure; 0: the whole batch",
+    )  # fmt: skip
     parser.add_argument("--positions-per-chunk", type=int, default=512)
     parser.add_argument("--entropy", action="store_true", help="also compute entropy (both)")
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--variant", choices=["naive", "chunked"], help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # child: naive | chunked
     return parser.parse_args(argv)
 
 
@@ -124,7 +129,7 @@ def measure(args: argparse.Namespace) -> dict:
     if args.variant == "naive":
         log_probs = naive(model, ids, mask, actions, args.entropy)
     else:
-        batch_size = args.forward_batch_size or args.batch
+        batch_size = args.forward_batch_sizes[0] or args.batch
         log_probs = chunked(
             model, ids, mask, actions, args.entropy, batch_size, args.positions_per_chunk
         )
@@ -154,30 +159,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.variant:
         print(json.dumps(measure(args)))
         return 0
-    results: dict[str, list[dict]] = {"naive": [], "chunked": []}
+    # One lane per variant; the last --forward-batch-sizes on a child's command line wins.
+    lanes = {"naive": [*argv, "--forward-batch-sizes", "0"]}
+    for size in args.forward_batch_sizes:
+        lanes[f"fbs={size or args.batch}"] = [*argv, "--forward-batch-sizes", str(size)]
+    results: dict[str, list[dict]] = {lane: [] for lane in lanes}
     for rep in range(args.reps):
-        for variant in ("naive", "chunked") if rep % 2 == 0 else ("chunked", "naive"):
-            results[variant].append(run_child(variant, argv))
-    peaks = {v: statistics.median(r["peak_bytes"] for r in rs) for v, rs in results.items()}
-    checksums = {v: rs[0]["checksum"] for v, rs in results.items()}
+        order = list(lanes)
+        order = order[rep % len(order) :] + order[: rep % len(order)]  # rotate the order
+        for lane in order:
+            variant = "naive" if lane == "naive" else "chunked"
+            results[lane].append(run_child(variant, lanes[lane]))
+    peaks = {lane: statistics.median(r["peak_bytes"] for r in rs) for lane, rs in results.items()}
     mib = 1 << 20
     width = args.prompt_len + args.response_len
     print(
         f"device={args.device} dtype={args.dtype} B={args.batch} S={width} A={args.response_len} "
-        f"V={args.vocab} forward_batch_size={args.forward_batch_size or args.batch} "
-        f"positions_per_chunk={args.positions_per_chunk} entropy={args.entropy} "
+        f"V={args.vocab} positions_per_chunk={args.positions_per_chunk} entropy={args.entropy} "
         f"method={results['naive'][0]['method']} reps={args.reps}"
     )
-    for variant, rs in results.items():
-        print(
-            f"{variant:8s} peak MiB per rep:", " ".join(f"{r['peak_bytes'] / mib:.0f}" for r in rs)
-        )
     print(f"full float32 (B, S, V) tensor = {args.batch * width * args.vocab * 4 / mib:.0f} MiB")
-    print(
-        "checksums (sum of valid log-probs): "
-        f"naive {checksums['naive']:.4f}, chunked {checksums['chunked']:.4f}"
-    )
-    print(f"ratio chunked/naive = {peaks['chunked'] / peaks['naive']:.3f} (target <= 0.25)")
+    for lane, rs in results.items():
+        peaks_mib = " ".join(f"{r['peak_bytes'] / mib:.0f}" for r in rs)
+        print(f"{lane:8s} peak MiB per rep: {peaks_mib}   checksum {rs[0]['checksum']:.4f}")
+    worst = 0.0
+    for lane in results:
+        if lane != "naive":
+            ratio = peaks[lane] / peaks["naive"]
+            worst = max(worst, ratio)
+            print(f"ratio chunked/naive {lane:8s} = {ratio:.3f}")
+    print(f"worst ratio chunked/naive = {worst:.3f} (target <= 0.25 at every forward batch size)")
     return 0
 
 

@@ -256,8 +256,13 @@ def generate(
     *,
     pad_token_id: int,
     generator: torch.Generator,
+    share_prefill: bool = True,
 ) -> GenerationOutput:
-    """Sample responses for ragged prompts with a KV cache (`generator` on the model's device)."""
+    """Sample responses for ragged prompts with a KV cache (`generator` on the model's device).
+
+    share_prefill: rows with the same prompt (a GRPO group) share one prefill (see _prefill);
+    False prefills every row, for comparisons. Both give the same output.
+    """
     device = model.get_input_embeddings().weight.device
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (B, P)
     _check_inputs(model, prompt_ids, params)
@@ -275,16 +280,11 @@ def generate(
         finished=torch.zeros(batch, dtype=torch.bool, device=device),
     )
     with torch.inference_mode():
-        out = model(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            position_ids=positions,
-            use_cache=True,
-            **_prefill_kwargs(model),
-        )
+        shared = share_prefill
+        logits, cache = _prefill(model, prompts, prompt_ids, prompt_mask, positions, shared)
         for step in range(budget):
             ban = ban_ids if step < params.min_new_tokens else None
-            token, log_prob = _sample(out.logits[:, -1], params, ban, generator)  # (b,)
+            token, log_prob = _sample(logits, params, ban, generator)  # (b,)
             token = torch.where(state.finished, pad_token_id, token)
             outputs.record(state, step, token, log_prob)
             state.attention[:, width + step] = ~state.finished
@@ -294,7 +294,6 @@ def generate(
             done = int(state.finished.sum())  # the one host sync per step
             if step + 1 == budget or done == state.rows.numel():
                 break
-            cache = out.past_key_values
             if 2 * done >= state.rows.numel() and hasattr(cache, "batch_select_indices"):
                 # Finished rows are half the cache: drop them, so later steps only compute
                 # rows that still need tokens (the copy is amortised by the halving).
@@ -307,9 +306,68 @@ def generate(
                 past_key_values=cache,
                 use_cache=True,
             )
+            logits = out.logits[:, -1]
             state.positions = state.positions + 1
         outputs.stopped[state.rows] = state.finished
         return _assemble(prompt_ids, prompt_mask, outputs)
+
+
+def _distinct_rows(prompts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """The first row of each distinct prompt, and for every row the index of its prompt there."""
+    index: dict[tuple[int, ...], int] = {}
+    firsts: list[int] = []
+    of_row: list[int] = []
+    for row, prompt in enumerate(prompts):
+        key = tuple(prompt)
+        if key not in index:
+            index[key] = len(firsts)
+            firsts.append(row)
+        of_row.append(index[key])
+    return firsts, of_row
+
+
+def _prefill(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    positions: torch.Tensor,
+    share: bool,
+) -> tuple[torch.Tensor, object]:
+    """Run the prompts once: last-position logits (B, V) and the KV cache of every row.
+
+    Prefix sharing: each distinct prompt is prefilled once, in the same left-padded layout
+    (width P) it has in the batch, then its KV cache and logits are copied to every row of its
+    group. Each row sees exactly the inputs it would see in a prefill of all B rows, so the
+    logits, and the random numbers sampling draws from them, stay the same.
+    """
+    firsts, of_row = _distinct_rows(prompts)
+    if share and len(firsts) < len(prompts):
+        distinct = torch.tensor(firsts, device=prompt_ids.device)
+        logits, cache = _forward_prompts(model, prompt_ids, prompt_mask, positions, distinct)
+        if hasattr(cache, "batch_select_indices"):  # else: a cache we cannot expand
+            expand = torch.tensor(of_row, device=prompt_ids.device)  # (B,)
+            cache.batch_select_indices(expand)  # repeated indices copy a row to its group
+            return logits[expand], cache
+    return _forward_prompts(model, prompt_ids, prompt_mask, positions, slice(None))
+
+
+def _forward_prompts(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    positions: torch.Tensor,
+    rows: torch.Tensor | slice,
+) -> tuple[torch.Tensor, object]:
+    """One prefill forward of the chosen rows: last-position logits (b, V) and the KV cache."""
+    out = model(
+        input_ids=prompt_ids[rows],
+        attention_mask=prompt_mask[rows],
+        position_ids=positions[rows],
+        use_cache=True,
+        **_prefill_kwargs(model),
+    )
+    return out.logits[:, -1], out.past_key_values
 
 
 def _assemble(

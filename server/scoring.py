@@ -5,16 +5,21 @@ columns. Action column j is token P + j and is scored by the output at position 
 action outputs are positions S - A - 1 .. S - 2. Position ids are cumsum(mask) - 1 clamped at 0,
 the rule generation uses, so a generated batch re-scores to the log-probs recorded while sampling.
 
-Memory. The float32 log-softmax over the vocabulary is the largest tensor in RLHF scoring. Here
-the model is asked only for the A + 1 positions we read (`logits_to_keep`), rows go through the
-model forward_batch_size at a time, and the float32 math runs over at most positions_per_chunk
-(row, column) pairs at once: log p = z[label] - logsumexp(z), never a full (B, S, V) float32
-log-softmax. Models are expected in eval mode (dropout off); nothing here changes their mode.
+Memory. The logits over the vocabulary are the largest tensors in RLHF scoring. Here rows go
+through the model forward_batch_size at a time; the backbone gives hidden states, and lm_head is
+applied to at most positions_per_chunk (row, column) pairs of the action columns at once, with
+the float32 math on that block only: log p = z[label] - logsumexp(z). So the peak stays
+O(chunk x V) even when the whole batch is scored in one forward; no (B, A, V) logits and no
+(B, S, V) float32 log-softmax. Models whose logits are not plain lm_head(hidden) (soft-capped or
+scaled) are scored through their own logits for the A + 1 positions we read (`logits_to_keep`).
+Models are expected in eval mode (dropout off); nothing here changes their mode.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
+from collections.abc import Callable
 
 import torch
 from rollserve.client.errors import FailedPrecondition, InvalidArgument
@@ -53,51 +58,97 @@ def _check_layout(
         raise InvalidArgument(f"forward_batch_size must be >= 1, got {batch_size}")
 
 
-def _causal_lm_logits(
+def _logits_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(backbone, lm_head) when the model's logits are exactly lm_head(backbone hidden states).
+
+    Most causal LMs (Llama, Qwen2/3, Mistral, Gemma 1, ...) compute logits so, but some scale
+    or soft-cap them after the head (Gemma 2/3, Cohere, Granite). Rather than list
+    architectures, the split is checked once per model against its own forward on a short
+    probe and remembered; a model that fails the check is scored through its own logits.
+    """
+    if model in _HEAD_SPLITS:
+        return _HEAD_SPLITS[model]
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    split = None
+    if isinstance(backbone, torch.nn.Module) and isinstance(head, torch.nn.Module):
+        device = head.weight.device if hasattr(head, "weight") else None
+        vocab = model.get_input_embeddings().num_embeddings
+        probe = (torch.arange(16, device=device) * 7919 % (vocab - 1) + 1)[None]  # (1, 16)
+        with torch.inference_mode():
+            full = model(input_ids=probe, use_cache=False).logits.float()
+            hidden = backbone(input_ids=probe, use_cache=False).last_hidden_state
+            mine = head(hidden).float()
+        if mine.shape == full.shape and torch.allclose(mine, full, rtol=1e-4, atol=1e-5):
+            split = (backbone, head)
+    _HEAD_SPLITS[model] = split
+    return split
+
+
+# Models -> their checked (backbone, lm_head) split or None; weak, so models can be freed.
+_HEAD_SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _action_logits(
     model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, actions: int
-) -> torch.Tensor:
-    """Logits (b, A, V) at positions S - A - 1 .. S - 2, computing as few positions as possible."""
+) -> Callable[[slice, slice], torch.Tensor]:
+    """A function giving the logits (rows, columns, V) of action columns, on demand.
+
+    Action column j is scored at position S - A - 1 + j. With a checked lm_head split the
+    backbone runs once and lm_head is applied to the requested block only, so no (b, A, V)
+    tensor ever exists; otherwise the model computes its logits for the last A + 1 positions
+    (`logits_to_keep` where supported) and blocks are views of them.
+    """
+    position_ids = position_ids_from_mask(mask)
+    split = _logits_head(model)
+    if split is not None:
+        backbone, head = split
+        out = backbone(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+        )
+        hidden = out.last_hidden_state[:, -actions - 1 : -1]  # (b, A, H)
+        return lambda rows, columns: head(hidden[rows, columns])
     kwargs = {}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         # An int keeps the last N positions (transformers' slice_logits_to_keep); the last
         # position scores nothing, so keep A + 1 and drop it (a view, no copy).
         kwargs["logits_to_keep"] = actions + 1
     out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=position_ids_from_mask(mask),
-        use_cache=False,
-        **kwargs,
+        input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **kwargs
     )
-    return out.logits[:, -actions - 1 : -1]
+    logits = out.logits[:, -actions - 1 : -1]  # (b, A, V)
+    return lambda rows, columns: logits[rows, columns]
 
 
 def _chunked_log_probs(
-    logits: torch.Tensor,
+    logits_of: Callable[[slice, slice], torch.Tensor],
     labels: torch.Tensor,
     temperature: float | None,
     with_entropy: bool,
     positions_per_chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(label) and entropy (b, A) float32 from logits (b, A, V), a column chunk at a time."""
+    """log p(label) and entropy (b, A) float32, one block of at most positions_per_chunk
+    (row, column) pairs at a time: log p = z[label] - logsumexp(z), never a full log-softmax."""
     rows, actions = labels.shape
-    columns = max(1, positions_per_chunk // rows)
-    log_probs = torch.empty((rows, actions), dtype=torch.float32, device=logits.device)
+    block_rows = min(rows, positions_per_chunk)
+    block_columns = max(1, positions_per_chunk // block_rows)
+    log_probs = torch.empty((rows, actions), dtype=torch.float32, device=labels.device)
     entropy = torch.empty_like(log_probs) if with_entropy else None
-    for start in range(0, actions, columns):
-        stop = min(start + columns, actions)
-        z = logits[:, start:stop].float()  # (b, c, V); aliases logits when already float32
-        if temperature is not None:
-            # In place even when z aliases the model's logits: each column is read only once,
-            # and it saves a (b, c, V) temporary.
-            z = z.div_(temperature)
-        log_norm = torch.logsumexp(z, dim=-1)  # (b, c)
-        picked = z.gather(-1, labels[:, start:stop, None]).squeeze(-1)  # (b, c)
-        log_probs[:, start:stop] = picked - log_norm
-        if entropy is not None:
-            # H = logsumexp(z) - sum softmax(z) * z; p is a fresh tensor, so mul_ is safe.
-            p = torch.exp(z - log_norm[..., None])  # (b, c, V)
-            entropy[:, start:stop] = log_norm - p.mul_(z).sum(-1)
+    for r in range(0, rows, block_rows):
+        for c in range(0, actions, block_columns):
+            block = (slice(r, r + block_rows), slice(c, c + block_columns))
+            z = logits_of(*block).float()  # (r, c, V); may alias the model's float32 logits
+            if temperature is not None:
+                # In place even when z aliases the model's logits: each block is read only
+                # once, and it saves a (r, c, V) temporary.
+                z = z.div_(temperature)
+            log_norm = torch.logsumexp(z, dim=-1)  # (r, c)
+            picked = z.gather(-1, labels[block][..., None]).squeeze(-1)  # (r, c)
+            log_probs[block] = picked - log_norm
+            if entropy is not None:
+                # H = logsumexp(z) - sum softmax(z) * z; p is a fresh tensor, so mul_ is safe.
+                p = torch.exp(z - log_norm[..., None])  # (r, c, V)
+                entropy[block] = log_norm - p.mul_(z).sum(-1)
     return log_probs, entropy
 
 
@@ -127,11 +178,11 @@ def action_log_probs(
         for start in range(0, sequences.shape[0], forward_batch_size):
             ids = sequences[start : start + forward_batch_size]  # (b, S)
             mask = attention_mask[start : start + forward_batch_size]
-            logits = _causal_lm_logits(model, ids, mask, num_actions)  # (b, A, V)
+            logits_of = _action_logits(model, ids, mask, num_actions)
             lp, ent = _chunked_log_probs(
-                logits, ids[:, -num_actions:], temperature, with_entropy, positions_per_chunk
+                logits_of, ids[:, -num_actions:], temperature, with_entropy, positions_per_chunk
             )
-            del logits  # free this micro-batch's logits before the next forward
+            del logits_of  # free this micro-batch's hidden states or logits before the next
             log_probs.append(lp)
             entropies.append(ent)
     entropy = torch.cat(entropies) if with_entropy else None

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import grpc
 from rollserve.client.errors import Unavailable
 from rollserve.server.continuous import ContinuousRollout, RolloutStats, serve_subscribe
+from rollserve.server.idle_deadline import IdleDeadline
 from rollserve.server.metrics import ServerMetrics
 from rollserve.server.models import Phase, ServerState
 from rollserve.server.runtime import Runtime
@@ -69,7 +70,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def UpdateWeights(
         self, request_iterator: Iterator[pb.UpdateWeightsRequest], context: grpc.ServicerContext
     ) -> pb.UpdateWeightsResponse:
-        response = self._runtime().update_weights(request_iterator)
+        # A stalled uploader must not hold the update lock and staging memory forever.
+        idle_s = self._state.config.update_idle_timeout_s
+        with IdleDeadline(context, idle_s, "UpdateWeights") as deadline:
+            response = self._runtime().update_weights(deadline.wrap(request_iterator))
         self._metrics.observe_weight_update(response)
         return response
 

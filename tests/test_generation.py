@@ -291,3 +291,71 @@ def test_invalid_prompts_are_invalid_argument(actor, prompts) -> None:
 def test_stop_ids_outside_the_vocabulary_are_invalid_argument(actor) -> None:
     with pytest.raises(InvalidArgument):
         run(actor, SamplingParams(max_new_tokens=4, min_new_tokens=2, stop_sequences=((259,),)))
+
+
+# ---- prefix sharing ----------------------------------------------------------------------------
+
+
+def grouped(samples: int, prompts=PROMPTS) -> list[list[int]]:
+    """Each prompt repeated `samples` times consecutively: a GRPO group."""
+    return [p for p in prompts for _ in range(samples)]
+
+
+def prefill_rows(actor, **kwargs) -> tuple[GenerationOutput, int]:
+    """generate() and the number of rows its prefill forward ran (the first forward call)."""
+    seen: list[int] = []
+    hook = actor.register_forward_pre_hook(
+        lambda module, args, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    try:
+        out = generate(actor, pad_token_id=PAD, **kwargs)
+    finally:
+        hook.remove()
+    return out, seen[0]
+
+
+@pytest.mark.parametrize("case", ["filters", "hot_tempered", "greedy"])
+def test_shared_prefill_equals_a_prefill_of_every_row_for_the_same_seed(actor, case) -> None:
+    stops = tuple((t,) for t in range(3, 259, 11)) + ((100, 101),)  # rows finish at different steps
+    params = SamplingParams(**{**SAMPLING_CASES[case].__dict__, "stop_sequences": stops})
+    # Groups of 4, plus a repeat that is not next to its twin: sharing is by content.
+    prompts = grouped(4) + [PROMPTS[1], PROMPTS[3]]
+    for seed in range(2):
+        shared, rows = prefill_rows(
+            actor, prompts=prompts, params=params, generator=torch.Generator().manual_seed(seed)
+        )
+        every, all_rows = prefill_rows(
+            actor, prompts=prompts, params=params, share_prefill=False,
+            generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+        assert (rows, all_rows) == (len(PROMPTS), len(prompts))
+        # The same draws on the same logits: the same tokens. CPU matmuls on 5 rows instead of
+        # 22 may round the last bit differently, so recorded log-probs agree to ~1e-7.
+        for field in ("sequences", "attention_mask", "action_mask", "truncated"):
+            assert torch.equal(getattr(shared, field), getattr(every, field)), field
+        torch.testing.assert_close(
+            shared.action_log_probs, every.action_log_probs, atol=1e-6, rtol=0
+        )
+        check_layout(shared, prompts)
+        # Samples of a group differ (the cache is copied, not the draws).
+        if case != "greedy":
+            assert len({tuple(r) for r in responses(shared)[:4]}) > 1
+
+
+def test_shared_prefill_log_probs_equal_teacher_forced_rescoring(actor) -> None:
+    prompts = grouped(3)
+    params = SamplingParams(max_new_tokens=16, temperature=0.9, top_k=30, stop_sequences=((9,),))
+    out = run(actor, params, seed=4, prompts=prompts)
+    rescored, _ = action_log_probs(
+        actor, out.sequences, out.attention_mask, out.action_mask.shape[1], forward_batch_size=4
+    )
+    valid = out.action_mask
+    torch.testing.assert_close(rescored[valid], out.action_log_probs[valid], atol=1e-5, rtol=0)
+
+
+def test_distinct_prompts_prefill_every_row_once(actor) -> None:
+    _, rows = prefill_rows(
+        actor, prompts=PROMPTS, params=SamplingParams(max_new_tokens=2),
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    assert rows == len(PROMPTS)

@@ -339,3 +339,29 @@ def test_rloo_with_one_sample_is_refused_before_generation(maker: NaiveExperienc
     )
     with pytest.raises(InvalidArgument, match="samples_per_prompt"):
         maker.decode(request)
+
+
+# ---- prefix sharing ----------------------------------------------------------------------------
+
+
+def test_sharing_the_prefill_of_a_group_leaves_the_experience_unchanged(
+    maker: NaiveExperienceMaker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import functools
+
+    from rollserve.server import generation
+    from rollserve.server import maker as maker_module
+
+    options = dict(
+        samples_per_prompt=4, seed=21, temperature=0.9, top_k=40, rewards=["length"],
+        return_entropy=True, return_texts=True,
+        algorithm={"advantage_estimator": "group_norm", "kl_coef": 0.05},
+    )  # fmt: skip
+    shared = maker.make_experience(PROMPTS, **options)
+    every_row = functools.partial(generation.generate, share_prefill=False)
+    monkeypatch.setattr(maker_module, "generate", every_row)
+    unshared = maker.make_experience(PROMPTS, **options)
+    _same(shared, unshared)
+    assert shared.response_texts == unshared.response_texts
+    for name in ("base_action_log_probs", "reward", "kl", "returns", "action_entropy"):
+        assert torch.equal(getattr(shared, name), getattr(unshared, name)), name

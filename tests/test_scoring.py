@@ -274,3 +274,67 @@ def test_reward_of_an_empty_row_is_invalid_argument(reward) -> None:
     mask[1] = False
     with pytest.raises(InvalidArgument):
         reward_scores(reward, ids, mask, forward_batch_size=2)
+
+
+# ---- lm_head in chunks ---------------------------------------------------------------------------
+
+
+def test_plain_lm_head_is_applied_in_chunks_and_equals_the_full_head(actor) -> None:
+    """The backbone runs once per forward batch; lm_head sees at most positions_per_chunk
+    (row, column) pairs at a time, and the result equals lm_head over every position."""
+    from rollserve.server.scoring import _logits_head
+
+    assert _logits_head(actor) is not None
+    ids, mask, actions = layout()
+    calls: list[int] = []
+    hook = actor.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: calls.append(out.shape[0] * out.shape[1])
+    )
+    try:
+        lp, ent = action_log_probs(
+            actor, ids, mask, actions, forward_batch_size=len(ROWS), with_entropy=True,
+            positions_per_chunk=8,
+        )  # fmt: skip
+    finally:
+        hook.remove()
+    assert max(calls) <= 8 and sum(calls) == len(ROWS) * actions
+    ref_lp, ref_ent = naive_reference(actor, ids, mask, actions)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+
+
+def test_a_model_that_scales_its_logits_is_scored_through_its_own_logits(
+    tiny_actor_dir: Path,
+) -> None:
+    """Soft-capped or scaled logits (Gemma 2, Cohere, Granite) are not lm_head(hidden): the
+    split fails its check and the model's own logits are used, so the numbers stay right."""
+    from rollserve.server.scoring import _logits_head
+    from transformers import AutoModelForCausalLM
+
+    class ScaledLogits(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.model, self.inner = inner.model, inner
+            self.base_model_prefix = "model"
+
+        def get_input_embeddings(self):
+            return self.inner.get_input_embeddings()
+
+        def get_output_embeddings(self):
+            return self.inner.get_output_embeddings()
+
+        def forward(self, **kwargs):
+            out = self.inner(**kwargs)
+            out.logits = 30 * torch.tanh(out.logits / 30)  # Gemma 2's final soft-cap
+            return out
+
+    inner = AutoModelForCausalLM.from_pretrained(tiny_actor_dir, dtype=torch.float32).eval()
+    model = ScaledLogits(inner).eval()
+    assert _logits_head(model) is None
+    ids, mask, actions = layout()
+    lp, ent = action_log_probs(
+        model, ids, mask, actions, forward_batch_size=2, with_entropy=True, positions_per_chunk=3
+    )
+    ref_lp, ref_ent = naive_reference(model, ids, mask, actions)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
