@@ -70,6 +70,9 @@ class ServerConfig:
     reward_timeout_s: float = 30.0
     shutdown_grace_s: float = 10.0
     drain_delay_s: float = 0.0
+    # An UpdateWeights stream that sends nothing for this long is ended (DEADLINE_EXCEEDED): a
+    # stalled uploader would otherwise hold the update lock and the staging memory forever.
+    update_idle_timeout_s: float = 60.0
     max_workers: int = 16
     log_level: str = "INFO"
     wait_for_weights: bool = False

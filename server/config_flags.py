@@ -72,6 +72,11 @@ FLAGS: dict[str, Flag] = {
     "drain_delay_s": Flag(
         parse.seconds, "seconds to report NOT_SERVING before refusing calls", "S"
     ),
+    "update_idle_timeout_s": Flag(
+        parse.positive_seconds,
+        "end an UpdateWeights stream that sends no message for this long",
+        "S",
+    ),
     "max_workers": Flag(parse.positive_int, "gRPC handler threads", "N"),
     "log_level": Flag(parse.log_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL", "LEVEL"),
     "wait_for_weights": Flag(parse.boolean, "report WAITING_FOR_WEIGHTS until the first update"),

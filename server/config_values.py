@@ -74,6 +74,14 @@ def seconds(raw: str) -> float:
     return value
 
 
+def positive_seconds(raw: str) -> float:
+    """Seconds > 0 (a timeout of 0 would end every call at once)."""
+    value = seconds(raw)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {raw!r}")
+    return value
+
+
 def byte_size(raw: str) -> int:
     """Bytes as an integer with an optional unit: 67108864, 64MiB, 512KiB, 1GiB."""
     match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", raw)

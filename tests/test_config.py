@@ -49,6 +49,7 @@ SAMPLES = {
     "default_preset": ("coati", "coati"),
     "shutdown_grace_s": ("2.5", 2.5),
     "drain_delay_s": ("3", 3.0),
+    "update_idle_timeout_s": ("0.5", 0.5),
     "max_workers": ("4", 4),
     "log_level": ("debug", "DEBUG"),
     "wait_for_weights": ("true", True),

@@ -1,0 +1,245 @@
+"""Cut and stalled UpdateWeights streams against a real server process: nothing applied, RSS back.
+
+One `rollserve serve` subprocess with a ~60 MB actor and `--update-idle-timeout-s 1`. Each test
+breaks an upload (cancelled after the header, after a chunk that ends inside a tensor, before the
+last chunk; the uploading process SIGKILLed; a client that stops sending and idles) and then
+checks: greedy log-probs and policy version unchanged, the server's RSS back to where it was
+after a warm-up update (the staging arena is kept warm on purpose, so that is the baseline), and
+the next update succeeds. tests/test_update_weights_rpc.py covers the same cuts in-process
+without memory; this adds the process, the kill, the idle deadline and the RSS.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from helpers_server import ServerProcess, start_server_process
+from rollserve.client.client import RolloutClient
+from rollserve.client.weights import update_weights_messages
+from rollserve.client.wire import update_weights_callable
+from rollserve.server.config import ServerConfig
+from rollserve.server.default_model import TinyModelSpec, save_tiny_causal_lm
+from rollserve.server.models import load_models
+
+SPEC = TinyModelSpec(hidden_size=512, intermediate_size=4096)  # ~15M parameters, ~60 MB fp32
+CHUNK_BYTES = 1 << 20
+IDLE_S = 1.0
+WAIT_S = 30.0  # bound on every wait; never reached when things work
+RSS_SLACK_BYTES = 24 << 20  # well under one staging copy of the model (~60 MB)
+
+
+@pytest.fixture(scope="module")
+def actor_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("cut-actor"), SPEC)
+
+
+@pytest.fixture(scope="module")
+def weights(actor_dir: Path) -> dict[str, torch.Tensor]:
+    module = load_models(ServerConfig(device="cpu", actor=str(actor_dir))).actor.module
+    return {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def server(actor_dir: Path, weights) -> Iterator[tuple[ServerProcess, str]]:
+    proc, port = start_server_process(
+        "--actor",
+        str(actor_dir),
+        "--device",
+        "cpu",
+        "--metrics-port",
+        "0",
+        "--update-idle-timeout-s",
+        str(IDLE_S),
+    )
+    target = f"127.0.0.1:{port}"
+    try:
+        # Warm-up: the staging arena exists from now on; RSS baselines are taken after it.
+        with RolloutClient(target, timeout_s=WAIT_S) as client:
+            client.update_weights(weights, version=1, chunk_bytes=CHUNK_BYTES)
+        yield proc, target
+    finally:
+        assert proc.terminate_and_wait() == 0
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def snapshot(target: str) -> tuple[list[float], int]:
+    """Greedy log-probs of a fixed request and the actor's policy version."""
+    with RolloutClient(target, timeout_s=WAIT_S) as client:
+        experience = client.make_experience(
+            [[1, 72, 101, 108], [1, 50, 51]],
+            max_new_tokens=4,
+            temperature=0.0,
+            seed=1,
+            rewards=["exact_match"],
+            gt_answers=["a", "b"],
+        )
+        version = client.health().policy_version
+    return experience.action_log_probs.flatten().tolist(), version
+
+
+def messages(weights, version: int) -> list[bytes]:
+    return list(
+        update_weights_messages(
+            weights, target="actor", version=version, mode="full", chunk_bytes=CHUNK_BYTES
+        )
+    )
+
+
+def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {n: t + 0.01 * torch.randn(t.shape, generator=generator) for n, t in weights.items()}
+
+
+class Stalling:
+    """Yields messages[:stop_at], signals `reached`, then idles until `release` (bounded)."""
+
+    def __init__(self, encoded: list[bytes], stop_at: int) -> None:
+        self.encoded = encoded
+        self.stop_at = stop_at
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.encoded[: self.stop_at]
+        self.reached.set()
+        self.release.wait(WAIT_S)
+
+
+def settled_rss(pid: int, ceiling: int) -> int:
+    """The RSS once it is at or under `ceiling`, or after a few seconds of trying."""
+    deadline_s = time.monotonic() + 5.0
+    while (rss := rss_bytes(pid)) > ceiling and time.monotonic() < deadline_s:
+        time.sleep(0.1)
+    return rss
+
+
+def assert_unchanged_then_next_update_succeeds(
+    proc: ServerProcess, target: str, before, baseline_rss: int, weights
+) -> None:
+    assert snapshot(target) == before
+    rss = settled_rss(proc.pid, baseline_rss + RSS_SLACK_BYTES)
+    assert rss <= baseline_rss + RSS_SLACK_BYTES, (rss - baseline_rss) / 2**20
+    with RolloutClient(target, timeout_s=WAIT_S) as client:
+        result = client.update_weights(weights, version=before[1] + 1, chunk_bytes=CHUNK_BYTES)
+    assert result.version == before[1] + 1
+
+
+# Where the stream is cut: after the header, after the first chunk (which ends inside a tensor:
+# the embedding alone is bigger than a chunk), before the last chunk.
+CUTS = {"after_header": 1, "mid_tensor": 2, "before_last_chunk": -1}
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_a_cancelled_upload_leaves_weights_version_and_memory(server, weights, cut: str) -> None:
+    proc, target = server
+    before = snapshot(target)
+    baseline_rss = rss_bytes(proc.pid)
+    encoded = messages(perturbed(weights, seed=len(cut)), version=before[1] + 1)
+    stalling = Stalling(encoded, CUTS[cut] % len(encoded))
+    with grpc.insecure_channel(target) as channel:
+        future = update_weights_callable(channel).future(iter(stalling), timeout=WAIT_S)
+        try:
+            assert stalling.reached.wait(WAIT_S)
+            time.sleep(0.3)  # let the server take what was sent
+            assert future.cancel()
+        finally:
+            stalling.release.set()
+        assert future.code() is grpc.StatusCode.CANCELLED
+    assert_unchanged_then_next_update_succeeds(proc, target, before, baseline_rss, weights)
+
+
+def test_a_stalled_upload_is_ended_by_the_idle_deadline(server, weights) -> None:
+    # Regression: with no idle deadline the stalled stream held the update lock forever, so the
+    # second update below never finished (and the stalled client, with no deadline, hung too).
+    proc, target = server
+    before = snapshot(target)
+    baseline_rss = rss_bytes(proc.pid)
+    encoded = messages(perturbed(weights, seed=3), version=before[1] + 1)
+    stalling = Stalling(encoded, len(encoded) // 2)
+    with grpc.insecure_channel(target) as channel:
+        started_s = time.monotonic()
+        future = update_weights_callable(channel).future(iter(stalling))  # no client deadline
+        try:
+            assert stalling.reached.wait(WAIT_S)
+            with RolloutClient(target, timeout_s=WAIT_S) as other:
+                result = other.update_weights(
+                    weights, version=before[1] + 1, chunk_bytes=CHUNK_BYTES
+                )
+            assert result.version == before[1] + 1
+            error = future.exception(timeout=WAIT_S)
+        finally:
+            stalling.release.set()
+            future.cancel()
+    assert time.monotonic() - started_s < 10 * IDLE_S + 5
+    assert error is not None and error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "--update-idle-timeout-s" in error.details()
+    assert "Nothing was applied" in error.details() or "nothing was applied" in error.details()
+    after_second = (before[0], before[1] + 1)  # the second update sent the same weights again
+    assert_unchanged_then_next_update_succeeds(proc, target, after_second, baseline_rss, weights)
+
+
+_UPLOADER = textwrap.dedent(
+    """
+    import sys, time, pathlib
+    import grpc
+    from safetensors.torch import load_file
+    from rollserve.client.weights import update_weights_messages
+    from rollserve.client.wire import update_weights_callable
+
+    target, weights_file, version, ready = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    encoded = list(update_weights_messages(
+        load_file(weights_file), target="actor", version=version, mode="full",
+        chunk_bytes=1 << 20))
+
+    def stream():
+        yield from encoded[: len(encoded) // 2]
+        pathlib.Path(ready).write_text("sent")
+        time.sleep(600)  # SIGKILLed here, half way through the file
+
+    with grpc.insecure_channel(target) as channel:
+        update_weights_callable(channel)(stream())
+    """
+)
+
+
+def test_a_sigkilled_uploader_leaves_weights_version_and_memory(
+    server, weights, tmp_path: Path
+) -> None:
+    from safetensors.torch import save_file
+
+    proc, target = server
+    before = snapshot(target)
+    baseline_rss = rss_bytes(proc.pid)
+    weights_file = tmp_path / "new.safetensors"
+    save_file({n: t.contiguous() for n, t in perturbed(weights, seed=5).items()}, weights_file)
+    ready = tmp_path / "ready"
+    uploader = subprocess.Popen(
+        [sys.executable, "-c", _UPLOADER, target, str(weights_file), str(before[1] + 1), str(ready)]
+    )
+    try:
+        deadline_s = time.monotonic() + WAIT_S
+        while not ready.exists() and uploader.poll() is None and time.monotonic() < deadline_s:
+            time.sleep(0.05)
+        assert ready.exists(), "the uploader never got half way"
+        time.sleep(0.3)
+        uploader.kill()  # SIGKILL: no goodbye on the connection beyond what the kernel sends
+    finally:
+        uploader.kill()
+        uploader.wait()
+    assert uploader.returncode == -9
+    assert_unchanged_then_next_update_succeeds(proc, target, before, baseline_rss, weights)
