@@ -12,9 +12,9 @@ servers in one process (tests, benchmarks) keep separate numbers. What is export
                                                            rate(rollserve_generated_tokens_total[1m])
   rollserve_micro_batch_rows, rollserve_request_rows       rows per streamed micro-batch / per
                                                            completed MakeExperience (histograms)
-  rollserve_weight_updates_total{role}, _weight_update_bytes_total{role},
+  rollserve_weight_updates_total{role,transport}, _weight_update_bytes_total{role},
   rollserve_weight_update_duration_seconds{role} (histogram),
-  rollserve_weight_update_gigabytes_per_second{role}       the last update's throughput
+  rollserve_weight_update_gigabytes_per_second{role,transport} the last update's throughput
   rollserve_queue_depth, rollserve_policy_version{role},
   rollserve_phase{phase} (1 for the current one), rollserve_uptime_seconds   read at scrape time
   rollserve_rollout_batches_{made,delivered,dropped_stale,failed}_total,
@@ -114,7 +114,7 @@ class ServerMetrics:
             registry=r,
         )
         self.weight_updates = Counter(
-            "rollserve_weight_updates", "weight updates applied", ("role",), registry=r
+            "rollserve_weight_updates", "weight updates applied", ("role", "transport"), registry=r
         )
         self.weight_update_bytes = Counter(
             "rollserve_weight_update_bytes",
@@ -131,8 +131,8 @@ class ServerMetrics:
         )
         self.weight_update_gbps = Gauge(
             "rollserve_weight_update_gigabytes_per_second",
-            "throughput of the last weight update (1e9 bytes per second)",
-            ("role",),
+            "throughput of the last weight update (1e9 bytes per second), per data plane",
+            ("role", "transport"),
             registry=r,
         )
         r.register(_StateCollector(state))
@@ -167,10 +167,12 @@ class ServerMetrics:
 
     def observe_weight_update(self, response: pb.UpdateWeightsResponse) -> None:
         role = role_name(response.target)
-        self.weight_updates.labels(role).inc()
+        transport = response.transport or "grpc"
+        self.weight_updates.labels(role, transport).inc()
         self.weight_update_bytes.labels(role).inc(response.bytes)
         self.weight_update_duration.labels(role).observe(response.seconds)
-        self.weight_update_gbps.labels(role).set(response.bytes / max(response.seconds, 1e-9) / 1e9)
+        gbps = response.bytes / max(response.seconds, 1e-9) / 1e9
+        self.weight_update_gbps.labels(role, transport).set(gbps)
 
     def observe_rpc(self, full_method: str, code: str, duration_s: float) -> None:
         service, method = split_method(full_method)

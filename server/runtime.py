@@ -4,7 +4,9 @@ the weight updater, behind the two bulk RPCs. The servicer only decodes and enco
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,10 +21,14 @@ from rollserve.server.weights import (
     LoraState,
     StagedUpdate,
     UpdateStager,
+    iter_chunks,
     read_header,
-    stage_chunks,
     staging_arena,
 )
+from rollserve.server.weights.distributed import GroupUpdate, WeightsGroups
+from rollserve.server.weights.parallel import Assembly, ParallelUpdates, check_part, feed_part
+from rollserve.server.weights.shared_memory import receive_shared_memory
+from rollserve.server.weights.staging import Request
 from rollserve.v1 import rollout_pb2 as pb
 
 __all__ = ["Runtime"]
@@ -57,6 +63,12 @@ class Runtime:
         self.engine = Engine(max_queue_depth=state.config.max_queue_depth)
         self._update_lock = threading.Lock()  # one weight stream at a time
         self._lora = {model.role: LoraState() for model in models.loaded()}
+        # Data planes beside chunks on the stream (server/weights/): the header's `source`.
+        self.weight_sources = frozenset({"shared_memory", "distributed"})
+        self.shm_lanes = min(4, os.cpu_count() or 1)  # threads copying from shared memory
+        self.weight_groups = WeightsGroups(models.device)
+        # How long one part of a parallel update waits for the others.
+        self.parallel_updates = ParallelUpdates(wait_s=30.0)
 
     # ---- MakeExperience ----------------------------------------------------------------------
 
@@ -99,38 +111,122 @@ class Runtime:
             raise Unavailable(f"the server is {phase.value}")
 
     # ---- UpdateWeights -----------------------------------------------------------------------
+    #
+    # One state machine for every data plane: read the header, check target and version, lease
+    # the target's staging arena, receive the file's bytes into one UpdateStager (the data plane
+    # only decides how they arrive: chunks on this stream, a shared-memory file, a broadcast,
+    # or several streams), finish (verify), swap on the engine thread.
 
     def update_weights(
         self, requests: Iterator[pb.UpdateWeightsRequest]
     ) -> pb.UpdateWeightsResponse:
         """Stage and verify on this thread, then swap on the engine thread between batches."""
+        header = read_header(requests)
+        if header.HasField("parallel"):
+            check_part(header)
+            if header.parallel.index > 0:
+                return self._join_parallel(header, requests)
+        source = header.WhichOneof("source")
+        if source is not None and source not in self.weight_sources:
+            raise FailedPrecondition(f"header.{source}: this server does not accept that transport")
         with self._update_lock:
             started_s = time.monotonic()
-            header = read_header(requests)
-            role, model = self._target(header)
-            self._check_version(role, header.version)  # before receiving any bulk bytes
-            # Warm, reused staging memory; held until the swap, as staged tensors are its views.
-            with staging_arena(model.module).lease() as arena:
-                stager = UpdateStager(header, model.module, self._lora[role], arena=arena)
-                staged = stage_chunks(stager, requests)
-                applied = self._run_swap(role, model, staged)
+            # A broadcast's other ranks wait for this server's vote even when it refuses.
+            group_update = (
+                GroupUpdate(self.weight_groups, header.distributed)
+                if source == "distributed"
+                else contextlib.nullcontext()
+            )
+            with group_update:
+                role, model = self._target(header)
+                self._check_version(role, header.version)  # before receiving any bulk bytes
+                # Warm, reused staging memory; held until the swap: staged tensors are its views.
+                with staging_arena(model.module).lease() as arena:
+                    stager = UpdateStager(header, model.module, self._lora[role], arena=arena)
+                    assembly = (
+                        self.parallel_updates.open(header, stager)
+                        if header.HasField("parallel")
+                        else None
+                    )
+                    try:
+                        transport = self._receive(header, stager, requests, group_update, assembly)
+                        staged = stager.finish()
+                        applied = self._run_swap(role, model, staged)
+                    except BaseException as error:
+                        if assembly is not None:
+                            assembly.fail(error, 0)
+                        raise
+                    finally:
+                        if assembly is not None:
+                            self.parallel_updates.close(header)
             seconds = time.monotonic() - started_s
-        _LOG.info(
-            "updated %s to version %d: %d tensors, %d bytes in %.2f s (%.2f GB/s)",
-            role,
-            header.version,
-            applied.tensors,
-            staged.total_bytes,
-            seconds,
-            staged.total_bytes / max(seconds, 1e-9) / 1e9,
-        )
-        return pb.UpdateWeightsResponse(
+        response = pb.UpdateWeightsResponse(
             target=header.target or pb.MODEL_ROLE_ACTOR,
             version=header.version,
             tensors=applied.tensors,
             bytes=staged.total_bytes,
             seconds=seconds,
+            transport=transport,
         )
+        if assembly is not None:
+            assembly.succeed(response)
+        _LOG.info(
+            "updated %s to version %d over %s: %d tensors, %d bytes in %.2f s (%.2f GB/s)",
+            role,
+            header.version,
+            transport,
+            applied.tensors,
+            staged.total_bytes,
+            seconds,
+            staged.total_bytes / max(seconds, 1e-9) / 1e9,
+        )
+        return response
+
+    def _receive(
+        self,
+        header: pb.WeightsHeader,
+        stager: UpdateStager,
+        requests: Iterator[pb.UpdateWeightsRequest],
+        group_update: object,
+        assembly: Assembly | None,
+    ) -> str:
+        """Bring the file's bytes into `stager` the way the header says; the transport's name."""
+        if assembly is not None:
+            if header.WhichOneof("source") is not None:
+                raise InvalidArgument("header.parallel: parallel streams carry chunks, no source")
+            feed_part(stager.lane(0, header.parallel.end), requests)
+            assembly.part_done()
+            assembly.wait_parts(self.parallel_updates.wait_s)
+            return "grpc-parallel"
+        source = header.WhichOneof("source")
+        if source == "shared_memory":
+            receive_shared_memory(stager, header.shared_memory, lanes=self.shm_lanes)
+            for _ in iter_chunks(requests):
+                raise InvalidArgument("an update from shared memory carries no chunks")
+            return "shm"
+        if source == "distributed":
+            assert isinstance(group_update, GroupUpdate)
+            group_update.receive(stager, requests)
+            return "dist"
+        for offset, data, crc32 in iter_chunks(requests):
+            stager.feed(offset, data, crc32)
+        return "grpc"
+
+    def _join_parallel(
+        self, header: pb.WeightsHeader, requests: Iterator[Request]
+    ) -> pb.UpdateWeightsResponse:
+        """Parts 1..N-1: write this stream's range into the leader's stager; the same reply."""
+        index = header.parallel.index
+        assembly = self.parallel_updates.join(header)
+        try:
+            lane = assembly.join(header)
+            lane.start_in_data(self.parallel_updates.wait_s)
+            feed_part(lane, requests)
+            assembly.part_done()
+        except BaseException as error:
+            assembly.fail(error, index)
+            raise
+        return assembly.wait_result(self.parallel_updates.wait_s + 600.0)
 
     def _target(self, header: pb.WeightsHeader) -> tuple[str, LoadedModel]:
         role = _ROLES.get(header.target)
@@ -172,3 +268,4 @@ class Runtime:
         # Wait for the worker: a process that exits while it is inside a torch op (e.g. the
         # readiness probe queued after an update) dies with std::terminate (SIGABRT).
         self.engine.close(wait=True, timeout_s=timeout_s)
+        self.weight_groups.close()

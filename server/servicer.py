@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import grpc
 from rollserve.client.errors import Unavailable
+from rollserve.client.shared_memory import shm_host_id
 from rollserve.server.continuous import ContinuousRollout, RolloutStats, serve_subscribe
 from rollserve.server.idle_deadline import IdleDeadline
 from rollserve.server.metrics import ServerMetrics
@@ -78,6 +79,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return response
 
     @handles_errors
+    def InitWeightsGroup(
+        self, request: pb.InitWeightsGroupRequest, context: grpc.ServicerContext
+    ) -> pb.InitWeightsGroupResponse:
+        return self._runtime().weight_groups.init(request)
+
+    @handles_errors
+    def DestroyWeightsGroup(
+        self, request: pb.DestroyWeightsGroupRequest, context: grpc.ServicerContext
+    ) -> pb.DestroyWeightsGroupResponse:
+        self._runtime().weight_groups.destroy(request.group)
+        return pb.DestroyWeightsGroupResponse()
+
+    @handles_errors
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         return health_response(self._state, self._rollout)
 
@@ -114,6 +128,8 @@ def health_response(
     if models is None:  # still loading: nothing more is known yet
         return response
     response.device = models.device_label
+    response.shm_host_id = SHM_HOST_ID
+    response.weight_transports.extend(WEIGHT_TRANSPORTS)
     response.vocab_size = models.vocab_size
     response.max_context_tokens = models.max_context_tokens
     for model in models.loaded():
@@ -126,6 +142,11 @@ def health_response(
             policy_version=state.policy_version(model.role),
         )
     return response
+
+
+# Health.weight_transports: "grpc" (one stream or several parallel ones), "shm", "dist".
+WEIGHT_TRANSPORTS = ("grpc", "shm", "dist")
+SHM_HOST_ID = shm_host_id()
 
 
 def rollout_progress(stats: RolloutStats) -> pb.RolloutProgress:

@@ -149,8 +149,10 @@ def test_weight_update_metrics_and_policy_version(server, stub) -> None:
     actor = {"role": "actor"}
     assert value(after, "rollserve_policy_version", **actor) == version
     assert value(after, "rollserve_policy_version", role="reference") == 0
-    updates = value(after, "rollserve_weight_updates_total", **actor)
-    assert updates - value(before, "rollserve_weight_updates_total", **actor) == 1
+    assert response.transport == "grpc"
+    by_transport = {"role": "actor", "transport": "grpc"}
+    updates = value(after, "rollserve_weight_updates_total", **by_transport)
+    assert updates - value(before, "rollserve_weight_updates_total", **by_transport) == 1
     bytes_delta = value(after, "rollserve_weight_update_bytes_total", **actor) - value(
         before, "rollserve_weight_update_bytes_total", **actor
     )
@@ -159,7 +161,7 @@ def test_weight_update_metrics_and_policy_version(server, stub) -> None:
     assert value(after, duration, **actor) - value(before, duration, **actor) == pytest.approx(
         response.seconds
     )
-    gbps = value(after, "rollserve_weight_update_gigabytes_per_second", **actor)
+    gbps = value(after, "rollserve_weight_update_gigabytes_per_second", **by_transport)
     assert gbps == pytest.approx(response.bytes / response.seconds / 1e9)
     update = {"service": "rollserve.v1.Rollout", "method": "UpdateWeights"}
 

@@ -63,7 +63,14 @@ def test_reflection_describes_the_services_to_a_client_without_our_stubs(server)
         pool = descriptor_pool.DescriptorPool(database)
         rollout = pool.FindServiceByName("rollserve.v1.Rollout")
         methods = {method.name: method for method in rollout.methods}
-        assert set(methods) == {"MakeExperience", "UpdateWeights", "Health", "Subscribe"}
+        assert set(methods) == {
+            "MakeExperience",
+            "UpdateWeights",
+            "Health",
+            "Subscribe",
+            "InitWeightsGroup",
+            "DestroyWeightsGroup",
+        }
         make = methods["MakeExperience"]
         assert make.input_type.full_name == "rollserve.v1.MakeExperienceRequest"
         assert make.output_type.full_name == "rollserve.v1.MakeExperienceResponse"

@@ -4,7 +4,10 @@ Flow: `stage_update(requests, model, lora_state)` (gRPC handler thread; reads on
 metadata) returns a verified `StagedUpdate`; the engine thread calls `staged.apply(model)` between
 batches. Modules: header (safetensors JSON), options (WeightsHeader fields), stream (bytes into the
 staging arena), arena (each model's reusable staging buffer), verify (names, shapes, dtype rules,
-values), lora (PEFT adapters), staging (the two entry points).
+values), lora (PEFT adapters), staging (the two entry points). Data planes, each feeding the same
+UpdateStager: chunks on the stream (staging.iter_chunks), shared_memory (a client's sealed memfd
+on the same host), parallel (one file over several streams), distributed (a torch.distributed
+broadcast after InitWeightsGroup).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from rollserve.server.weights.staging import (
     AppliedUpdate,
     StagedUpdate,
     UpdateStager,
+    iter_chunks,
     read_header,
     stage_chunks,
     stage_update,
@@ -28,6 +32,7 @@ __all__ = [
     "StagedUpdate",
     "StagingArena",
     "UpdateStager",
+    "iter_chunks",
     "read_header",
     "stage_chunks",
     "stage_update",

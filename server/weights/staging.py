@@ -19,7 +19,7 @@ from rollserve.server.weights.arena import StagingArena
 from rollserve.server.weights.header import DEFAULT_MAX_HEADER_BYTES
 from rollserve.server.weights.lora import LoraState, apply_lora
 from rollserve.server.weights.options import UpdateOptions, update_options
-from rollserve.server.weights.stream import SafetensorsStager
+from rollserve.server.weights.stream import Lane, SafetensorsStager
 from rollserve.server.weights.verify import TargetTensor, UpdateChecks, UpdatePlan, model_spec
 from rollserve.v1 import rollout_pb2 as pb
 
@@ -27,6 +27,7 @@ __all__ = [
     "AppliedUpdate",
     "StagedUpdate",
     "UpdateStager",
+    "iter_chunks",
     "read_header",
     "stage_chunks",
     "stage_update",
@@ -130,8 +131,26 @@ class UpdateStager:
             arena=arena,
         )
 
+    @property
+    def options(self) -> UpdateOptions:
+        return self._options
+
+    @property
+    def head_parsed(self) -> bool:
+        """Whether the file's head arrived (names, shapes and dtypes are verified then)."""
+        return self._stager.head_parsed
+
     def feed(self, offset: int, data: bytes | memoryview, crc32: int | None = None) -> None:
+        """The next chunk of a single ordered stream (one lane over the whole file)."""
         self._stager.feed(offset, data, crc32)
+
+    def lane(self, begin: int, end: int) -> Lane:
+        """A lane for file bytes [begin, end), fed in order by one thread (stream.py)."""
+        return self._stager.lane(begin, end)
+
+    def fail(self, error: BaseException) -> None:
+        """Stop every lane: the update failed (lanes waiting for the head wake up and raise)."""
+        self._stager.fail(error)
 
     def finish(self) -> StagedUpdate:
         staged = self._stager.finish()
@@ -161,11 +180,11 @@ def read_header(stream: Iterator[Request]) -> pb.WeightsHeader:
     return first.header
 
 
-def stage_chunks(stager: UpdateStager, stream: Iterator[Request]) -> StagedUpdate:
-    """Feed every remaining message (chunks only) to `stager`, then verify and finish."""
+def iter_chunks(stream: Iterator[Request]) -> Iterator[tuple[int, bytes | memoryview, int | None]]:
+    """(offset, data, crc32) of every remaining message, which must all be chunks."""
     for request in stream:
         if type(request) is WireChunk:  # the server's fast path: data is a view, not a copy
-            stager.feed(request.offset, request.data, request.crc32)
+            yield request.offset, request.data, request.crc32
         elif isinstance(request, MalformedRequest):
             raise InvalidArgument(f"malformed UpdateWeightsRequest: {request.reason}")
         else:
@@ -178,7 +197,13 @@ def stage_chunks(stager: UpdateStager, stream: Iterator[Request]) -> StagedUpdat
                 )
             chunk = request.chunk
             # upb copies `data` on every access: read it once.
-            stager.feed(chunk.offset, chunk.data, chunk.crc32 if chunk.HasField("crc32") else None)
+            yield chunk.offset, chunk.data, chunk.crc32 if chunk.HasField("crc32") else None
+
+
+def stage_chunks(stager: UpdateStager, stream: Iterator[Request]) -> StagedUpdate:
+    """Feed every remaining message (chunks only) to `stager`, then verify and finish."""
+    for offset, data, crc32 in iter_chunks(stream):
+        stager.feed(offset, data, crc32)
     return stager.finish()
 
 

@@ -1,33 +1,53 @@
-"""Receive a safetensors file as ordered chunks and route its bytes into one staging arena.
+"""Receive a safetensors file as byte ranges and route its bytes into one staging arena.
 
-The 8-byte length and the JSON header are buffered and parsed once; then every data byte is
-copied exactly once, from the received chunk straight into a host arena sized for the whole data
-section (no whole-file blob, no per-tensor blobs, no safetensors.load). Tensors are views into the
-arena in their wire dtype and shape. The arena is a reusable StagingArena when the caller leases
-one (the server does: see arena.py for why and for the memory bound), else a fresh buffer.
+The 8-byte length and the JSON header (the "head") are buffered and parsed once; then every data
+byte is copied exactly once, from where it arrived (a gRPC chunk, a shared-memory mapping, a
+broadcast bucket) straight into a host arena sized for the whole data section (no whole-file
+blob, no per-tensor blobs, no safetensors.load). Tensors are views into the arena in their wire
+dtype and shape. The arena is a reusable StagingArena when the caller leases one (the server
+does: see arena.py for why and for the memory bound), else a fresh buffer.
 
-The arena mirrors the data section byte for byte, so a chunk lands with one memcpy, except where a
-tensor would start at an offset that is not a multiple of its itemsize (safetensors does not
-require alignment, and torch cannot view misaligned bytes as wider elements). From such a tensor
-on, the arena is shifted by a few bytes; each run of constant shift is a "segment", and a chunk is
-copied once per segment it touches.
+Lanes. The file arrives as one or more *lanes*: byte ranges [begin, end) of the file that tile
+it, each fed in order from its own thread (one lane for a single gRPC stream; one per stream for
+parallel streams; one per copying thread for shared memory). The lane that begins at 0 carries
+the head; the others wait until it is parsed. Each lane checks the values of the elements that
+lie wholly inside its range as soon as they arrive (the bytes are still in the CPU cache), and
+`finish` checks the few elements that straddle two lanes. Copies go through numpy, which
+releases the GIL, so lanes on different threads copy and check in parallel.
+
+The arena mirrors the data section byte for byte, so a run of bytes lands with one memcpy,
+except where a tensor would start at an offset that is not a multiple of its itemsize
+(safetensors does not require alignment, and torch cannot view misaligned bytes as wider
+elements). From such a tensor on, the arena is shifted by a few bytes; each run of constant
+shift is a "segment", and a run is copied once per segment it touches.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from rollserve.client.errors import InvalidArgument
 from rollserve.server.weights.arena import StagingArena
 from rollserve.server.weights.checksum import crc32 as crc32_of
 from rollserve.server.weights.header import PREFIX_BYTES, StreamEntry, parse_header
 
-__all__ = ["ArenaLayout", "SafetensorsStager", "StagedFile", "StreamChecks", "plan_arena"]
+__all__ = [
+    "ArenaLayout",
+    "Lane",
+    "SafetensorsStager",
+    "StagedFile",
+    "StreamChecks",
+    "plan_arena",
+]
+
+Bytes = bytes | bytearray | memoryview | np.ndarray
 
 
 class StreamChecks(Protocol):
@@ -37,10 +57,10 @@ class StreamChecks(Protocol):
         """Called once the header is parsed, before the arena is allocated."""
 
     def check_elements(self, entry: StreamEntry, values: torch.Tensor) -> None:
-        """Called on each run of a tensor's elements (1-D, wire dtype) as soon as they arrived.
+        """Called on runs of a tensor's elements (1-D, wire dtype) as soon as they arrived.
 
-        The runs of one tensor come in order and cover each element exactly once; a run is the
-        part of one chunk that completed elements, so its bytes are still in the CPU cache.
+        The runs of one tensor cover each element exactly once; they may come from several
+        threads at once (one per lane), never twice for the same element.
         """
 
 
@@ -81,10 +101,167 @@ class StagedFile:
     total_bytes: int
 
 
-class SafetensorsStager:
-    """Takes the file's chunks in order; `finish` returns the staged tensors once all arrived.
+class _Data:
+    """The parsed head and the arena: what every lane writes into once the head is known."""
 
-    Any error is final: a stager that raised is dropped, never fed again.
+    def __init__(
+        self,
+        entries: tuple[StreamEntry, ...],
+        data_start: int,
+        arena: torch.Tensor,
+        layout: ArenaLayout,
+    ) -> None:
+        self.entries = entries
+        self.data_start = data_start  # file offset of the data section
+        self.layout = layout
+        self.arena = arena
+        self.arena_np = arena.numpy()
+        self.segment_begins = [begin for begin, _, _ in layout.segments]
+        self.entry_ends = [entry.end for entry in entries]
+
+    def route(self, position: int, source: np.ndarray) -> None:
+        """Copy data-section bytes [position, position + len(source)) into the arena."""
+        segments = self.layout.segments
+        index = bisect.bisect_right(self.segment_begins, position) - 1
+        done = 0
+        while done < len(source):
+            _, segment_end, shift = segments[index]
+            take = min(len(source) - done, segment_end - position)
+            start = position + shift
+            np.copyto(self.arena_np[start : start + take], source[done : done + take])
+            done += take
+            position += take
+            index += 1
+
+    def elements(self, index: int, first: int, stop: int) -> torch.Tensor:
+        """Elements [first, stop) of entries[index] in the arena, 1-D, wire dtype."""
+        entry = self.entries[index]
+        itemsize = entry.dtype.itemsize
+        start = self.layout.offsets[index]
+        flat = self.arena[start + first * itemsize : start + stop * itemsize]
+        return flat.view(entry.dtype)
+
+    def tensor(self, index: int) -> torch.Tensor:
+        entry = self.entries[index]
+        if entry.nbytes == 0:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        return self.elements(index, 0, entry.nbytes // entry.dtype.itemsize).view(entry.shape)
+
+
+class _CheckCursor:
+    """Checks the elements lying wholly inside data-section range [low, high) as bytes arrive."""
+
+    def __init__(self, data: _Data, checks: StreamChecks, low: int, high: int) -> None:
+        self._data = data
+        self._checks = checks
+        self._high = high
+        self._index = bisect.bisect_right(data.entry_ends, low)  # first entry ending after low
+        self._next_element = self._first_element(low)
+
+    def _first_element(self, low: int) -> int:
+        if self._index >= len(self._data.entries):
+            return 0
+        entry = self._data.entries[self._index]
+        itemsize = entry.dtype.itemsize
+        return max(
+            0, -(-(low - entry.begin) // itemsize)
+        )  # ceil: an element cut at low is not ours
+
+    def advance(self, arrived: int) -> None:
+        """Check every element of the range whose last byte is below data offset `arrived`."""
+        limit = min(arrived, self._high)
+        entries = self._data.entries
+        while self._index < len(entries):
+            entry = entries[self._index]
+            if entry.begin >= self._high:
+                return
+            itemsize = entry.dtype.itemsize
+            stop = (min(limit, entry.end) - entry.begin) // itemsize
+            if stop > self._next_element:
+                values = self._data.elements(self._index, self._next_element, stop)
+                self._checks.check_elements(entry, values)
+                self._next_element = stop
+            if limit < entry.end:
+                return
+            self._index += 1
+            self._next_element = 0
+
+
+class Lane:
+    """One byte range [begin, end) of the file, fed in order (one thread at a time)."""
+
+    def __init__(
+        self, stager: SafetensorsStager, begin: int, end: int, *, hash_bytes: bool
+    ) -> None:
+        self.begin = begin
+        self.end = end
+        self.position = begin  # file offset of the next byte
+        self._stager = stager
+        self._digest = hashlib.sha256() if hash_bytes else None
+        self._cursor: _CheckCursor | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.position == self.end
+
+    def feed(self, offset: int, data: Bytes, crc32: int | None = None) -> None:
+        """Take the next bytes of this lane; offset must equal the lane's position."""
+        source = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
+        size = len(source)
+        if offset != self.position:
+            raise InvalidArgument(
+                f"chunk at offset {offset}, expected {self.position}: chunks must arrive in "
+                "order, each exactly once"
+            )
+        if size == 0:
+            raise InvalidArgument(f"empty chunk at offset {offset}")
+        if offset + size > self.end:
+            what = "total_bytes" if self.end == self._stager.total_bytes else "its part's end"
+            raise InvalidArgument(
+                f"chunk at offset {offset} with {size} bytes runs past {what} {self.end}"
+            )
+        if crc32 is not None and crc32_of(source) != crc32:
+            raise InvalidArgument(f"crc32 mismatch in the chunk at offset {offset}")
+        if self._digest is not None:
+            self._digest.update(source)
+        self._stager.check_open()
+        self.position += size
+        if self._cursor is None:  # the head is not parsed yet: only the lane at 0 is here
+            source = self._stager.take_head(source)
+            if not len(source):
+                if self.complete and self._stager.total_bytes != self.end:
+                    error = InvalidArgument(
+                        f"part 0 ends at {self.end}, inside the file's head: it must hold the "
+                        "whole head (the 8-byte length and the JSON header)"
+                    )
+                    self._stager.fail(error)
+                    raise error
+                return
+            self._cursor = self._stager.cursor(self)
+        data_state = self._stager.data
+        position = self.position - len(source) - data_state.data_start
+        data_state.route(position, source)
+        self._cursor.advance(position + len(source))
+
+    def start_in_data(self, timeout_s: float | None) -> None:
+        """For a lane that does not begin at 0: wait for the head, check the range's place."""
+        self._stager.wait_for_head(timeout_s)
+        if self.begin < self._stager.data.data_start:
+            raise InvalidArgument(
+                f"a part that begins at {self.begin} is inside the file's head (it ends at "
+                f"{self._stager.data.data_start}); part 0 must hold the whole head"
+            )
+        self._cursor = self._stager.cursor(self)
+
+    def hexdigest(self) -> str | None:
+        return None if self._digest is None else self._digest.hexdigest()
+
+
+class SafetensorsStager:
+    """Takes the file's bytes as lanes; `finish` returns the staged tensors once all arrived.
+
+    `feed` is the one-lane form (a single ordered stream). Any error is final: a stager that
+    raised is dropped (`fail` wakes lanes waiting for the head), never fed again.
     """
 
     def __init__(
@@ -97,76 +274,96 @@ class SafetensorsStager:
         arena: StagingArena | None = None,
     ) -> None:
         # arena: a leased, reusable buffer (warm memory); None allocates a fresh one.
+        self.total_bytes = total_bytes
         self._reusable_arena = arena
-        self._total_bytes = total_bytes
         self._checks = checks
         self._max_header_bytes = max_header_bytes
         self._sha256_hex = sha256_hex
-        self._digest = hashlib.sha256() if sha256_hex else None
-        self._received = 0
         self._head = bytearray()  # the length prefix and JSON header, until parsed
         self._header_bytes: int | None = None
-        self._entries: tuple[StreamEntry, ...] = ()
-        self._layout: ArenaLayout | None = None
-        self._arena: torch.Tensor | None = None
-        self._arena_view: memoryview | None = None
-        self._segment_begins: list[int] = []
-        # entries[:_checked] passed check_elements completely; so did the first _checked_elements
-        # elements of entries[_checked].
-        self._checked = 0
-        self._checked_elements = 0
+        self._data: _Data | None = None
+        self._lanes: list[Lane] = []
+        self._lanes_lock = threading.Lock()
+        self._head_ready = threading.Event()  # set when the head is parsed, or on failure
+        self._failure: BaseException | None = None
+        self._single: Lane | None = None
+
+    # ---- lanes ---------------------------------------------------------------------------
+
+    def lane(self, begin: int, end: int) -> Lane:
+        """A new lane for file bytes [begin, end); lanes must not overlap."""
+        if not 0 <= begin < end <= self.total_bytes:
+            raise InvalidArgument(
+                f"byte range [{begin}, {end}) is not inside the file of {self.total_bytes} bytes"
+            )
+        with self._lanes_lock:
+            for other in self._lanes:
+                if begin < other.end and other.begin < end:
+                    raise InvalidArgument(
+                        f"byte range [{begin}, {end}) overlaps [{other.begin}, {other.end})"
+                    )
+            # Streaming SHA-256 only for a lone lane over the whole file; otherwise at finish.
+            whole = begin == 0 and end == self.total_bytes
+            lane = Lane(self, begin, end, hash_bytes=whole and self._sha256_hex is not None)
+            self._lanes.append(lane)
+        return lane
 
     @property
     def received_bytes(self) -> int:
-        return self._received
+        return sum(lane.position - lane.begin for lane in self._lanes)
 
-    def feed(self, offset: int, data: bytes | memoryview, crc32: int | None = None) -> None:
-        """Take the next chunk; offset must equal the bytes received so far."""
-        view = memoryview(data).cast("B")
-        size = len(view)
-        if offset != self._received:
-            raise InvalidArgument(
-                f"chunk at offset {offset}, expected {self._received}: chunks must arrive in "
-                "order, each exactly once"
-            )
-        if size == 0:
-            raise InvalidArgument(f"empty chunk at offset {offset}")
-        if offset + size > self._total_bytes:
-            raise InvalidArgument(
-                f"chunk at offset {offset} with {size} bytes runs past total_bytes "
-                f"{self._total_bytes}"
-            )
-        if crc32 is not None and crc32_of(view) != crc32:
-            raise InvalidArgument(f"crc32 mismatch in the chunk at offset {offset}")
-        if self._digest is not None:
-            self._digest.update(view)
-        self._received += size
-        while view and self._arena is None:  # still in the length prefix or the JSON header
-            take = self._head_target() - len(self._head)
-            self._head += view[:take]
-            view = view[take:]
-            self._advance_head()
-        if view:
-            self._route(offset + size - len(view) - self._data_start(), view)
+    def feed(self, offset: int, data: Bytes, crc32: int | None = None) -> None:
+        """Take the next chunk of a single ordered stream; offset must equal the bytes so far."""
+        if self._single is None:
+            self._single = self.lane(0, self.total_bytes)
+        self._single.feed(offset, data, crc32)
 
-    def finish(self) -> StagedFile:
-        """Check that the stream is complete and its SHA-256 matches; return the staged tensors."""
-        if self._received != self._total_bytes:
-            raise InvalidArgument(
-                f"stream ended after {self._received} of {self._total_bytes} bytes"
-            )
-        if self._digest is not None and self._digest.hexdigest() != self._sha256_hex:
-            raise InvalidArgument("sha256 of the received file does not match header.sha256")
-        self._check_arrived(self._total_bytes - self._data_start())
-        tensors = {entry.name: self._tensor(i) for i, entry in enumerate(self._entries)}
-        return StagedFile(self._entries, tensors, self._total_bytes)
+    def fail(self, error: BaseException) -> None:
+        """Mark the stager failed: lanes waiting for the head wake up and raise."""
+        if self._failure is None:
+            self._failure = error
+        self._head_ready.set()
+
+    def check_open(self) -> None:
+        if self._failure is not None:
+            raise InvalidArgument(f"the update failed elsewhere: {self._failure}")
+
+    # ---- head ----------------------------------------------------------------------------
+
+    @property
+    def head_parsed(self) -> bool:
+        return self._data is not None
+
+    @property
+    def data(self) -> _Data:
+        assert self._data is not None
+        return self._data
+
+    def take_head(self, source: np.ndarray) -> np.ndarray:
+        """Buffer head bytes (lane 0 only); parse when complete; return what is left over."""
+        try:
+            while len(source) and self._data is None:
+                take = self._head_target() - len(self._head)
+                self._head += source[:take].tobytes()
+                source = source[take:]
+                self._advance_head()
+        except BaseException as error:
+            self.fail(error)
+            raise
+        return source
+
+    def wait_for_head(self, timeout_s: float | None) -> None:
+        if not self._head_ready.wait(timeout_s):
+            raise InvalidArgument(f"part 0 did not deliver the file's head within {timeout_s:g} s")
+        self.check_open()
+
+    def cursor(self, lane: Lane) -> _CheckCursor:
+        data = self.data
+        low = max(lane.begin - data.data_start, 0)
+        return _CheckCursor(data, self._checks, low, lane.end - data.data_start)
 
     def _head_target(self) -> int:
         return PREFIX_BYTES if self._header_bytes is None else PREFIX_BYTES + self._header_bytes
-
-    def _data_start(self) -> int:
-        assert self._header_bytes is not None
-        return PREFIX_BYTES + self._header_bytes
 
     def _advance_head(self) -> None:
         if self._header_bytes is None and len(self._head) == PREFIX_BYTES:
@@ -176,72 +373,66 @@ class SafetensorsStager:
                     f"safetensors header of {header_bytes} bytes is over the limit of "
                     f"{self._max_header_bytes}"
                 )
-            if PREFIX_BYTES + header_bytes > self._total_bytes:
+            if PREFIX_BYTES + header_bytes > self.total_bytes:
                 raise InvalidArgument(
                     f"safetensors header of {header_bytes} bytes does not fit in total_bytes "
-                    f"{self._total_bytes}"
+                    f"{self.total_bytes}"
                 )
             self._header_bytes = header_bytes
         if self._header_bytes is not None and len(self._head) == self._head_target():
             self._start_data()
 
     def _start_data(self) -> None:
-        data_bytes = self._total_bytes - self._data_start()
-        self._entries = parse_header(bytes(self._head[PREFIX_BYTES:]), data_bytes)
-        self._head = bytearray()
+        assert self._header_bytes is not None
+        data_start = PREFIX_BYTES + self._header_bytes
+        data_bytes = self.total_bytes - data_start
+        entries = parse_header(bytes(self._head[PREFIX_BYTES:]), data_bytes)
         # Verify names, shapes and dtypes against the model before allocating anything big.
-        self._checks.check_header(self._entries)
-        self._layout = plan_arena(self._entries, data_bytes)
-        self._segment_begins = [begin for begin, _, _ in self._layout.segments]
+        self._checks.check_header(entries)
+        layout = plan_arena(entries, data_bytes)
         if self._reusable_arena is not None:
-            self._arena = self._reusable_arena.take(self._layout.arena_bytes)
+            arena = self._reusable_arena.take(layout.arena_bytes)
         else:
-            self._arena = torch.empty(self._layout.arena_bytes, dtype=torch.uint8)
-        self._arena_view = memoryview(self._arena.numpy())
+            arena = torch.empty(layout.arena_bytes, dtype=torch.uint8)
+        self._data = _Data(entries, data_start, arena, layout)
+        self._head_ready.set()
 
-    def _route(self, position: int, view: memoryview) -> None:
-        """Copy data-section bytes [position, position + len(view)) into the arena."""
-        assert self._layout is not None and self._arena_view is not None
-        segments = self._layout.segments
-        index = bisect.bisect_right(self._segment_begins, position) - 1
-        end = position + len(view)
-        while view:
-            _, segment_end, shift = segments[index]
-            take = min(len(view), segment_end - position)
-            self._arena_view[position + shift : position + shift + take] = view[:take]
-            view = view[take:]
-            position += take
-            index += 1
-        self._check_arrived(end)
+    # ---- the end ---------------------------------------------------------------------------
 
-    def _check_arrived(self, data_received: int) -> None:
-        """Check every element whose last byte is among the first data_received bytes.
+    def finish(self) -> StagedFile:
+        """Check that every byte arrived and the SHA-256 matches; return the staged tensors."""
+        received = self.received_bytes
+        if received != self.total_bytes or self._data is None:
+            raise InvalidArgument(f"stream ended after {received} of {self.total_bytes} bytes")
+        data = self._data
+        self._check_lane_boundaries(data)
+        if self._sha256_hex is not None and self._sha256() != self._sha256_hex:
+            raise InvalidArgument("sha256 of the received file does not match header.sha256")
+        tensors = {entry.name: data.tensor(i) for i, entry in enumerate(data.entries)}
+        return StagedFile(data.entries, tensors, self.total_bytes)
 
-        Per chunk rather than per tensor: the bytes were just copied and are still in the cache,
-        and a large tensor no longer stalls the stream with one long pass when it completes.
-        """
-        while self._checked < len(self._entries):
-            entry = self._entries[self._checked]
+    def _check_lane_boundaries(self, data: _Data) -> None:
+        """Check the elements cut in two by a boundary between lanes (no lane checked them)."""
+        for lane in self._lanes:
+            boundary = lane.begin - data.data_start
+            if boundary <= 0:
+                continue
+            index = bisect.bisect_right(data.entry_ends, boundary)
+            if index >= len(data.entries):
+                continue
+            entry = data.entries[index]
             itemsize = entry.dtype.itemsize
-            numel = entry.nbytes // itemsize
-            arrived = min(numel, max(0, data_received - entry.begin) // itemsize)
-            if arrived > self._checked_elements:
-                values = self._flat(self._checked)[self._checked_elements : arrived]
-                self._checks.check_elements(entry, values)
-                self._checked_elements = arrived
-            if arrived < numel:
-                return
-            self._checked += 1
-            self._checked_elements = 0
+            if entry.begin < boundary and (boundary - entry.begin) % itemsize:
+                element = (boundary - entry.begin) // itemsize
+                self._checks.check_elements(entry, data.elements(index, element, element + 1))
 
-    def _flat(self, index: int) -> torch.Tensor:
-        """The elements of entries[index] in the arena, 1-D (empty for an empty tensor)."""
-        assert self._layout is not None and self._arena is not None
-        entry = self._entries[index]
-        if entry.nbytes == 0:
-            return torch.empty(0, dtype=entry.dtype)
-        start = self._layout.offsets[index]
-        return self._arena[start : start + entry.nbytes].view(entry.dtype)
-
-    def _tensor(self, index: int) -> torch.Tensor:
-        return self._flat(index).view(self._entries[index].shape)
+    def _sha256(self) -> str:
+        if len(self._lanes) == 1 and self._lanes[0].hexdigest() is not None:
+            return self._lanes[0].hexdigest()  # type: ignore[return-value]
+        # Several lanes: hash the staged copy itself (head, then each segment in file order), so
+        # the digest covers exactly the bytes that will be applied.
+        data = self.data
+        digest = hashlib.sha256(self._head)
+        for begin, end, shift in data.layout.segments:
+            digest.update(data.arena_np[begin + shift : end + shift])
+        return digest.hexdigest()

@@ -317,10 +317,12 @@ class WeightsHeader(_message.Message):
     def __init__(self, target: _Optional[_Union[ModelRole, str]] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., total_bytes: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., sha256: _Optional[str] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., allow_non_finite: _Optional[bool] = ..., shared_memory: _Optional[_Union[SharedMemorySource, _Mapping]] = ..., distributed: _Optional[_Union[DistributedSource, _Mapping]] = ..., parallel: _Optional[_Union[ParallelPart, _Mapping]] = ...) -> None: ...
 
 class SharedMemorySource(_message.Message):
-    __slots__ = ("name",)
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    __slots__ = ("pid", "fd")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    fd: int
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
 
 class DistributedSource(_message.Message):
     __slots__ = ("group", "bucket_bytes")

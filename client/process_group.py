@@ -1,0 +1,80 @@
+"""A torch.distributed process group of its own (no global default group), for weight broadcasts.
+
+Both sides build it the same way: a TCPStore at the trainer's address (the trainer, rank 0,
+hosts it), a PrefixStore per group name, and a Gloo (CPU) or NCCL (GPU) process group over it,
+like SGLang's init_weights_update_group. Nothing here touches torch.distributed's default group,
+so a trainer that already runs its own torch.distributed job keeps it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BACKENDS", "all_max", "broadcast", "new_process_group"]
+
+BACKENDS = ("gloo", "nccl")
+
+
+def new_process_group(
+    *,
+    group: str,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    backend: str,
+    timeout_s: float,
+    store: dist.Store | None = None,
+) -> dist.ProcessGroup:
+    """Join (rank > 0) or host (rank 0, pass the master `store`) a group; blocks until all join."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(
+            master_address, master_port, world_size, is_master=False, timeout=timeout
+        )
+    prefixed = dist.PrefixStore(f"rollserve/{group}", store)
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        # Bind to the address that reaches the master, not whatever the hostname resolves to.
+        options._devices = [
+            dist.ProcessGroupGloo.create_device(hostname=_local_address(master_address))
+        ]
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+    if backend == "nccl":
+        if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
+            raise RuntimeError("the nccl backend needs CUDA and a torch built with NCCL")
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+def _local_address(master_address: str) -> str:
+    """This host's address on the route to the master (loopback for a local master)."""
+    try:
+        infos = socket.getaddrinfo(master_address, None, type=socket.SOCK_DGRAM)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((address[0], 9))  # UDP connect sends nothing; it picks the route
+            return probe.getsockname()[0]
+    except OSError:
+        return master_address
+
+
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    """Broadcast `tensor` from rank 0 to every rank (in place on the receivers); waits."""
+    group.broadcast(tensor, 0).wait()
+
+
+def all_max(group: dist.ProcessGroup, value: int, device: torch.device | str = "cpu") -> int:
+    """The largest of every rank's `value` (the go/no-go vote before a broadcast)."""
+    flag = torch.tensor([value], dtype=torch.int64, device=device)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+    group.allreduce([flag], options).wait()
+    return int(flag.item())

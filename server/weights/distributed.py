@@ -1,0 +1,243 @@
+"""The torch.distributed data plane: update files whose data section arrives by broadcast.
+
+InitWeightsGroup joins this server to a trainer's process group (client/process_group.py). An
+UpdateWeights stream naming a DistributedSource carries the header and the file's head (the JSON
+header) as chunks; the server checks the version and the head against its model, then every
+rank votes (an all-reduce MAX of 0 = ready, 1 = refused) so that nobody starts a broadcast a
+server will not take; then rank 0 broadcasts the data section in buckets, each received into
+one bucket buffer here and copied into the staging arena as a lane of the same stager as every
+other transport (verified as it lands). One broadcast updates every server of the group.
+
+A failure after the vote (a member died, a timeout) leaves the group's collectives out of step,
+so the group is dropped: the next update naming it gets FAILED_PRECONDITION until the trainer
+makes a new one. The old weights keep serving either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+import torch.distributed as dist
+from rollserve.client.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    RolloutError,
+    Unavailable,
+)
+from rollserve.client.process_group import BACKENDS, all_max, broadcast, new_process_group
+from rollserve.server.weights.staging import Request, UpdateStager, iter_chunks
+from rollserve.v1 import rollout_pb2 as pb
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "WeightsGroup", "WeightsGroups"]
+
+_LOG = logging.getLogger(__name__)
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+MAX_BUCKET_BYTES = 1024 * 1024 * 1024
+_GROUP_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_READY, _REFUSED = 0, 1
+
+
+@dataclass
+class WeightsGroup:
+    """A process group this server joined, as rank `rank` of `world_size`."""
+
+    name: str
+    backend: str
+    device: torch.device
+    process_group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one update at a time
+
+
+class WeightsGroups:
+    """The groups of one server, by name."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device  # where NCCL broadcasts land (the models' device)
+        self._groups: dict[str, WeightsGroup] = {}
+        self._lock = threading.Lock()
+
+    def init(self, request: pb.InitWeightsGroupRequest) -> pb.InitWeightsGroupResponse:
+        """Join the trainer's group; blocks until every rank joined (or the timeout)."""
+        name, backend, timeout_s = _check_init(request, self._device)
+        with self._lock:
+            if name in self._groups:
+                raise FailedPrecondition(f"group: {name!r} exists; DestroyWeightsGroup it first")
+            self._groups[name] = None  # type: ignore[assignment]  # reserved while joining
+        try:
+            process_group = new_process_group(
+                group=name,
+                master_address=request.master_address,
+                master_port=request.master_port,
+                world_size=request.world_size,
+                rank=request.rank,
+                backend=backend,
+                timeout_s=timeout_s,
+            )
+        except Exception as error:
+            with self._lock:
+                del self._groups[name]
+            raise Unavailable(f"group {name!r}: rendezvous failed: {error}") from None
+        device = self._device if backend == "nccl" else torch.device("cpu")
+        group = WeightsGroup(name, backend, device, process_group, request.rank, request.world_size)
+        with self._lock:
+            self._groups[name] = group
+        _LOG.info("joined weights group %s (%s, rank %d of %d)", name, backend, group.rank,
+                  group.world_size)  # fmt: skip
+        return pb.InitWeightsGroupResponse(backend=backend, device=str(device))
+
+    def destroy(self, name: str) -> None:
+        with self._lock:
+            group = self._groups.get(name)
+            if group is None:
+                raise _NotFound(f"group: no weights group {name!r}")
+            del self._groups[name]
+        _shutdown(group)
+
+    def close(self) -> None:
+        with self._lock:
+            groups = [g for g in self._groups.values() if g is not None]
+            self._groups.clear()
+        for group in groups:
+            _shutdown(group)
+
+    def get(self, name: str) -> WeightsGroup:
+        with self._lock:
+            group = self._groups.get(name)
+        if group is None:
+            raise FailedPrecondition(
+                f"header.distributed.group: no weights group {name!r} on this server "
+                "(InitWeightsGroup first; a group is dropped after a failed broadcast)"
+            )
+        return group
+
+    def drop(self, group: WeightsGroup) -> None:
+        """Forget a group whose collectives went out of step."""
+        with self._lock:
+            if self._groups.get(group.name) is group:
+                del self._groups[group.name]
+        _shutdown(group)
+
+
+class _NotFound(RolloutError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+def _check_init(
+    request: pb.InitWeightsGroupRequest, device: torch.device
+) -> tuple[str, str, float]:
+    if not _GROUP_NAME.fullmatch(request.group):
+        raise InvalidArgument("group: 1 to 64 characters of [A-Za-z0-9._-]")
+    if not request.master_address or len(request.master_address) > 255:
+        raise InvalidArgument("master_address: a host name or address is required")
+    if not 0 < request.master_port < 65536:
+        raise InvalidArgument(f"master_port: 1 to 65535, got {request.master_port}")
+    if request.world_size < 2:
+        raise InvalidArgument(f"world_size: at least 2, got {request.world_size}")
+    if not 0 < request.rank < request.world_size:
+        raise InvalidArgument(
+            f"rank: 1 to {request.world_size - 1} (rank 0 is the trainer), got {request.rank}"
+        )
+    backend = request.backend or ("nccl" if device.type == "cuda" else "gloo")
+    if backend not in BACKENDS:
+        raise InvalidArgument(f"backend: one of {', '.join(BACKENDS)}, got {request.backend!r}")
+    if backend == "nccl" and device.type != "cuda":
+        raise FailedPrecondition("backend: nccl needs a server whose models are on a CUDA device")
+    timeout_s = request.timeout_s or 60.0
+    if not 0 < timeout_s <= 3600:
+        raise InvalidArgument(f"timeout_s: 0 (60 s) or up to 3600, got {request.timeout_s}")
+    return request.group, backend, timeout_s
+
+
+def _shutdown(group: WeightsGroup) -> None:
+    try:
+        group.process_group.shutdown()
+    except Exception:  # a group whose peer died may refuse even this; it is dropped anyway
+        _LOG.debug("shutting down weights group %s failed", group.name, exc_info=True)
+
+
+class GroupUpdate:
+    """One update through a group: the vote, then the broadcast into the stager's lane.
+
+    Used as a context manager around everything the server does for the update between reading
+    the header and the swap, so that a refusal before the vote (stale version, a head that does
+    not match the model) still casts the vote the other ranks wait for.
+    """
+
+    def __init__(self, groups: WeightsGroups, source: pb.DistributedSource) -> None:
+        self._groups = groups
+        self._group = groups.get(source.group)
+        bucket_bytes = source.bucket_bytes or DEFAULT_BUCKET_BYTES
+        if not 0 < bucket_bytes <= MAX_BUCKET_BYTES:
+            raise InvalidArgument(
+                f"header.distributed.bucket_bytes: up to {MAX_BUCKET_BYTES}, got {bucket_bytes}"
+            )
+        self._bucket_bytes = bucket_bytes
+        self._voted = False
+
+    def __enter__(self) -> GroupUpdate:
+        if not self._group.lock.acquire(blocking=False):
+            raise FailedPrecondition(f"group {self._group.name!r} is busy with another update")
+        return self
+
+    def __exit__(self, exc_type: object, error: BaseException | None, tb: object) -> None:
+        try:
+            if error is not None and not self._voted:
+                self._vote(_REFUSED)
+        finally:
+            self._group.lock.release()
+
+    def receive(self, stager: UpdateStager, requests: Iterator[Request]) -> None:
+        """The head from the stream, the vote, then the data section by broadcast."""
+        lane = stager.lane(0, stager.options.total_bytes)
+        for offset, data, crc32 in iter_chunks(requests):
+            lane.feed(offset, data, crc32)
+        if not stager.head_parsed:
+            raise InvalidArgument(
+                "the stream of a distributed update must carry the file's whole head "
+                f"(it ended after {lane.position} bytes)"
+            )
+        if not self._vote(_READY):
+            raise FailedPrecondition("another rank of the group refused this update")
+        refusal: RolloutError | None = None
+        position = lane.position
+        try:
+            bucket = torch.empty(self._bucket_bytes, dtype=torch.uint8, device=self._group.device)
+            while position < lane.end:
+                size = min(self._bucket_bytes, lane.end - position)
+                received = bucket[:size]
+                broadcast(self._group.process_group, received)
+                if refusal is None:
+                    try:
+                        lane.feed(position, received.cpu().numpy())
+                    except RolloutError as error:
+                        # Take the rest of the broadcast anyway: rank 0 and the other servers
+                        # must not hang on a rank that stopped listening.
+                        refusal = error
+                position += size
+        except Exception as error:
+            self._groups.drop(self._group)
+            raise Unavailable(
+                f"group {self._group.name!r}: the broadcast failed ({error}); the group is "
+                "dropped, make a new one"
+            ) from None
+        if refusal is not None:
+            raise refusal
+
+    def _vote(self, vote: int) -> bool:
+        self._voted = True
+        try:
+            return all_max(self._group.process_group, vote, self._group.device) == _READY
+        except Exception as error:
+            self._groups.drop(self._group)
+            raise Unavailable(
+                f"group {self._group.name!r}: the vote before the broadcast failed ({error}); "
+                "the group is dropped"
+            ) from None

@@ -1,0 +1,183 @@
+"""Parallel gRPC streams: one update's file spread over several UpdateWeights calls.
+
+Every stream sends the same WeightsHeader with its own ParallelPart (index, byte range), then the
+chunks of its range in order. Part 0, the leader, does what a single stream does (version check,
+staging arena lease, head, swap) and registers an `Assembly`; the other parts join it by
+update_id and write their ranges as lanes of the same stager (stream.py), each on its own gRPC
+thread. The swap happens once every part arrived and verified, and every stream gets the same
+reply; a failure of any part fails all of them and leaves the old weights serving.
+
+Memory: one staging arena (held by the leader) plus one chunk in flight per stream.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+
+from rollserve.client.errors import DeadlineExceeded, InvalidArgument, RolloutError
+from rollserve.server.weights.staging import Request, UpdateStager, iter_chunks
+from rollserve.server.weights.stream import Lane
+from rollserve.v1 import rollout_pb2 as pb
+
+__all__ = ["MAX_STREAMS", "Assembly", "ParallelUpdates", "check_part", "feed_part"]
+
+MAX_STREAMS = 64
+_UPDATE_ID = re.compile(r"[\x21-\x7e]{1,64}")
+
+
+def check_part(header: pb.WeightsHeader) -> pb.ParallelPart:
+    """The header's ParallelPart, validated on its own (ranges are checked against the others)."""
+    part = header.parallel
+    if not _UPDATE_ID.fullmatch(part.update_id):
+        raise InvalidArgument("header.parallel.update_id: 1 to 64 printable ASCII characters")
+    if not 2 <= part.streams <= MAX_STREAMS:
+        raise InvalidArgument(f"header.parallel.streams: 2 to {MAX_STREAMS}, got {part.streams}")
+    if not 0 <= part.index < part.streams:
+        raise InvalidArgument(f"header.parallel.index: 0 to {part.streams - 1}, got {part.index}")
+    if not part.begin < part.end <= header.total_bytes:
+        raise InvalidArgument(
+            f"header.parallel: byte range [{part.begin}, {part.end}) is empty or runs past "
+            f"total_bytes {header.total_bytes}"
+        )
+    if (part.index == 0) != (part.begin == 0):
+        raise InvalidArgument("header.parallel: part 0, and only part 0, begins at byte 0")
+    return part
+
+
+def _without_part(header: pb.WeightsHeader) -> bytes:
+    copy = pb.WeightsHeader()
+    copy.CopyFrom(header)
+    copy.ClearField("parallel")
+    return copy.SerializeToString(deterministic=True)
+
+
+def feed_part(lane: Lane, requests: Iterator[Request]) -> None:
+    """Feed one stream's chunks into its lane; the stream must cover the lane's range exactly."""
+    for offset, data, crc32 in iter_chunks(requests):
+        lane.feed(offset, data, crc32)
+    if not lane.complete:
+        raise InvalidArgument(
+            f"stream ended after {lane.position - lane.begin} of its part's "
+            f"{lane.end - lane.begin} bytes"
+        )
+
+
+class Assembly:
+    """One parallel update in flight: its stager, which parts are done, and the outcome."""
+
+    def __init__(self, header: pb.WeightsHeader, stager: UpdateStager) -> None:
+        self.stager = stager
+        self.streams = header.parallel.streams
+        self._header = _without_part(header)
+        self._joined: set[int] = {0}
+        self._done = 0
+        self._error: RolloutError | None = None
+        self._response: pb.UpdateWeightsResponse | None = None
+        self._changed = threading.Condition()
+
+    def join(self, header: pb.WeightsHeader) -> Lane:
+        """A follower's lane, after checking its header equals the leader's."""
+        part = header.parallel
+        if _without_part(header) != self._header:
+            raise InvalidArgument(
+                f"header.parallel.index {part.index}: the header differs from part 0's"
+            )
+        with self._changed:
+            if part.index in self._joined:
+                raise InvalidArgument(f"header.parallel.index {part.index} sent twice")
+            self._joined.add(part.index)
+        return self.stager.lane(part.begin, part.end)
+
+    def part_done(self) -> None:
+        with self._changed:
+            self._done += 1
+            self._changed.notify_all()
+
+    def fail(self, error: BaseException, index: int) -> None:
+        """Fail every part; the first failure names the status every stream reports."""
+        with self._changed:
+            if self._error is None:
+                self._error = _as_rollout_error(error, index)
+                self.stager.fail(self._error)
+            self._changed.notify_all()
+
+    def succeed(self, response: pb.UpdateWeightsResponse) -> None:
+        with self._changed:
+            self._response = response
+            self._changed.notify_all()
+
+    def wait_parts(self, timeout_s: float) -> None:
+        """Leader: wait until every part arrived (raises the first part's failure)."""
+        self._wait(lambda: self._done == self.streams, timeout_s, "every part to arrive")
+
+    def wait_result(self, timeout_s: float) -> pb.UpdateWeightsResponse:
+        """Follower: the leader's reply once the update is applied (or the failure)."""
+        self._wait(lambda: self._response is not None, timeout_s, "the update to apply")
+        assert self._response is not None
+        return self._response
+
+    def _wait(self, ready, timeout_s: float, what: str) -> None:  # noqa: ANN001 - a predicate
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self._error is None and not ready():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    error = DeadlineExceeded(
+                        f"parallel update: waited {timeout_s:g} s for {what} "
+                        f"({self._done} of {self.streams} parts done)"
+                    )
+                    self._error = error
+                    self.stager.fail(error)
+                    self._changed.notify_all()
+                    break
+                self._changed.wait(left)
+            if self._error is not None:
+                raise type(self._error)(str(self._error))
+
+
+def _as_rollout_error(error: BaseException, index: int) -> RolloutError:
+    if isinstance(error, RolloutError):
+        return type(error)(f"part {index}: {error}")
+    # A stream cut by its client (grpc raises from the request iterator) and the like.
+    return InvalidArgument(f"part {index}: the stream broke off ({type(error).__name__})")
+
+
+class ParallelUpdates:
+    """The parallel updates in flight, by update_id, so that followers find their leader."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s  # how long a part waits for another (the leader, the other parts)
+        self._assemblies: dict[str, Assembly] = {}
+        self._changed = threading.Condition()
+
+    def open(self, header: pb.WeightsHeader, stager: UpdateStager) -> Assembly:
+        """Leader: register the update (the caller calls `close` when it is over)."""
+        update_id = header.parallel.update_id
+        with self._changed:
+            if update_id in self._assemblies:
+                raise InvalidArgument(f"header.parallel.update_id {update_id!r} is in use")
+            assembly = self._assemblies[update_id] = Assembly(header, stager)
+            self._changed.notify_all()
+        return assembly
+
+    def close(self, header: pb.WeightsHeader) -> None:
+        with self._changed:
+            self._assemblies.pop(header.parallel.update_id, None)
+
+    def join(self, header: pb.WeightsHeader) -> Assembly:
+        """Follower: the leader's assembly, waiting up to wait_s for part 0 to register it."""
+        update_id = header.parallel.update_id
+        deadline = time.monotonic() + self.wait_s
+        with self._changed:
+            while update_id not in self._assemblies:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceeded(
+                        f"parallel update {update_id!r}: part 0 did not start within "
+                        f"{self.wait_s:g} s (or the update already ended)"
+                    )
+                self._changed.wait(left)
+            return self._assemblies[update_id]

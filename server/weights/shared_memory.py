@@ -1,0 +1,140 @@
+"""The shared-memory data plane: copy an update file from a client's sealed memfd (same host).
+
+The client (client/shared_memory.py) names its memfd by (pid, fd); the server opens
+/proc/<pid>/fd/<fd> read-only, refuses it unless it is sealed against shrinking (a truncation
+under a shared mapping would SIGBUS the server), and maps it. The head goes through the lane
+that starts at 0 like any chunk; the data section is split into `lanes` byte ranges copied by
+that many threads at once (numpy releases the GIL for the copy and the value checks), each
+straight from the mapping into the staging arena, in pieces that stay in the CPU cache for the
+value checks. The mapping is closed before the call returns: the server keeps no reference.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import stat
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from rollserve.client.errors import FailedPrecondition, InvalidArgument
+from rollserve.client.shared_memory import REQUIRED_SEALS
+from rollserve.server.weights.staging import UpdateStager
+from rollserve.server.weights.stream import Lane
+from rollserve.v1 import rollout_pb2 as pb
+
+__all__ = ["PIECE_BYTES", "receive_shared_memory"]
+
+# Copied and checked per piece: small enough to stay in L2/L3 between the copy and the check.
+PIECE_BYTES = 1 << 20
+
+
+def receive_shared_memory(
+    stager: UpdateStager,
+    source: pb.SharedMemorySource,
+    *,
+    lanes: int,
+) -> None:
+    """Copy the whole file of `source` into `stager` with `lanes` threads; verify as it lands."""
+    total_bytes = stager.options.total_bytes
+    mapping = _map(source, total_bytes)
+    try:
+        file = np.frombuffer(mapping, dtype=np.uint8, count=total_bytes)
+        try:
+            _copy(stager, file, lanes)
+        finally:
+            del file  # the mapping cannot close while a view of it lives
+    finally:
+        mapping.close()
+
+
+def _copy(stager: UpdateStager, file: np.ndarray, lanes: int) -> None:
+    total_bytes = len(file)
+    # Where the data begins, from the length prefix (the lane at 0 validates it while parsing).
+    prefix = int.from_bytes(file[:8].tobytes(), "little") if total_bytes >= 8 else 0
+    data_start = min(8 + prefix, total_bytes)
+    bounds = _split(data_start, total_bytes, lanes)
+    parts = [
+        stager.lane(begin, end)
+        for begin, end in zip([0, *bounds], [*bounds, total_bytes], strict=True)
+    ]
+    try:
+        _feed_range(parts[0].feed, file, 0, data_start)  # the head: the arena exists after it
+        with ThreadPoolExecutor(len(parts), thread_name_prefix="shm-lane") as pool:
+            futures = [pool.submit(_feed_lane, part, file) for part in parts]
+            for future in futures:
+                future.result()
+    except BaseException as error:
+        stager.fail(error)
+        raise
+
+
+def _feed_lane(lane: Lane, file: np.ndarray) -> None:
+    if lane.begin > 0:
+        lane.start_in_data(timeout_s=0)  # the head was parsed before this thread started
+    _feed_range(lane.feed, file, lane.position, lane.end)
+
+
+def _feed_range(feed: Callable[..., None], file: np.ndarray, begin: int, end: int) -> None:
+    for offset in range(begin, end, PIECE_BYTES):
+        feed(offset, file[offset : min(offset + PIECE_BYTES, end)])
+
+
+def _split(data_start: int, total_bytes: int, lanes: int) -> list[int]:
+    """Interior boundaries that cut the data section into `lanes` near-equal, 64-byte-aligned
+    ranges (elements cut at a boundary are checked once at the end, stream.py)."""
+    size = total_bytes - data_start
+    bounds = []
+    for i in range(1, lanes):
+        cut = data_start + (size * i // lanes) // 64 * 64
+        if data_start < cut < total_bytes and (not bounds or cut > bounds[-1]):
+            bounds.append(cut)
+    return bounds
+
+
+def _map(source: pb.SharedMemorySource, total_bytes: int) -> mmap.mmap:
+    """Open and map the client's memfd read-only, after checking what it is."""
+    if source.pid <= 0 or source.fd < 0:
+        raise InvalidArgument(
+            f"shared_memory: pid {source.pid} and fd {source.fd} do not name a file"
+        )
+    path = f"/proc/{source.pid}/fd/{source.fd}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as error:
+        raise FailedPrecondition(_open_error(path, error)) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidArgument(f"shared_memory: {path} is not a memfd or regular file")
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0  # a file that cannot be sealed (not a memfd)
+        if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+            raise InvalidArgument(
+                "shared_memory: the file must be a memfd sealed with F_SEAL_SHRINK and "
+                "F_SEAL_GROW (a truncation while the server reads would crash it)"
+            )
+        if info.st_size < total_bytes:
+            raise InvalidArgument(
+                f"shared_memory: the file holds {info.st_size} bytes, fewer than "
+                f"header.total_bytes {total_bytes}"
+            )
+        return mmap.mmap(fd, total_bytes, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+def _open_error(path: str, error: OSError) -> str:
+    if error.errno == errno.ENOENT:
+        return (
+            f"shared_memory: {path} does not exist on the server's host (is the client on the "
+            "same host and in the same PID namespace, and still running?)"
+        )
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return f"shared_memory: the server may not open {path} (run both as the same user)"
+    return f"shared_memory: cannot open {path}: {os.strerror(error.errno or 0)}"
