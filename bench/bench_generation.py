@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from rollserve.server.generation import SamplingParams, generate, left_pad
+from rollserve.server.experience.generation import SamplingParams, generate, left_pad
 
 
 def build_model(size: str, vocab: int, hidden: int, layers: int, dtype: torch.dtype, device: str):

@@ -78,7 +78,7 @@ def build(args: argparse.Namespace):
 
 
 def naive(model, ids: torch.Tensor, mask: torch.Tensor, actions: int, entropy: bool):
-    from rollserve.server.scoring import position_ids_from_mask
+    from rollserve.server.experience.scoring import position_ids_from_mask
 
     with torch.inference_mode():
         logits = model(
@@ -92,7 +92,7 @@ def naive(model, ids: torch.Tensor, mask: torch.Tensor, actions: int, entropy: b
 
 
 def chunked(model, ids, mask, actions: int, entropy: bool, batch_size: int, per_chunk: int):
-    from rollserve.server.scoring import action_log_probs
+    from rollserve.server.experience.scoring import action_log_probs
 
     log_probs, _ = action_log_probs(
         model, ids, mask, actions, forward_batch_size=batch_size, with_entropy=entropy,

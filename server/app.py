@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from rollserve.server.config import ServerConfig
 from rollserve.server.continuous import ContinuousRollout
+from rollserve.server.experience.maker import NaiveExperienceMaker
 from rollserve.server.experience_request import RequestDefaults
 from rollserve.server.handlers import add_rollout_servicer
 from rollserve.server.interceptors import (
@@ -39,7 +40,6 @@ from rollserve.server.interceptors import (
     MalformedRequestInterceptor,
     TelemetryInterceptor,
 )
-from rollserve.server.maker import NaiveExperienceMaker
 from rollserve.server.metrics import MetricsHttpServer, ServerMetrics, start_metrics_http
 from rollserve.server.models import ModelSet, Phase, ServerState, check_model_dirs, load_models
 from rollserve.server.readiness import Readiness

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from rollserve.client.errors import FailedPrecondition, InvalidArgument
 from rollserve.server.algorithms import AlgorithmConfig, check_group_size, resolve_algorithm
-from rollserve.server.generation import SamplingParams
+from rollserve.server.experience.generation import SamplingParams
 from rollserve.server.models import ModelSet
 from rollserve.server.rewards import BUILTIN_RULES, REWARD_MODEL_SOURCE, RewardRegistry
 from rollserve.v1 import rollout_pb2 as pb

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from rollserve.client.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rollserve.client.experience import experience_to_proto
 from rollserve.server.engine import Engine
-from rollserve.server.maker import NaiveExperienceMaker
+from rollserve.server.experience.maker import NaiveExperienceMaker
 from rollserve.server.models import LoadedModel, ModelSet, Phase, ServerState
 from rollserve.server.weights import (
     AppliedUpdate,

@@ -7,8 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 from rollserve.client.errors import InvalidArgument
-from rollserve.server.generation import GenerationOutput, SamplingParams, generate, left_pad
-from rollserve.server.scoring import action_log_probs, position_ids_from_mask
+from rollserve.server.experience.generation import (
+    GenerationOutput,
+    SamplingParams,
+    generate,
+    left_pad,
+)
+from rollserve.server.experience.scoring import action_log_probs, position_ids_from_mask
 
 PAD = 0
 # Different lengths, so rows are left-padded by 0..6 columns. Ids avoid the pad id.

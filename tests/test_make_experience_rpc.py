@@ -22,7 +22,7 @@ from rollserve.client.requests import build_make_experience_request
 from rollserve.server.app import RolloutServer
 from rollserve.server.config import ServerConfig
 from rollserve.server.default_model import TinyModelSpec, save_tiny_causal_lm
-from rollserve.server.maker import NaiveExperienceMaker
+from rollserve.server.experience.maker import NaiveExperienceMaker
 from rollserve.server.models import ModelSet, load_models
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc

@@ -19,11 +19,11 @@ from rollserve.client.requests import build_make_experience_request
 from rollserve.server.algorithms import resolve_algorithm, shape_experience
 from rollserve.server.config import ServerConfig
 from rollserve.server.default_model import TinyModelSpec, save_tiny_causal_lm
+from rollserve.server.experience.maker import NaiveExperienceMaker
+from rollserve.server.experience.scoring import action_log_probs, reward_scores
 from rollserve.server.experience_request import RequestDefaults
-from rollserve.server.maker import NaiveExperienceMaker
 from rollserve.server.models import ModelSet, load_models
 from rollserve.server.rewards import RewardRegistry
-from rollserve.server.scoring import action_log_probs, reward_scores
 from rollserve.v1 import rollout_pb2 as pb
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [40], [70, 71]]
@@ -349,8 +349,7 @@ def test_sharing_the_prefill_of_a_group_leaves_the_experience_unchanged(
 ) -> None:
     import functools
 
-    from rollserve.server import generation
-    from rollserve.server import maker as maker_module
+    from rollserve.server.experience import generation, steps
 
     options = dict(
         samples_per_prompt=4, seed=21, temperature=0.9, top_k=40, rewards=["length"],
@@ -359,7 +358,7 @@ def test_sharing_the_prefill_of_a_group_leaves_the_experience_unchanged(
     )  # fmt: skip
     shared = maker.make_experience(PROMPTS, **options)
     every_row = functools.partial(generation.generate, share_prefill=False)
-    monkeypatch.setattr(maker_module, "generate", every_row)
+    monkeypatch.setattr(steps, "generate", every_row)
     unshared = maker.make_experience(PROMPTS, **options)
     _same(shared, unshared)
     assert shared.response_texts == unshared.response_texts

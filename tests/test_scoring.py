@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from rollserve.client.errors import FailedPrecondition, InvalidArgument
-from rollserve.server.scoring import (
+from rollserve.server.experience.scoring import (
     action_log_probs,
     critic_values,
     last_real_index,
@@ -282,7 +282,7 @@ def test_reward_of_an_empty_row_is_invalid_argument(reward) -> None:
 def test_plain_lm_head_is_applied_in_chunks_and_equals_the_full_head(actor) -> None:
     """The backbone runs once per forward batch; lm_head sees at most positions_per_chunk
     (row, column) pairs at a time, and the result equals lm_head over every position."""
-    from rollserve.server.scoring import _logits_head
+    from rollserve.server.experience.scoring import _logits_head
 
     assert _logits_head(actor) is not None
     ids, mask, actions = layout()
@@ -308,7 +308,7 @@ def test_a_model_that_scales_its_logits_is_scored_through_its_own_logits(
 ) -> None:
     """Soft-capped or scaled logits (Gemma 2, Cohere, Granite) are not lm_head(hidden): the
     split fails its check and the model's own logits are used, so the numbers stay right."""
-    from rollserve.server.scoring import _logits_head
+    from rollserve.server.experience.scoring import _logits_head
     from transformers import AutoModelForCausalLM
 
     class ScaledLogits(torch.nn.Module):

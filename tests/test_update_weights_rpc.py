@@ -31,8 +31,8 @@ from rollserve.client.errors import FailedPrecondition
 from rollserve.server.app import RolloutServer
 from rollserve.server.config import ServerConfig
 from rollserve.server.default_model import TinyModelSpec, build_byte_tokenizer, save_tiny_causal_lm
+from rollserve.server.experience.scoring import action_log_probs
 from rollserve.server.models import LoadedModel, ModelSet, load_models
-from rollserve.server.scoring import action_log_probs
 from rollserve.server.weights import staging_arena
 from rollserve.server.weights.checksum import crc32
 from rollserve.v1 import rollout_pb2 as pb

@@ -18,6 +18,13 @@ sampled token, in float32, over the UNFILTERED distribution: top-k, top-p and th
 min_new_tokens mask shape sampling only (the proto's definition; a trainer can reproduce it by
 teacher forcing). Greedy decoding (temperature 0) never divides. Columns after a row finished
 hold log-prob 0, token pad_token_id, attention 0 and action mask 0.
+
+Prefix sharing. Rows with the same prompt (a GRPO group of n samples) are prefilled once: the
+distinct prompts run through the model in the batch's left-padded layout, then each one's KV
+cache and last logits are copied to the rows of its group, and decoding goes on with all B rows.
+Sampling draws the same random numbers in the same order as with a prefill of every row, so a
+seed gives the same tokens; the prefill's matmuls run on fewer rows, so on CPU the logits (and
+recorded log-probs) may differ from a full prefill in the last bit (~1e-7).
 """
 
 from __future__ import annotations
@@ -213,6 +220,25 @@ class _Active:
     window: torch.Tensor  # (b, W) last W tokens, for stop matching
     finished: torch.Tensor  # (b,) bool
 
+    @classmethod
+    def start(
+        cls,
+        prompt_mask: torch.Tensor,
+        positions: torch.Tensor,
+        budget: int,
+        window: int,
+        pad_token_id: int,
+    ) -> _Active:
+        """Every row active, attention over the prompt and room for `budget` new tokens."""
+        batch, device = prompt_mask.shape[0], prompt_mask.device
+        return cls(
+            rows=torch.arange(batch, device=device),
+            attention=torch.cat([prompt_mask, prompt_mask.new_zeros((batch, budget))], dim=1),
+            positions=positions[:, -1:] + 1,
+            window=torch.full((batch, window), pad_token_id, dtype=torch.long, device=device),
+            finished=torch.zeros(batch, dtype=torch.bool, device=device),
+        )
+
     def compact(self, cache: object) -> torch.Tensor:
         """Drop finished rows from the state and the KV cache; return the kept cache rows."""
         keep = (~self.finished).nonzero().squeeze(1)
@@ -272,13 +298,7 @@ def generate(
     ban_ids = stops.single_ids if params.min_new_tokens > 0 and stops.single_ids.numel() else None
     outputs = _Outputs.empty(batch, budget, pad_token_id, device)
     positions = (prompt_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, P), as in scoring
-    state = _Active(
-        rows=torch.arange(batch, device=device),
-        attention=torch.cat([prompt_mask, prompt_mask.new_zeros((batch, budget))], dim=1),
-        positions=positions[:, -1:] + 1,
-        window=torch.full((batch, stops.width), pad_token_id, dtype=torch.long, device=device),
-        finished=torch.zeros(batch, dtype=torch.bool, device=device),
-    )
+    state = _Active.start(prompt_mask, positions, budget, stops.width, pad_token_id)
     with torch.inference_mode():
         shared = share_prefill
         logits, cache = _prefill(model, prompts, prompt_ids, prompt_mask, positions, shared)

@@ -1,0 +1,1 @@
+"""Experience making: a MakeExperience request in, Experience micro-batches out."""

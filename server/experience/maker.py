@@ -1,0 +1,160 @@
+"""The experience maker: prompts in, Experience micro-batches out (ColossalChat's
+NaiveExperienceMaker, LightRFT's make_experience_list).
+
+A request runs as: per generation batch of whole groups, generate -> score -> decode ->
+reward (steps.py) -> shape rewards, KL and advantages (algorithms.shape_experience) -> cut into
+micro-batches of whole groups, each trimmed to its own tight width, on the CPU
+(micro_batches.py). Shaping needs only a group at a time, so micro-batches stream as each
+generation batch is done, except when advantages are whitened, which takes statistics over the
+whole request (batches.merge_batches).
+
+Where each Experience field is computed:
+
+  sequences, attention_mask              steps.generate_rows (generation.generate)
+  info response_length, total_length,    steps.generate_rows; copied by batches.to_experience
+    truncated
+  action_log_probs, action_entropy       steps.score_rows: the actor (scoring.action_log_probs)
+  base_action_log_probs                  steps.score_rows: the reference
+  values                                 steps.score_rows: the critic (scoring.critic_values)
+  response_texts                         steps.decode_responses
+  info reward/<source>                   steps.recipe_rewards (scoring.reward_scores, rewards.py)
+  reward, kl, advantages, returns,       steps.shape_batch (algorithms.shape_experience: the
+    action_mask, other info                preset's KL, shaping, estimator, whitening, filters)
+  policy_version, prompt_index           batches.to_experience
+
+The gRPC servicer and the in-process API run this same code, so both give identical tensors
+for the same seed.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Iterator
+
+import torch
+from rollserve.client.errors import FailedPrecondition
+from rollserve.client.experience import Experience, concat_experiences
+from rollserve.client.requests import Prompts, build_make_experience_request
+
+from ..experience_request import ExperienceSpec, RequestDefaults, decode_experience_request
+from ..models import ModelSet
+from ..rewards import RewardRegistry
+from .batches import ScoredBatch, merge_batches
+from .micro_batches import MicroBatcher
+from .steps import (
+    batch_seed,
+    decode_responses,
+    generate_rows,
+    generation_batches,
+    recipe_rewards,
+    score_rows,
+    shape_batch,
+)
+
+__all__ = ["ExperienceMaker", "NaiveExperienceMaker", "batch_seed"]
+
+
+class ExperienceMaker(abc.ABC):
+    """In-process API with the shape of ColossalChat's experience makers."""
+
+    policy_version: int = 0
+
+    @abc.abstractmethod
+    def decode(self, request) -> ExperienceSpec:
+        """Validate a MakeExperienceRequest against this maker's models."""
+
+    @abc.abstractmethod
+    def iter_experience(
+        self,
+        spec: ExperienceSpec,
+        *,
+        policy_version: int,
+        cancelled: threading.Event | None = None,
+    ) -> Iterator[Experience]:
+        """Micro-batches of whole groups, in row order, on the CPU."""
+
+    def make_experience(self, prompts: Prompts, **options: object) -> Experience:
+        """All rows of one request as one Experience (options: build_make_experience_request)."""
+        spec = self.decode(build_make_experience_request(prompts, **options))
+        if spec.min_policy_version > self.policy_version:  # the same refusal as the RPC's
+            raise FailedPrecondition(
+                f"min_policy_version: {spec.min_policy_version} requested, the actor is at "
+                f"version {self.policy_version}"
+            )
+        batches = list(self.iter_experience(spec, policy_version=self.policy_version))
+        return concat_experiences(batches, pad_token_id=self.pad_token_id)
+
+    @property
+    @abc.abstractmethod
+    def pad_token_id(self) -> int: ...
+
+
+class NaiveExperienceMaker(ExperienceMaker):
+    """Makes experience with the models of one ModelSet on their device."""
+
+    def __init__(
+        self, models: ModelSet, rewards: RewardRegistry, defaults: RequestDefaults
+    ) -> None:
+        self.models = models
+        self.rewards = rewards
+        self.defaults = defaults
+        self.tokenizer_lock = threading.Lock()
+
+    @property
+    def pad_token_id(self) -> int:
+        return int(self.models.tokenizer.pad_token_id)
+
+    def decode(self, request) -> ExperienceSpec:
+        return decode_experience_request(
+            request,
+            models=self.models,
+            rewards=self.rewards,
+            defaults=self.defaults,
+            tokenizer_lock=self.tokenizer_lock,
+        )
+
+    def iter_experience(
+        self,
+        spec: ExperienceSpec,
+        *,
+        policy_version: int,
+        cancelled: threading.Event | None = None,
+    ) -> Iterator[Experience]:
+        whole_request = spec.algorithm.effective_whitening != "none"
+        held: list[ScoredBatch] = []  # whitening statistics span every row of the request
+        micro_batches = MicroBatcher(spec.micro_batch_rows, self.pad_token_id)
+        for index, rows in enumerate(generation_batches(spec)):
+            if cancelled is not None and cancelled.is_set():
+                return
+            scored = self.make_batch(spec, rows, batch_seed(spec.seed, index))
+            if whole_request:
+                held.append(scored)
+                continue
+            yield from micro_batches.add(shape_batch(spec, scored, policy_version))
+        if held:
+            whole = merge_batches(held, self.pad_token_id)
+            yield from micro_batches.add(shape_batch(spec, whole, policy_version))
+        yield from micro_batches.flush()
+
+    def make_batch(self, spec: ExperienceSpec, rows: list[int], seed: int) -> ScoredBatch:
+        """One generation batch of whole groups (rows: the prompt index of each row), generated,
+        scored and rewarded; not shaped yet."""
+        models, lock = self.models, self.tokenizer_lock
+        generation = generate_rows(models, spec, rows, seed)
+        scores = score_rows(models, spec, generation)
+        texts = decode_responses(models, generation, lock)
+        rewards, reward_info = recipe_rewards(
+            models, self.rewards, spec, rows, generation, texts, lock
+        )
+        return ScoredBatch(
+            generation=generation,
+            prompt_index=torch.tensor(rows, dtype=torch.int64),
+            actor_log_probs=scores.actor_log_probs,
+            reference_log_probs=scores.reference_log_probs,
+            values=scores.values,
+            entropy=scores.entropy,
+            rewards=rewards,
+            reward_info=reward_info,
+            texts=texts,
+        )

@@ -1,0 +1,195 @@
+"""The steps of one generation batch, in order: generate -> score -> decode -> reward -> shape.
+
+Each step is a plain function of the request's ExperienceSpec and the models; the docstring of
+each names the Experience fields it computes. maker.py chains them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from rollserve.client.experience import Experience
+
+from ..algorithms import shape_experience
+from ..experience_request import ExperienceSpec
+from ..models import ModelSet
+from ..rewards import REWARD_MODEL_SOURCE, RewardRegistry
+from .batches import ScoredBatch, to_experience
+from .generation import GenerationOutput, generate
+from .scoring import action_log_probs, critic_values, reward_scores
+
+__all__ = [
+    "Scores",
+    "batch_seed",
+    "decode_responses",
+    "generate_rows",
+    "generation_batches",
+    "recipe_rewards",
+    "score_rows",
+    "shape_batch",
+]
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def generation_batches(spec: ExperienceSpec) -> Iterator[list[int]]:
+    """The prompt index of every row, cut into generation batches of whole groups.
+
+    Each prompt is repeated samples_per_prompt times, consecutively (a group);
+    generate_batch_rows is a multiple of the group size.
+    """
+    rows = [p for p in range(len(spec.prompts)) for _ in range(spec.samples_per_prompt)]
+    for start in range(0, len(rows), spec.generate_batch_rows):
+        yield rows[start : start + spec.generate_batch_rows]
+
+
+def batch_seed(seed: int, batch_index: int) -> int:
+    """The generator seed of one generation batch: distinct per batch, fixed per request seed."""
+    return (seed * 1_000_003 + batch_index * 7_919) & _SEED_MASK
+
+
+def generate_rows(
+    models: ModelSet, spec: ExperienceSpec, rows: list[int], seed: int
+) -> GenerationOutput:
+    """Sample one response per row with the actor.
+
+    Fields: sequences, attention_mask, the action mask before filters, info response_length,
+    total_length and truncated. Rows of one group share their prompt's prefill.
+    """
+    return generate(
+        models.actor.module,
+        [spec.prompts[p] for p in rows],
+        spec.sampling,
+        pad_token_id=int(models.tokenizer.pad_token_id),
+        generator=torch.Generator(device=models.device).manual_seed(seed),
+    )
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Teacher-forced scores of generated rows, (B, A) each."""
+
+    actor_log_probs: torch.Tensor
+    entropy: torch.Tensor | None  # when returned or the algorithm filters on it
+    reference_log_probs: torch.Tensor | None  # when the algorithm needs a KL
+    values: torch.Tensor | None  # when the estimator needs a critic
+
+
+def score_rows(models: ModelSet, spec: ExperienceSpec, generation: GenerationOutput) -> Scores:
+    """Re-score the generated rows with actor, reference and critic (teacher forced).
+
+    Fields: action_log_probs and action_entropy (actor), base_action_log_probs (reference),
+    values (critic); the log-probs divide the logits by the temperature only under
+    logprobs_use_temperature (never for greedy decoding).
+    """
+    cfg, sampling = spec.algorithm, spec.sampling
+    seqs, mask = generation.sequences, generation.attention_mask
+    actions = generation.action_mask.shape[1]
+    use_temperature = sampling.logprobs_use_temperature and sampling.temperature > 0
+    log_probs = dict(
+        forward_batch_size=spec.forward_batch_rows,
+        temperature=sampling.temperature if use_temperature else None,
+    )
+    actor, entropy = action_log_probs(
+        models.actor.module,
+        seqs,
+        mask,
+        actions,
+        with_entropy=spec.return_entropy or cfg.needs_entropy,
+        **log_probs,
+    )
+    reference = None
+    if models.reference is not None and (cfg.needs_reference or cfg.kl_mode == "loss"):
+        reference, _ = action_log_probs(models.reference.module, seqs, mask, actions, **log_probs)
+    values = None
+    if cfg.needs_critic:
+        values = critic_values(
+            models.critic.module, seqs, mask, actions, forward_batch_size=spec.forward_batch_rows
+        )
+    return Scores(actor, entropy, reference, values)
+
+
+def decode_responses(
+    models: ModelSet, generation: GenerationOutput, tokenizer_lock: threading.Lock
+) -> tuple[str, ...]:
+    """The text of each row's valid response tokens. Field: response_texts."""
+    width = generation.prompt_width
+    lengths = generation.response_lengths.tolist()
+    rows = generation.sequences[:, width:].tolist()
+    with tokenizer_lock:
+        return tuple(
+            models.tokenizer.decode(ids[:n], skip_special_tokens=True)
+            for ids, n in zip(rows, lengths, strict=True)
+        )
+
+
+def recipe_rewards(
+    models: ModelSet,
+    rewards: RewardRegistry,
+    spec: ExperienceSpec,
+    rows: list[int],
+    generation: GenerationOutput,
+    texts: tuple[str, ...],
+    tokenizer_lock: threading.Lock,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The request's reward recipe: sum of weight x source, (B,) float32 on the CPU.
+
+    Fields: info reward/<source> (each source's raw values) and the reward before shaping.
+    The reward model reads the generated rows; rules and user functions get decoded prompt
+    and response texts and the ground-truth answers.
+    """
+    prompts: list[str] = []
+    if any(source != REWARD_MODEL_SOURCE for source, _ in spec.rewards):
+        with tokenizer_lock:
+            decoded = {p: models.tokenizer.decode(spec.prompts[p]) for p in set(rows)}
+        prompts = [decoded[p] for p in rows]
+    total = torch.zeros(len(rows), dtype=torch.float32)
+    info: dict[str, torch.Tensor] = {}
+    for source, weight in spec.rewards:
+        if source == REWARD_MODEL_SOURCE:
+            raw = reward_scores(
+                models.reward.module,
+                generation.sequences,
+                generation.attention_mask,
+                forward_batch_size=spec.forward_batch_rows,
+            ).cpu()
+        else:
+            gts = [spec.gt_answers[p] for p in rows]
+            raw = torch.tensor(
+                rewards.score(source, prompts, list(texts), gts), dtype=torch.float32
+            )
+        info[f"reward/{source}"] = raw
+        total += weight * raw
+    return total, info
+
+
+def shape_batch(spec: ExperienceSpec, scored: ScoredBatch, policy_version: int) -> Experience:
+    """Shape rewards, KL and advantages of scored rows (the algorithm); the rows as an
+    Experience.
+
+    Fields: reward, kl, advantages, returns, the final action_mask and the algorithm's info
+    (algorithms.shape_experience); policy_version, prompt_index (to_experience).
+    """
+    generation = scored.generation
+    device = generation.action_log_probs.device
+    shaped = shape_experience(
+        spec.algorithm,
+        action_log_probs=scored.actor_log_probs,
+        base_action_log_probs=scored.reference_log_probs,
+        action_mask=generation.action_mask,
+        values=scored.values,
+        rewards=scored.rewards.to(device),
+        group_size=spec.samples_per_prompt,
+        max_new_tokens=spec.sampling.max_new_tokens,
+        entropy=scored.entropy,
+    )
+    return to_experience(
+        scored,
+        shaped,
+        policy_version=policy_version,
+        return_entropy=spec.return_entropy,
+        return_texts=spec.return_texts,
+    )
