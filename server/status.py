@@ -37,9 +37,11 @@ def rpc_errors(context: grpc.ServicerContext, method: str) -> Iterator[None]:
             # The handler (or grpc) already set a status, e.g. via context.abort: keep it.
             raise
         if not context.is_active():
-            # The client cancelled or the deadline passed: nobody is left to tell.
+            # The client cancelled or the deadline passed: nobody is left to tell. Abort rather
+            # than return: a unary handler (UpdateWeights) that returns None here made grpc log
+            # "Exception serializing message!" with a traceback for every cut upload.
             _LOG.debug("%s ended after the call was cancelled", method, exc_info=True)
-            return
+            context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled")
         _LOG.exception("%s failed with an unexpected error", method)
         context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 

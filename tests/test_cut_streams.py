@@ -137,6 +137,9 @@ def assert_unchanged_then_next_update_succeeds(
     with RolloutClient(target, timeout_s=WAIT_S) as client:
         result = client.update_weights(weights, version=before[1] + 1, chunk_bytes=CHUNK_BYTES)
     assert result.version == before[1] + 1
+    # Regression: every cut upload logged "Exception serializing message!" with a traceback.
+    log = proc.log_text()
+    assert "Traceback" not in log and "Exception serializing" not in log, log[-2000:]
 
 
 # Where the stream is cut: after the header, after the first chunk (which ends inside a tensor:
