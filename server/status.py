@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import grpc
-from rollserve.client.errors import RolloutError
+from rollserve.client.errors import Cancelled, Internal, RolloutError
 
 __all__ = ["INTERNAL_MESSAGE", "handles_errors", "rpc_errors"]
 
@@ -31,7 +31,7 @@ def rpc_errors(context: grpc.ServicerContext, method: str) -> Iterator[None]:
         yield
     except RolloutError as exc:
         _LOG.info("%s failed: %s %s", method, exc.code.name, exc.message)
-        context.abort(exc.code, exc.message)
+        _abort(context, exc)
     except Exception:
         if context.code() is not None:
             # The handler (or grpc) already set a status, e.g. via context.abort: keep it.
@@ -41,9 +41,14 @@ def rpc_errors(context: grpc.ServicerContext, method: str) -> Iterator[None]:
             # than return: a unary handler (UpdateWeights) that returns None here made grpc log
             # "Exception serializing message!" with a traceback for every cut upload.
             _LOG.debug("%s ended after the call was cancelled", method, exc_info=True)
-            context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled")
+            _abort(context, Cancelled("the call was cancelled"))
         _LOG.exception("%s failed with an unexpected error", method)
-        context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+        _abort(context, Internal(INTERNAL_MESSAGE))
+
+
+def _abort(context: grpc.ServicerContext, error: RolloutError) -> None:
+    """End the call with the error's status; its code comes from the table in errors.py."""
+    context.abort(error.code, error.message)
 
 
 def handles_errors(handler: _Handler) -> _Handler:
