@@ -260,6 +260,8 @@ def build_runtime(
         forward_batch_size=config.forward_batch_size,
         micro_batch_size=config.micro_batch_size,
         max_request_rows=config.max_request_rows,
+        max_request_tokens=config.max_request_tokens,
+        max_batch_tokens=config.max_batch_tokens,
     )
     maker = NaiveExperienceMaker(models, rewards, defaults)
     after_update = None if readiness is None else readiness.check_updated

@@ -65,6 +65,10 @@ class ServerConfig:
     max_prompts: int = 4096
     max_samples_per_prompt: int = 256
     max_new_tokens_limit: int = 4096  # the most a request may ask for; >= max_new_tokens
+    # Token budgets, so that counts legal one by one cannot multiply into more than memory:
+    # rows x (longest prompt + max_new_tokens) per request, and per generation or scoring batch.
+    max_request_tokens: int = 16_777_216  # 16 Mi tokens
+    max_batch_tokens: int = 262_144  # 256 Ki: the default 64 rows of 4096 tokens fit
     reward_fn: tuple[str, ...] = ()  # NAME=MODULE:FUNCTION reward sources
     reward_endpoint: tuple[str, ...] = ()  # NAME=URL reward sources (JSON over HTTP POST)
     reward_timeout_s: float = 30.0

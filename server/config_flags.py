@@ -61,6 +61,12 @@ FLAGS: dict[str, Flag] = {
         parse.positive_int, "most samples per prompt in one request", "N"
     ),
     "max_new_tokens_limit": Flag(parse.positive_int, "most max_new_tokens a request may ask", "N"),
+    "max_request_tokens": Flag(
+        parse.positive_int, "most rows x (prompt + new tokens) in one request", "N"
+    ),
+    "max_batch_tokens": Flag(
+        parse.positive_int, "most rows x (prompt + new tokens) in one generation batch", "N"
+    ),
     "reward_fn": Flag(parse.named, "reward source NAME=MODULE:FUNCTION", "NAME=MODULE:FUNC"),
     "reward_endpoint": Flag(
         parse.named, "reward source NAME=URL (JSON over HTTP POST)", "NAME=URL"

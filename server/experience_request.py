@@ -37,6 +37,10 @@ class RequestDefaults:
     forward_batch_size: int
     micro_batch_size: int
     max_request_rows: int
+    # Token budgets (ServerConfig.max_request_tokens / max_batch_tokens): each count alone can be
+    # legal while their product is not (4096 prompts x 4096 new tokens in one generation batch).
+    max_request_tokens: int = 16_777_216
+    max_batch_tokens: int = 262_144
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,8 @@ def decode_experience_request(
         raise FailedPrecondition("algorithm.kl_coef: > 0 needs a reference model")
     sampling = _sampling(request.sampling, algorithm, models, defaults, lock)
     _check_context(prompts, sampling.max_new_tokens, models.max_context_tokens)
+    row_tokens = max(len(p) for p in prompts) + sampling.max_new_tokens  # one padded row
+    _check_request_tokens(len(prompts) * n, row_tokens, defaults.max_request_tokens)
     return ExperienceSpec(
         prompts=prompts,
         gt_answers=gt_answers,
@@ -109,8 +115,8 @@ def decode_experience_request(
         else secrets.randbits(_SEED_BITS),
         algorithm=algorithm,
         rewards=_reward_recipe(request, rewards, models, any(a is not None for a in gt_answers)),
-        generate_batch_rows=_rows("generate_batch_size", request, defaults, n),
-        forward_batch_rows=_rows("forward_batch_size", request, defaults, 1),
+        generate_batch_rows=_batch_rows("generate_batch_size", request, defaults, n, row_tokens),
+        forward_batch_rows=_batch_rows("forward_batch_size", request, defaults, 1, row_tokens),
         micro_batch_rows=_rows("micro_batch_size", request, defaults, n),
         return_entropy=request.outputs.action_entropy,
         return_texts=request.outputs.response_texts,
@@ -269,3 +275,40 @@ def _rows(
         raise InvalidArgument(f"batching.{name}: must be >= 0, got {requested}")
     rows = requested or getattr(defaults, name)
     return math.ceil(rows / group) * group  # whole groups
+
+
+def _check_request_tokens(rows: int, row_tokens: int, limit: int) -> None:
+    # What the response holds and the device must make: every legal count multiplied together
+    # (prompts x samples x (prompt + new tokens)) can be far beyond memory.
+    if rows * row_tokens > limit:
+        raise InvalidArgument(
+            f"sampling.max_new_tokens: {rows} rows x {row_tokens} tokens (longest prompt + "
+            f"max_new_tokens) = {rows * row_tokens} tokens is over this server's limit of "
+            f"{limit} (--max-request-tokens)"
+        )
+
+
+def _batch_rows(
+    name: str, request: pb.MakeExperienceRequest, defaults: RequestDefaults, group: int,
+    row_tokens: int,
+) -> int:  # fmt: skip
+    """Rows per generation or scoring batch, within --max-batch-tokens (whole groups).
+
+    The device memory of one batch grows with rows x row_tokens (KV cache, logits): a size the
+    request asks for beyond the budget is refused; the server's default is lowered to fit.
+    """
+    rows = _rows(name, request, defaults, group)
+    if rows * row_tokens <= defaults.max_batch_tokens:
+        return rows
+    if getattr(request.batching, name):
+        raise InvalidArgument(
+            f"batching.{name}: {rows} rows x {row_tokens} tokens = {rows * row_tokens} tokens "
+            f"is over this server's limit of {defaults.max_batch_tokens} (--max-batch-tokens)"
+        )
+    fitting = defaults.max_batch_tokens // row_tokens // group * group
+    if fitting < group:
+        raise InvalidArgument(
+            f"samples_per_prompt: one group of {group} rows x {row_tokens} tokens is over this "
+            f"server's limit of {defaults.max_batch_tokens} tokens per batch (--max-batch-tokens)"
+        )
+    return fitting

@@ -180,6 +180,18 @@ def _token_ids(values: list[int], lengths: list[int]) -> Callable[[pb.MakeExperi
     return mutate
 
 
+def _products(batch_field: str) -> Callable[[pb.MakeExperienceRequest], None]:
+    def mutate(request: pb.MakeExperienceRequest) -> None:
+        _token_ids([5] * 4096, [1] * 4096)(request)
+        request.gt_answers.extend(["1"] * 4096)
+        request.samples_per_prompt = 1
+        request.sampling.max_new_tokens = 500
+        setattr(request.batching, batch_field, 4096)
+
+    mutate.__name__ = f"4096 prompts x 500 new tokens, {batch_field}=4096"
+    return mutate
+
+
 def _texts(texts: list[str], chat: bool = False) -> Callable[[pb.MakeExperienceRequest], None]:
     def mutate(request: pb.MakeExperienceRequest) -> None:
         request.texts.texts.extend(texts)
@@ -276,6 +288,8 @@ def _experience_mutations(vocab_size: int) -> list[Callable[[pb.MakeExperienceRe
         _token_ids([5] * 5000, [1] * 5000),  # over --max-prompts
         _token_ids([5] * 4096, [1] * 4096),  # at --max-prompts: x samples over the row limit
         _token_ids([5, 6], [INT32_MAX, -(2**31) + 3]),  # lengths that wrap around in int32
+        _products("generate_batch_size"),  # each count legal, together 2 Mi tokens in one batch
+        _products("forward_batch_size"),
         _texts([]),
         _texts([""]),
         _texts(["\x00"]),

@@ -65,6 +65,8 @@ SAMPLES = {
     "max_prompts": ("12", 12),
     "max_samples_per_prompt": ("5", 5),
     "max_new_tokens_limit": ("100", 100),
+    "max_request_tokens": ("1000", 1000),
+    "max_batch_tokens": ("500", 500),
     "metrics_port": ("0", 0),
     "tls_cert": ("/certs/server.pem", "/certs/server.pem"),
     "tls_key": ("/certs/server.key", "/certs/server.key"),

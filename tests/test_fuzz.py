@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from helpers_fuzz import FuzzReport, WeightsStreams, base_experience_request, fuzz_cases, run_case
 from helpers_server import ServerProcess, start_server_process
 from rollserve.client.client import RolloutClient
+from rollserve.client.errors import InvalidArgument
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, load_models
 from rollserve.v1 import rollout_pb2 as pb
@@ -151,3 +152,60 @@ def test_a_fixed_seed_fuzz_sample_gets_only_client_error_statuses(
     log_probs_after, stamped = greedy_log_probs(target)
     assert log_probs_after == log_probs_before
     assert stamped == version["now"] == start_version + report.accepted_updates
+
+
+def _products(batch_field: str, value: int) -> pb.MakeExperienceRequest:
+    """4096 one-token prompts x 500 new tokens: every count within its own limit."""
+    request = base_experience_request()
+    request.samples_per_prompt = 1
+    request.token_ids.Clear()
+    request.token_ids.values.extend([5] * 4096)
+    request.token_ids.lengths.extend([1] * 4096)
+    del request.gt_answers[:]
+    request.gt_answers.extend(["1"] * 4096)
+    request.sampling.max_new_tokens = 500
+    setattr(request.batching, batch_field, value)
+    return request
+
+
+@pytest.mark.parametrize("batch_field", ["generate_batch_size", "forward_batch_size"])
+def test_legal_counts_whose_product_is_huge_are_refused_naming_the_field(
+    channel, batch_field: str
+) -> None:
+    # Regression: 4096 rows x 501 tokens in one generation batch was accepted (a 4096-row batch
+    # of 65 tokens alone ran past 60 s and 1.2 GB on the tiny model); now --max-batch-tokens.
+    request = _products(batch_field, 4096)
+    with pytest.raises(grpc.RpcError) as info:
+        list(channel.unary_stream("/rollserve.v1.Rollout/MakeExperience")(
+            request.SerializeToString(), timeout=CALL_TIMEOUT_S
+        ))  # fmt: skip
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"batching.{batch_field}" in info.value.details()
+    assert "--max-batch-tokens" in info.value.details()
+
+
+def test_token_budgets_of_a_request(models: ModelSet) -> None:
+    from rollserve.server.experience_request import RequestDefaults, decode_experience_request
+    from rollserve.server.rewards import RewardRegistry
+
+    def decode(request: pb.MakeExperienceRequest, **budgets: int):
+        defaults = RequestDefaults("openrlhf", 64, 64, 16, 16, 4096, **budgets)
+        return decode_experience_request(
+            request, models=models, rewards=RewardRegistry.from_specs([]), defaults=defaults
+        )
+
+    request = _products("generate_batch_size", 0)  # batch sizes unset: the server's defaults
+    with pytest.raises(InvalidArgument, match="--max-request-tokens"):
+        decode(request, max_request_tokens=4096 * 501 - 1)
+    # Unset batch sizes shrink to fit the batch budget, in whole groups of samples.
+    spec = decode(request, max_request_tokens=4096 * 501, max_batch_tokens=10 * 501)
+    assert (spec.generate_batch_rows, spec.forward_batch_rows) == (10, 10)
+    # 4 prompts x 3 samples: a batch holds whole groups of 3 rows.
+    request.token_ids.Clear()
+    request.token_ids.values.extend([5] * 4)
+    request.token_ids.lengths.extend([1] * 4)
+    del request.gt_answers[4:]
+    request.samples_per_prompt = 3
+    assert decode(request, max_batch_tokens=7 * 501).generate_batch_rows == 6
+    with pytest.raises(InvalidArgument, match="samples_per_prompt: one group of 3 rows"):
+        decode(request, max_batch_tokens=2 * 501)
