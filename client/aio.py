@@ -33,11 +33,12 @@ from rollserve.client.calls import (
 )
 from rollserve.client.channel import open_aio_channel, open_channel
 from rollserve.client.client import POLL_CALL_S
+from rollserve.client.distributed import WeightsGroup, update_through_group
 from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable
 from rollserve.client.experience import Experience, experience_from_proto
 from rollserve.client.requests import Prompts
 from rollserve.client.results import HealthStatus, UpdateResult
-from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_messages
+from rollserve.client.weights import DEFAULT_CHUNK_BYTES, prepare_update
 
 __all__ = ["AsyncRolloutClient"]
 
@@ -134,37 +135,51 @@ class AsyncRolloutClient(BaseClient):
         version: int,
         target: str = "actor",
         mode: str = "full",
+        transport: str = "auto",
+        streams: int | None = None,
+        group: WeightsGroup | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout_s: float | None = None,
         request_id: str | None = None,
         progress: Callable[[int, int], None] | None = None,
         **stream_options: object,
     ) -> UpdateResult:
-        """Stream weights to the server (see RolloutClient.update_weights); never retried.
+        """Send weights to the server (see RolloutClient.update_weights); never retried.
 
-        The header (and the SHA-256 pass, when asked for) is built in a worker thread, the chunk
-        messages in gRPC's sending thread; `progress` is called on the event loop.
+        The upload runs in a worker thread on this client's sync upload channel (see
+        `_open_upload_channel`); `progress` is called on the event loop.
         """
         loop = asyncio.get_running_loop()
 
-        def report(sent: int, total: int) -> None:  # from gRPC's sending thread
+        def report(sent: int, total: int) -> None:  # from a sending thread
             loop.call_soon_threadsafe(progress, sent, total)
 
-        messages = await asyncio.to_thread(
-            update_weights_messages,
-            weights,
-            target=target,
-            version=version,
-            mode=mode,
-            chunk_bytes=chunk_bytes,
-            progress=None if progress is None else report,
-            **stream_options,  # type: ignore[arg-type]
-        )
-        started_s = time.monotonic()
-        call = self._update_weights_call(messages, timeout_s, request_id, future=True)
-        with typed_errors():
-            reply = await _settled(call)
-        return UpdateResult.from_proto(reply, wall_s=time.monotonic() - started_s)
+        relay = None if progress is None else report
+        if transport == "dist" or group is not None:
+            return await asyncio.to_thread(
+                update_through_group, self, group, transport, weights, version=version,
+                target=target, mode=mode, timeout_s=timeout_s, request_id=request_id,
+                progress=relay, **stream_options,
+            )  # fmt: skip
+
+        def send() -> UpdateResult:
+            update = prepare_update(
+                weights,
+                target=target,
+                version=version,
+                mode=mode,
+                chunk_bytes=chunk_bytes,
+                **stream_options,  # type: ignore[arg-type]
+            )
+            started_s = time.monotonic()
+            with typed_errors():
+                reply = self._send_update(
+                    update, timeout_s, request_id, transport=transport, streams=streams,
+                    progress=relay,
+                )  # fmt: skip
+            return UpdateResult.from_proto(reply, wall_s=time.monotonic() - started_s)
+
+        return await asyncio.to_thread(send)
 
     def _open_upload_channel(self) -> grpc.Channel:
         """UpdateWeights streams on a sync channel of this client's settings.
@@ -180,6 +195,7 @@ class AsyncRolloutClient(BaseClient):
 
     async def close(self) -> None:
         """Close the channel; calls still running are cancelled."""
+        self._uploads.close()
         self._upload_channel.close()
         await self._channel.close()
 
@@ -188,20 +204,3 @@ class AsyncRolloutClient(BaseClient):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-
-async def _settled(call: grpc.Future) -> object:
-    """Await a sync gRPC call's future on the event loop; cancelling the wait cancels the call."""
-    loop = asyncio.get_running_loop()
-    settled: asyncio.Future[None] = loop.create_future()
-
-    def wake(_: object) -> None:  # from gRPC's thread
-        loop.call_soon_threadsafe(lambda: settled.done() or settled.set_result(None))
-
-    call.add_done_callback(wake)
-    try:
-        await settled
-    except asyncio.CancelledError:
-        call.cancel()
-        raise
-    return call.result()  # the reply, or the call's grpc.RpcError

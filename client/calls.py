@@ -17,10 +17,12 @@ from typing import Any, ClassVar
 
 import grpc
 import torch
-from rollserve.client.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_credentials
+from rollserve.client.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_credentials, open_channel
 from rollserve.client.errors import from_rpc_error
 from rollserve.client.experience import Experience, concat_experiences, experience_from_proto
 from rollserve.client.requests import Prompts, build_make_experience_request
+from rollserve.client.upload import CallOptions, Uploads
+from rollserve.client.weights import UpdateFile
 from rollserve.client.wire import update_weights_callable
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
@@ -146,6 +148,26 @@ class BaseClient:
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
         self._upload_channel = self._open_upload_channel()
         self._update_weights = update_weights_callable(self._upload_channel)
+        # Sync calls on the upload channel (for both clients): Health for the transport choice,
+        # the weights-group RPCs, and UpdateWeights on one or more connections (upload.py).
+        self._upload_stub = rollout_pb2_grpc.RolloutStub(self._upload_channel)
+        self._uploads = Uploads(self._update_weights, self._open_upload_stream, self._upload_health)
+
+    def _open_upload_stream(self) -> tuple[Any, grpc.Channel]:
+        """One more sync UpdateWeights callable on a TCP connection of its own (a channel with a
+        local subchannel pool does not share the connection of this client's channels)."""
+        settings = dict(self._channel_settings)
+        settings["extra_options"] = [
+            *settings["extra_options"],
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
+        channel = open_channel(self.target, **settings)
+        return update_weights_callable(channel), channel
+
+    def _upload_health(self, timeout_s: float) -> pb.HealthResponse:
+        return self._upload_stub.Health(
+            pb.HealthRequest(), timeout=timeout_s, metadata=self._settings.metadata_for()
+        )
 
     def _open_upload_channel(self) -> Any:
         """The channel UpdateWeights streams on: this client's own (AsyncRolloutClient: a sync
@@ -185,6 +207,46 @@ class BaseClient:
             timeout=self._settings.timeout(timeout_s),
             metadata=self._settings.metadata_for(),
         )
+
+    def _send_update(
+        self,
+        update: UpdateFile,
+        timeout_s: float | None,
+        request_id: str | None,
+        *,
+        transport: str,
+        streams: int | None,
+        progress: Callable[[int, int], None] | None,
+    ) -> pb.UpdateWeightsResponse:
+        """Send one prepared update over `transport` (upload.py) and wait for the reply (sync)."""
+        options = CallOptions(
+            self._settings.timeout(timeout_s), self._settings.metadata_for(request_id)
+        )
+        return self._uploads.send(
+            update, options, transport=transport, streams=streams, progress=progress
+        )
+
+    def _start_update(
+        self, messages: Iterable[bytes], timeout_s: float | None, request_id: str | None
+    ) -> grpc.Future:
+        """UpdateWeights as a grpc.Future (a WeightsGroup starts one per server)."""
+        return self._update_weights_call(messages, timeout_s, request_id, future=True)
+
+    def _init_weights_group(
+        self, request: pb.InitWeightsGroupRequest, timeout_s: float
+    ) -> pb.InitWeightsGroupResponse:
+        with typed_errors():
+            return self._upload_stub.InitWeightsGroup(
+                request, timeout=timeout_s, metadata=self._settings.metadata_for()
+            )
+
+    def _destroy_weights_group(self, group: str, timeout_s: float) -> None:
+        with typed_errors():
+            self._upload_stub.DestroyWeightsGroup(
+                pb.DestroyWeightsGroupRequest(group=group),
+                timeout=timeout_s,
+                metadata=self._settings.metadata_for(),
+            )
 
     def _update_weights_call(
         self,

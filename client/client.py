@@ -16,11 +16,12 @@ from rollserve.client.calls import (
     typed_errors,
 )
 from rollserve.client.channel import open_channel
+from rollserve.client.distributed import WeightsGroup, update_through_group
 from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable
 from rollserve.client.experience import Experience, experience_from_proto
 from rollserve.client.requests import Prompts
 from rollserve.client.results import HealthStatus, UpdateResult
-from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_messages
+from rollserve.client.weights import DEFAULT_CHUNK_BYTES, prepare_update
 
 __all__ = ["RolloutClient"]
 
@@ -146,33 +147,53 @@ class RolloutClient(BaseClient):
         version: int,
         target: str = "actor",
         mode: str = "full",
+        transport: str = "auto",
+        streams: int | None = None,
+        group: WeightsGroup | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout_s: float | None = None,
         request_id: str | None = None,
         progress: Callable[[int, int], None] | None = None,
         **stream_options: object,
     ) -> UpdateResult:
-        """Stream weights to the server, which verifies them and swaps atomically.
+        """Send weights to the server, which verifies them and swaps atomically.
 
-        Never retried automatically. `progress(sent_bytes, total_bytes)` is called per chunk.
-        `stream_options` go to `update_weights_messages` (crc32, sha256, lora, ...).
+        `transport`: "auto" (shared memory when the server is on this host, else gRPC), "grpc"
+        (`streams` parallel connections; default one per 4 cores), "shm" (same host only) or
+        "dist" (a broadcast through `group`, a WeightsGroup: every server of the group is
+        updated and this server's result returned). Never retried automatically, and never
+        sent another way than asked, except "auto" (see client/upload.py). `progress(sent_bytes,
+        total_bytes)` is called as bytes go out. `stream_options` go to
+        `update_weights_messages` (crc32, sha256, lora, ...).
         """
-        messages = update_weights_messages(
+        if transport == "dist" or group is not None:
+            return update_through_group(
+                self, group, transport, weights, version=version, target=target, mode=mode,
+                timeout_s=timeout_s, request_id=request_id, progress=progress, **stream_options,
+            )  # fmt: skip
+        update = prepare_update(
             weights,
             target=target,
             version=version,
             mode=mode,
             chunk_bytes=chunk_bytes,
-            progress=progress,
             **stream_options,  # type: ignore[arg-type]
         )
         started_s = time.monotonic()
         with typed_errors():
-            reply = self._update_weights_call(messages, timeout_s, request_id)
+            reply = self._send_update(
+                update,
+                timeout_s,
+                request_id,
+                transport=transport,
+                streams=streams,
+                progress=progress,
+            )
         return UpdateResult.from_proto(reply, wall_s=time.monotonic() - started_s)
 
     def close(self) -> None:
         """Close the channel; calls still running are cancelled."""
+        self._uploads.close()
         self._channel.close()
 
     def __enter__(self) -> RolloutClient:

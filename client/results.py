@@ -86,6 +86,7 @@ class UpdateResult:
     bytes: int
     server_seconds: float  # from the header's arrival to the swap
     wall_s: float  # on the client, from the first message to the reply
+    transport: str = "grpc"  # the data plane: "grpc", "grpc-parallel", "shm" or "dist"
 
     @property
     def gb_per_s(self) -> float:
@@ -101,4 +102,5 @@ class UpdateResult:
             bytes=msg.bytes,
             server_seconds=msg.seconds,
             wall_s=wall_s,
+            transport=msg.transport or "grpc",
         )

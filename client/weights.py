@@ -46,9 +46,11 @@ __all__ = [
     "MIN_CHUNK_BYTES",
     "PROTO_DTYPES",
     "SAFETENSORS_DTYPES",
+    "UpdateFile",
     "WeightSpec",
     "iter_chunk_pieces",
     "iter_safetensors_bytes",
+    "prepare_update",
     "safetensors_header",
     "update_weights_messages",
 ]
@@ -169,24 +171,43 @@ def _tensor_bytes(tensor: torch.Tensor) -> tuple[memoryview, bool]:
 
 
 def _pieces(
-    state_dict: StateDict, header: bytes, specs: list[WeightSpec]
+    state_dict: StateDict,
+    header: bytes,
+    specs: list[WeightSpec],
+    begin: int = 0,
+    end: int | None = None,
 ) -> Iterator[tuple[memoryview, bool]]:
-    yield memoryview(header), False
+    """The file's bytes in [begin, end) as views of the header and the tensors, in file order.
+
+    Tensors wholly outside the range are not touched (no host copy of a GPU tensor).
+    """
+    data_start = len(header)
+    end = data_start + (specs[-1].end if specs else 0) if end is None else end
+    if begin < data_start:
+        yield memoryview(header)[begin : min(end, data_start)], False
     for spec in specs:
+        first, last = data_start + spec.begin, data_start + spec.end
+        if last <= begin or first >= end or first == last:
+            continue
         piece, temporary = _tensor_bytes(state_dict[spec.name])
         if len(piece) != spec.nbytes:
             raise InvalidArgument(f"{spec.name}: changed size while being sent")
-        if len(piece):
-            yield piece, temporary
+        yield piece[max(begin, first) - first : min(end, last) - first], temporary
         del piece  # drop this tensor's host copy (if any) before the next one is made
 
 
 Chunk = list[memoryview | bytes]  # pieces whose concatenation is one chunk of the file
 
 
-def iter_chunk_pieces(state_dict: StateDict | torch.nn.Module, chunk_bytes: int) -> Iterator[Chunk]:
-    """The safetensors file of `state_dict` as chunks of chunk_bytes (the last shorter), each a
-    list of memoryviews into the tensors' memory: joining one is the only copy of its bytes.
+def iter_chunk_pieces(
+    state_dict: StateDict | torch.nn.Module,
+    chunk_bytes: int,
+    begin: int = 0,
+    end: int | None = None,
+) -> Iterator[Chunk]:
+    """The safetensors file of `state_dict` (or its bytes [begin, end)) as chunks of chunk_bytes
+    (the last shorter), each a list of memoryviews into the tensors' memory: joining one is the
+    only copy of its bytes.
 
     A chunk that spans tensors holds a view of each; a temporary host copy (a GPU or a
     non-contiguous tensor) is never kept past its turn: its bytes left over for the next chunk
@@ -198,7 +219,7 @@ def iter_chunk_pieces(state_dict: StateDict | torch.nn.Module, chunk_bytes: int)
     header, specs = safetensors_header(state_dict)
     pending: Chunk = []  # the start of a chunk that spans a tensor boundary
     pending_bytes = 0
-    for piece, temporary in _pieces(state_dict, header, specs):
+    for piece, temporary in _pieces(state_dict, header, specs, begin, end):
         pos = 0
         if pending:
             pos = min(chunk_bytes - pending_bytes, len(piece))
@@ -249,28 +270,59 @@ def _sha256_hex(state_dict: StateDict) -> str:
 
 
 @dataclass(frozen=True)
-class _Stream:
-    """A validated update: its header message and what the chunks are cut from."""
+class UpdateFile:
+    """A validated update: its header message and the state dict its file is cut from."""
 
     header: pb.WeightsHeader
     state_dict: StateDict
     chunk_bytes: int
     crc32: bool
 
+    @property
+    def total_bytes(self) -> int:
+        return self.header.total_bytes
 
-def _prepare(
+    def layout(self) -> tuple[bytes, list[WeightSpec]]:
+        """The file's head (length prefix + JSON) and its tensors in file order."""
+        return safetensors_header(self.state_dict)
+
+    def messages(
+        self,
+        header: pb.WeightsHeader | None = None,
+        begin: int = 0,
+        end: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Iterator[bytes]:
+        """Encoded requests: `header` (default: this file's), then the chunks of bytes
+        [begin, end) of the file; `progress(sent, total)` as gRPC takes each message."""
+        total_bytes = self.total_bytes
+        end = total_bytes if end is None else end
+        yield pb.UpdateWeightsRequest(header=header or self.header).SerializeToString()
+        if progress is not None:
+            progress(0, total_bytes)
+        offset = begin
+        for pieces in iter_chunk_pieces(self.state_dict, self.chunk_bytes, begin, end):
+            checksum = crc32_of_pieces(pieces) if self.crc32 else None
+            yield encode_chunk(offset, pieces, checksum)
+            offset += sum(len(piece) for piece in pieces)
+            if progress is not None:
+                progress(offset - begin, total_bytes)
+
+
+def prepare_update(
     weights: StateDict | torch.nn.Module,
     *,
     target: int | str,
     version: int,
     mode: int | str,
-    chunk_bytes: int,
-    crc32: bool,
-    sha256: bool,
-    lora: pb.LoraAdapter | None,
-    allow_non_finite: bool,
-    manifest: bool,
-) -> _Stream:
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    crc32: bool = False,
+    sha256: bool = False,
+    lora: pb.LoraAdapter | None = None,
+    allow_non_finite: bool = False,
+    manifest: bool = True,
+) -> UpdateFile:
+    """Validate the arguments of an update and build its header (see update_weights_messages)."""
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise InvalidArgument(
             f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}"
@@ -298,7 +350,7 @@ def _prepare(
         header.lora.CopyFrom(lora)
     if sha256:
         header.sha256 = _sha256_hex(state_dict)
-    return _Stream(header, state_dict, chunk_bytes, crc32)
+    return UpdateFile(header, state_dict, chunk_bytes, crc32)
 
 
 def update_weights_messages(
@@ -324,23 +376,9 @@ def update_weights_messages(
     its payload is copied once; send them with wire.update_weights_callable (a raw-bytes
     serializer). `progress(sent_bytes, total_bytes)` is called as gRPC takes each message.
     """
-    stream = _prepare(
+    update = prepare_update(
         weights, target=target, version=version, mode=mode, chunk_bytes=chunk_bytes,
         crc32=crc32, sha256=sha256, lora=lora, allow_non_finite=allow_non_finite,
         manifest=manifest,
     )  # fmt: skip
-    return _messages(stream, progress)
-
-
-def _messages(stream: _Stream, progress: Callable[[int, int], None] | None) -> Iterator[bytes]:
-    total_bytes = stream.header.total_bytes
-    yield pb.UpdateWeightsRequest(header=stream.header).SerializeToString()
-    if progress is not None:
-        progress(0, total_bytes)
-    offset = 0
-    for pieces in iter_chunk_pieces(stream.state_dict, stream.chunk_bytes):
-        checksum = crc32_of_pieces(pieces) if stream.crc32 else None
-        yield encode_chunk(offset, pieces, checksum)
-        offset += sum(len(piece) for piece in pieces)
-        if progress is not None:
-            progress(offset, total_bytes)
+    return update.messages(progress=progress)

@@ -255,12 +255,14 @@ def test_token_metadata_and_request_ids_arrive_on_every_call(scripted) -> None:
         )
     assert experience.num_rows == 2 and experience.policy_version.tolist() == [7, 7]
     assert (result.version, result.tensors, result.target) == (3, 1, "ACTOR")
-    health, make, update = servicer.calls
-    assert [c.method for c in servicer.calls] == ["Health", "MakeExperience", "UpdateWeights"]
+    # transport "auto" asks Health once whether the server shares this host (shared memory).
+    health, make, probe, update = servicer.calls
+    methods = ["Health", "MakeExperience", "Health", "UpdateWeights"]
+    assert [c.method for c in servicer.calls] == methods
     for call in servicer.calls:
         assert call.metadata["authorization"] == f"Bearer {TOKEN}"
         assert call.metadata["x-team"] == "rl"
-    assert "x-request-id" not in health.metadata
+    assert "x-request-id" not in health.metadata and "x-request-id" not in probe.metadata
     assert make.metadata["x-request-id"] == "exp-1" and make.request_id == "exp-1"
     assert update.metadata["x-request-id"] == "upd-1"
 
@@ -383,7 +385,7 @@ def test_update_weights_is_never_retried(scripted) -> None:
     servicer, target = scripted
     servicer.script["UpdateWeights"] = [grpc.StatusCode.UNAVAILABLE]
     with RolloutClient(target, timeout_s=WAIT_S) as client, pytest.raises(Unavailable):
-        client.update_weights({"w": torch.ones(4)}, version=1, mode="partial")
+        client.update_weights({"w": torch.ones(4)}, version=1, mode="partial", transport="grpc")
     assert servicer.methods() == ["UpdateWeights"]  # one header arrived, no replay
 
 

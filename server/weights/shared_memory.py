@@ -48,7 +48,11 @@ def receive_shared_memory(
         finally:
             del file  # the mapping cannot close while a view of it lives
     finally:
-        mapping.close()
+        try:
+            mapping.close()
+        except BufferError:
+            # An exception's traceback still holds a view; the mapping goes with the last one.
+            pass
 
 
 def _copy(stager: UpdateStager, file: np.ndarray, lanes: int) -> None:

@@ -1,0 +1,278 @@
+"""WeightsGroup: one torch.distributed broadcast updates every rollout server of the group.
+
+    group = WeightsGroup([client_a, client_b], master_address="10.0.0.5")  # this host's address
+    group.update_weights(policy.state_dict(), version=step)                 # one broadcast
+    group.close()
+
+The trainer is rank 0 and hosts the rendezvous (a TCPStore on master_address:master_port; port 0
+picks a free one); every server joins through InitWeightsGroup (the admin token is needed). An
+update sends each server the header and the file's head over its UpdateWeights stream, then all
+ranks vote (an all-reduce MAX: a server that refuses, e.g. a stale version, votes 1 and nobody
+broadcasts), then rank 0 broadcasts the data section in buckets of bucket_bytes. Each server
+verifies what it received and swaps exactly as for any other transport; each reply comes back
+over gRPC. Backends: gloo (CPU tensors; any server) and nccl (CUDA tensors; servers on a GPU).
+
+A failed broadcast (a rank died, a timeout) leaves the collectives out of step: the group is
+then broken, every member drops it, and the trainer makes a new one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import torch
+import torch.distributed as dist
+from rollserve.client.errors import FailedPrecondition, InvalidArgument, Unavailable, from_rpc_error
+from rollserve.client.process_group import BACKENDS, broadcast, new_process_group
+from rollserve.client.results import UpdateResult
+from rollserve.client.weights import DEFAULT_CHUNK_BYTES, UpdateFile, prepare_update
+from rollserve.v1 import rollout_pb2 as pb
+
+if TYPE_CHECKING:
+    from rollserve.client.calls import BaseClient
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "WeightsGroup", "update_through_group"]
+
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+_READY = 0
+_FOLLOWED_VOTE = "another rank of the group refused"
+
+
+class WeightsGroup:
+    """This trainer (rank 0) and the servers of `clients` (ranks 1..N) in one process group."""
+
+    def __init__(
+        self,
+        clients: Sequence[BaseClient],
+        *,
+        name: str | None = None,
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        if not clients:
+            raise InvalidArgument("clients: a group needs at least one server")
+        if backend not in BACKENDS:
+            raise InvalidArgument(f"backend: one of {', '.join(BACKENDS)}, got {backend!r}")
+        if not 0 < bucket_bytes <= 1024 * 1024 * 1024:
+            raise InvalidArgument(f"bucket_bytes: 1 to 1 GiB, got {bucket_bytes}")
+        self.name = name or f"rollserve-{uuid.uuid4().hex[:12]}"
+        self.clients = tuple(clients)
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.device = torch.device("cuda" if backend == "nccl" else "cpu")
+        self._timeout_s = timeout_s
+        self._broken = False
+        self._lock = threading.Lock()  # one update at a time: collectives must stay in order
+        store = dist.TCPStore(
+            master_address,
+            master_port,
+            len(clients) + 1,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+        self._store = store
+        self._group = self._rendezvous(master_address, store)
+
+    def _rendezvous(self, master_address: str, store: dist.TCPStore) -> dist.ProcessGroup:
+        world_size = len(self.clients) + 1
+        # Every rank blocks in the rendezvous until all joined: the servers' calls and this
+        # process's own join run at once; a server that refuses fails the group at once.
+        pool = ThreadPoolExecutor(world_size, thread_name_prefix="weights-group")
+        joins = [
+            pool.submit(
+                client._init_weights_group,
+                pb.InitWeightsGroupRequest(
+                    group=self.name,
+                    master_address=master_address,
+                    master_port=store.port,
+                    world_size=world_size,
+                    rank=rank,
+                    backend=self.backend,
+                    timeout_s=self._timeout_s,
+                ),
+                self._timeout_s + 10.0,
+            )
+            for rank, client in enumerate(self.clients, start=1)
+        ]
+        own = pool.submit(
+            new_process_group,
+            group=self.name,
+            master_address=master_address,
+            master_port=store.port,
+            world_size=world_size,
+            rank=0,
+            backend=self.backend,
+            timeout_s=self._timeout_s,
+            store=store,
+        )
+        pool.shutdown(wait=False)
+        wait([*joins, own], return_when=FIRST_EXCEPTION)
+        for join in joins:
+            if join.done() and join.exception() is not None:
+                raise join.exception()  # type: ignore[misc]
+        for join in joins:
+            join.result()
+        return own.result()
+
+    def update_weights(
+        self,
+        weights: Mapping[str, torch.Tensor] | torch.nn.Module,
+        *,
+        version: int,
+        target: str = "actor",
+        mode: str = "full",
+        timeout_s: float | None = None,
+        request_id: str | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        **stream_options: object,
+    ) -> list[UpdateResult]:
+        """One broadcast to every server; their results in the order of `clients`.
+
+        `stream_options` as for RolloutClient.update_weights (sha256, lora, allow_non_finite,
+        manifest). Raises the first server's error if any refused or failed.
+        """
+        update = prepare_update(
+            weights,
+            target=target,
+            version=version,
+            mode=mode,
+            chunk_bytes=DEFAULT_CHUNK_BYTES,
+            crc32=False,
+            **stream_options,  # type: ignore[arg-type]
+        )
+        with self._lock:
+            if self._broken:
+                raise FailedPrecondition(f"weights group {self.name!r} is broken; make a new one")
+            started_s = time.monotonic()
+            calls = self._start_calls(update, timeout_s, request_id)
+            try:
+                if self._vote(calls):
+                    self._broadcast(update, progress)
+            except Exception as error:
+                self._broken = True
+                for call in calls:
+                    call.cancel()
+                raise Unavailable(f"weights group {self.name!r}: {error}") from None
+            replies = _replies(calls)
+        wall_s = time.monotonic() - started_s
+        return [UpdateResult.from_proto(reply, wall_s=wall_s) for reply in replies]
+
+    def _start_calls(
+        self, update: UpdateFile, timeout_s: float | None, request_id: str | None
+    ) -> list[grpc.Future]:
+        header = pb.WeightsHeader()
+        header.CopyFrom(update.header)
+        header.distributed.group = self.name
+        header.distributed.bucket_bytes = self.bucket_bytes
+        head_bytes = len(update.layout()[0])
+        return [
+            client._start_update(update.messages(header, 0, head_bytes), timeout_s, request_id)
+            for client in self.clients
+        ]
+
+    def _vote(self, calls: list[grpc.Future]) -> bool:
+        """All ranks' vote; False (no broadcast) when a server refused."""
+        flag = torch.tensor([_READY], dtype=torch.int64, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        work = self._group.allreduce([flag], options)
+        deadline = time.monotonic() + self._timeout_s
+        while not work.is_completed():
+            # A server that failed before its vote (an unknown group, say) never votes.
+            for call in calls:
+                if call.done() and call.exception() is not None:
+                    raise RuntimeError(f"a server failed before voting: {call.exception()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no vote within {self._timeout_s:g} s")
+            time.sleep(0.001)
+        work.wait()
+        return int(flag.item()) == _READY
+
+    def _broadcast(self, update: UpdateFile, progress: Callable[[int, int], None] | None) -> None:
+        """The data section in buckets of bucket_bytes, filled from the tensors in file order."""
+        head, specs = update.layout()
+        data_bytes = specs[-1].end if specs else 0
+        bucket = torch.empty(min(self.bucket_bytes, max(data_bytes, 1)), dtype=torch.uint8,
+                             device=self.device)  # fmt: skip
+        filled = sent = 0
+        for spec in specs:
+            source = _as_bytes(update.state_dict[spec.name])
+            done = 0
+            while done < len(source):
+                take = min(len(source) - done, len(bucket) - filled)
+                bucket[filled : filled + take].copy_(source[done : done + take])
+                filled += take
+                done += take
+                if filled == len(bucket) or sent + filled == data_bytes:
+                    broadcast(self._group, bucket[:filled])
+                    sent += filled
+                    filled = 0
+                    if progress is not None:
+                        progress(len(head) + sent, update.total_bytes)
+
+    def close(self) -> None:
+        """Every server leaves the group (errors ignored: a dead server left already)."""
+        for client in self.clients:
+            try:
+                client._destroy_weights_group(self.name, 10.0)
+            except Exception:
+                pass
+        try:
+            self._group.shutdown()
+        except Exception:
+            pass
+
+    def __enter__(self) -> WeightsGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as a flat uint8 tensor on its own device (C order)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _replies(calls: list[grpc.Future]) -> list[pb.UpdateWeightsResponse]:
+    """Every server's reply; else the error of the server that refused or failed first (not
+    the "another rank refused" of the servers that only followed the vote)."""
+    replies, errors = [], []
+    for call in calls:
+        try:
+            replies.append(call.result())
+        except grpc.RpcError as error:
+            errors.append(from_rpc_error(error))
+    if errors:
+        errors.sort(key=lambda error: _FOLLOWED_VOTE in str(error))
+        raise errors[0]
+    return replies
+
+
+def update_through_group(
+    client: BaseClient,
+    group: WeightsGroup | None,
+    transport: str,
+    weights: Mapping[str, torch.Tensor] | torch.nn.Module,
+    **options: Any,
+) -> UpdateResult:
+    """A client's update_weights with transport "dist": one broadcast to the whole group, and
+    this client's own result."""
+    if group is None or transport not in ("dist", "auto"):
+        raise InvalidArgument("transport 'dist' and group= go together (group: a WeightsGroup)")
+    if client not in group.clients:
+        raise InvalidArgument(f"group {group.name!r} does not hold this client's server")
+    results = group.update_weights(weights, **options)
+    return results[group.clients.index(client)]

@@ -1,0 +1,256 @@
+"""How an update's bytes leave the client: one gRPC stream, several, shared memory, or a broadcast.
+
+Every transport sends the same WeightsHeader and gets the same UpdateWeightsResponse; the server
+verifies, versions and swaps the same way (server/weights/). What differs is the data plane:
+
+* "grpc": chunks on one UpdateWeights stream, or on `streams` parallel streams over separate
+  TCP connections (each carries a byte range of the file);
+* "shm": the file in a sealed memfd on the server's host (client/shared_memory.py); the call
+  carries the header only;
+* "dist": a torch.distributed broadcast to every server of a WeightsGroup (client/distributed.py);
+* "auto": "shm" when the server says it shares this host (Health.shm_host_id), else "grpc". Auto
+  is the only mode that falls back: when shared memory fails before any byte is staged (the
+  server cannot open the memfd) it logs a warning and sends the update over gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from rollserve.client.errors import FailedPrecondition, InvalidArgument
+from rollserve.client.shared_memory import SharedMemoryFile, shm_host_id
+from rollserve.client.weights import UpdateFile
+from rollserve.v1 import rollout_pb2 as pb
+
+__all__ = ["TRANSPORTS", "CallOptions", "Uploads", "default_streams"]
+
+_LOG = logging.getLogger(__name__)
+TRANSPORTS = ("auto", "grpc", "shm", "dist")
+MAX_STREAMS = 64
+# The server's shm refusals that mean "this data plane cannot work here", not "bad update".
+_SHM_UNREACHABLE = "shared_memory: "
+
+Progress = Callable[[int, int], None]
+StartCall = Callable[..., Any]  # a raw-bytes UpdateWeights callable (wire.update_weights_callable)
+
+
+def default_streams(cpu_count: int | None = None) -> int:
+    """Parallel gRPC streams when none are asked for: one per 4 cores, 1 to 8.
+
+    On a 2-core machine a second stream only adds contention (reference/transport.md: two gRPC
+    streams moved 0.42 of raw TCP together against 0.49 for one); with 16 cores each stream
+    gets its own cores on both ends.
+    """
+    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    return max(1, min(8, cores // 4))
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    timeout_s: float
+    metadata: tuple[tuple[str, str | bytes], ...]
+
+
+class Uploads:
+    """A client's upload side: its UpdateWeights callables, memfd and what it knows of the server.
+
+    `open_stream` opens one more sync UpdateWeights callable on a connection of its own (for
+    parallel streams); `health` asks the server's Health (sync).
+    """
+
+    def __init__(
+        self,
+        first: StartCall,
+        open_stream: Callable[[], tuple[StartCall, grpc.Channel]],
+        health: Callable[[float], pb.HealthResponse],
+    ) -> None:
+        self._calls: list[StartCall] = [first]
+        self._extra_channels: list[grpc.Channel] = []
+        self._open_stream = open_stream
+        self._health = health
+        self._shm = SharedMemoryFile()
+        # Held from writing the memfd to the server's reply: the server reads it during the call,
+        # so a second update from this client (another thread) must not overwrite it meanwhile.
+        self._shm_lock = threading.Lock()
+        self._server_shares_host: bool | None = None
+
+    def send(
+        self,
+        update: UpdateFile,
+        options: CallOptions,
+        *,
+        transport: str,
+        streams: int | None,
+        progress: Progress | None,
+    ) -> pb.UpdateWeightsResponse:
+        """Send one update over `transport` ("auto", "grpc" or "shm"; "dist" goes through a
+        WeightsGroup) and return the server's reply."""
+        if transport not in ("auto", "grpc", "shm"):
+            raise InvalidArgument(
+                f"transport: one of {', '.join(TRANSPORTS)}, got {transport!r}"
+                + (" (pass group= for 'dist')" if transport == "dist" else "")
+            )
+        if streams is not None and not 1 <= streams <= MAX_STREAMS:
+            raise InvalidArgument(f"streams: 1 to {MAX_STREAMS}, got {streams}")
+        if transport == "shm" or (transport == "auto" and self._auto_shm(update, streams)):
+            try:
+                return self._send_shm(update, options, progress)
+            except FailedPrecondition as error:
+                if transport == "shm" or not str(error).startswith(_SHM_UNREACHABLE):
+                    raise
+                self._server_shares_host = False
+                _LOG.warning("shared memory failed (%s); sending this update over gRPC", error)
+        count = default_streams() if streams is None else streams
+        return self._send_grpc(update, options, count, progress)
+
+    def close(self) -> None:
+        with self._shm_lock:
+            self._shm.close()
+        for channel in self._extra_channels:
+            channel.close()
+        self._extra_channels.clear()
+
+    # ---- shared memory -----------------------------------------------------------------------
+
+    def _auto_shm(self, update: UpdateFile, streams: int | None) -> bool:
+        # Per-chunk CRC-32 and an explicit stream count are requests for the gRPC stream.
+        if update.crc32 or streams is not None:
+            return False
+        if self._server_shares_host is None:
+            self._server_shares_host = self._shares_host(timeout_s=10.0)
+        return self._server_shares_host
+
+    def _shares_host(self, timeout_s: float) -> bool:
+        try:
+            health = self._health(timeout_s)
+        except grpc.RpcError:
+            return False  # the update itself will report why the server is unreachable
+        return "shm" in health.weight_transports and health.shm_host_id == shm_host_id()
+
+    def _send_shm(
+        self, update: UpdateFile, options: CallOptions, progress: Progress | None
+    ) -> pb.UpdateWeightsResponse:
+        if self._server_shares_host is None:
+            self._server_shares_host = self._shares_host(options.timeout_s)
+        if not self._server_shares_host:
+            raise FailedPrecondition(
+                "transport 'shm' needs the client on the server's host, in its PID namespace, "
+                "and a server that accepts it (Health.shm_host_id differs or 'shm' is not in "
+                "Health.weight_transports); use 'grpc' or 'auto'"
+            )
+        head, specs = update.layout()
+        total_bytes = update.total_bytes
+        tensors = [(spec.begin, update.state_dict[spec.name]) for spec in specs]
+        report = None if progress is None else (lambda written: progress(written, total_bytes))
+        with self._shm_lock:
+            if progress is not None:
+                progress(0, total_bytes)
+            self._shm.write(head, tensors, report)
+            header = pb.WeightsHeader()
+            header.CopyFrom(update.header)
+            header.shared_memory.pid = os.getpid()
+            header.shared_memory.fd = self._shm.fd
+            message = pb.UpdateWeightsRequest(header=header).SerializeToString()
+            return self._calls[0](
+                iter([message]), timeout=options.timeout_s, metadata=options.metadata
+            )
+
+    # ---- gRPC streams ------------------------------------------------------------------------
+
+    def _send_grpc(
+        self, update: UpdateFile, options: CallOptions, streams: int, progress: Progress | None
+    ) -> pb.UpdateWeightsResponse:
+        ranges = _part_ranges(update, streams)
+        if len(ranges) == 1:
+            messages = update.messages(progress=progress)
+            return self._calls[0](messages, timeout=options.timeout_s, metadata=options.metadata)
+        calls = self._stream_calls(len(ranges))
+        update_id = uuid.uuid4().hex
+        sent = _PartProgress(progress, update.total_bytes, len(ranges))
+        futures = []
+        for index, (begin, end) in enumerate(ranges):
+            header = pb.WeightsHeader()
+            header.CopyFrom(update.header)
+            header.parallel.update_id = update_id
+            header.parallel.streams = len(ranges)
+            header.parallel.index = index
+            header.parallel.begin = begin
+            header.parallel.end = end
+            messages = update.messages(header, begin, end, sent.part(index))
+            futures.append(
+                calls[index].future(messages, timeout=options.timeout_s, metadata=options.metadata)
+            )
+        return _settle(futures)
+
+    def _stream_calls(self, count: int) -> list[StartCall]:
+        while len(self._calls) < count:
+            call, channel = self._open_stream()
+            self._calls.append(call)
+            self._extra_channels.append(channel)
+        return self._calls[:count]
+
+
+def _part_ranges(update: UpdateFile, streams: int) -> list[tuple[int, int]]:
+    """Byte ranges of the file for `streams` parts: part 0 holds the head, the data is split
+    evenly at chunk_bytes multiples; fewer parts when the file is small."""
+    total_bytes = update.total_bytes
+    head_bytes = len(update.layout()[0])
+    step = update.chunk_bytes
+    data_chunks = -(-(total_bytes - head_bytes) // step)
+    parts = max(1, min(streams, data_chunks))
+    bounds = [0]
+    for i in range(1, parts):
+        cut = head_bytes + (data_chunks * i // parts) * step
+        if bounds[-1] < cut < total_bytes:
+            bounds.append(cut)
+    return list(zip(bounds, [*bounds[1:], total_bytes], strict=True))
+
+
+class _PartProgress:
+    """One progress callback for several streams: the sum of what each has sent."""
+
+    def __init__(self, progress: Progress | None, total_bytes: int, parts: int) -> None:
+        self._progress = progress
+        self._total_bytes = total_bytes
+        self._sent = [0] * parts
+
+    def part(self, index: int) -> Progress | None:
+        if self._progress is None:
+            return None
+
+        def report(sent: int, _total: int) -> None:
+            self._sent[index] = sent
+            assert self._progress is not None
+            self._progress(sum(self._sent), self._total_bytes)
+
+        return report
+
+
+def _settle(futures: list[grpc.Future]) -> pb.UpdateWeightsResponse:
+    """The parts' common reply. On a failure, cancel the parts still sending and raise the
+    leader's error: the server fails every part with the status of the part that failed first,
+    and names it."""
+    settled = threading.Event()
+    for future in futures:
+        future.add_done_callback(lambda _: settled.set())
+    while True:
+        settled.wait()
+        settled.clear()
+        failed = [f for f in futures if f.done() and (f.cancelled() or f.exception() is not None)]
+        if failed or all(f.done() for f in futures):
+            break
+    if not failed:
+        return futures[0].result()
+    for future in futures[1:]:
+        future.cancel()
+    try:
+        return futures[0].result()  # raises the leader's error
+    except grpc.FutureCancelledError:
+        raise failed[0].exception() from None  # type: ignore[misc]
