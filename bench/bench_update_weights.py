@@ -192,26 +192,41 @@ def _drain_server(port_out: Connection) -> None:
 
 
 def _update_client(conn: Connection, weights_file: str, chunk_bytes: int, crc32: bool) -> None:
-    """Holds the state dict; for each (target, version) received, pushes it and reports."""
+    """Holds the state dict; for each (target, version, lane) received, pushes it and reports.
+
+    Lanes: "grpc" (one stream; also against the drain server), "grpc-parallel" (--streams
+    streams), "shm" (shared memory), "dist" (a gloo broadcast through a WeightsGroup).
+    """
     from rollserve.client.client import RolloutClient
+    from rollserve.client.distributed import WeightsGroup
     from safetensors.torch import load_file
 
     state_dict = load_file(weights_file)
     clients: dict[str, RolloutClient] = {}
+    groups: dict[str, WeightsGroup] = {}
     conn.send("ready")
     while (order := conn.recv()) is not None:
-        target, version = order
+        target, version, lane, streams = order
         client = clients.setdefault(target, RolloutClient(target, timeout_s=600.0))
+        options: dict = {"chunk_bytes": chunk_bytes, "crc32": crc32}
+        if lane == "dist":
+            if target not in groups:
+                groups[target] = WeightsGroup([client], timeout_s=120.0)
+            options = {"transport": "dist", "group": groups[target]}
+        elif lane == "grpc-parallel":
+            options.update(transport="grpc", streams=streams)
+        else:
+            options.update(transport=lane, streams=1 if lane == "grpc" else None)
         cpu_before = resource.getrusage(resource.RUSAGE_SELF)
-        result = client.update_weights(
-            state_dict, version=version, chunk_bytes=chunk_bytes, crc32=crc32
-        )
+        result = client.update_weights(state_dict, version=version, **options)
         cpu_after = resource.getrusage(resource.RUSAGE_SELF)
         cpu_s = (cpu_after.ru_utime - cpu_before.ru_utime) + (
             cpu_after.ru_stime - cpu_before.ru_stime
         )
         # The drain server reports no bytes applied; the file size is what was sent.
         conn.send((result.bytes, result.wall_s, result.server_seconds, cpu_s))
+    for group in groups.values():
+        group.close()
     for client in clients.values():
         client.close()
 
@@ -231,11 +246,13 @@ class UpdateRound:
         return self.file_bytes / self.wall_s / 1e9
 
 
-def run_update(conn: Connection, target: str, server_pid: int, version: int) -> UpdateRound:
+def run_update(
+    conn: Connection, target: str, server_pid: int, version: int, lane: str, streams: int = 1
+) -> UpdateRound:
     rss_before_kib = _read_status_kib(server_pid, "VmRSS")
     _reset_peak_rss(server_pid)
     server_cpu_before = _cpu_s(server_pid)
-    conn.send((target, version))
+    conn.send((target, version, lane, streams))
     file_bytes, wall_s, server_s, client_cpu_s = conn.recv()
     server_cpu_s = _cpu_s(server_pid) - server_cpu_before
     # The server probes the new weights on its engine right after the reply (a forward pass,
@@ -269,6 +286,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
+        "--transports",
+        default=",".join(LANES),
+        help=f"comma-separated lanes, each against its own server: {', '.join(LANES)}",
+    )
+    parser.add_argument("--streams", type=int, default=2, help="streams of grpc-parallel")
+    parser.add_argument(
         "--wait-quiet",
         type=float,
         metavar="LOAD",
@@ -301,11 +324,11 @@ def _ensure_tuned_malloc(args: argparse.Namespace) -> None:
 
 def _wire_path() -> str:
     """Whether the client and the server use the wire fast path (client/wire.py), or protobuf."""
-    import rollserve.client.client as client_module
+    import rollserve.client.weights as weights_module
     import rollserve.server.app as app_module
     from rollserve.client.wire import CRC32_IMPLEMENTATION
 
-    client = "wire" if hasattr(client_module, "update_weights_messages") else "protobuf"
+    client = "wire" if hasattr(weights_module, "encode_chunk") else "protobuf"
     server = "wire" if hasattr(app_module, "add_rollout_servicer") else "protobuf"
     return f"client {client}, server {server}, CRC-32 by {CRC32_IMPLEMENTATION}"
 
@@ -330,6 +353,10 @@ def _machine() -> str:
     )
 
 
+LANES = ("grpc", "grpc-parallel", "shm", "dist")
+TARGETS = {"shm": 1.5, "dist": 0.6}  # x raw TCP; grpc: x the drain-only server, 0.8
+
+
 def main(argv: list[str]) -> int:
     args = _parse_args(argv)
     _ensure_tuned_malloc(args)
@@ -342,21 +369,30 @@ def main(argv: list[str]) -> int:
     print(f"UpdateWeights path: {_wire_path()}")
     settings = " ".join(f"{k}={v}" for k, v in TUNED_MALLOC.items())
     print(f"malloc: {'tuned ' + settings if tuned else 'default'}")
+    lanes = [lane for lane in args.transports.split(",") if lane]
+    unknown = set(lanes) - set(LANES)
+    if unknown:
+        raise SystemExit(f"--transports: unknown {sorted(unknown)}; choose from {LANES}")
     tcp_bytes = int(args.tcp_gib * GIB)
     ctx = mp.get_context("spawn")
+    servers = {}
     with tempfile.TemporaryDirectory(prefix="rollserve-bench-") as tmp:
         started_s = time.monotonic()
         parameters = save_actor(Path(tmp), args)
         built_s = time.monotonic() - started_s
         print(f"actor: {parameters / 1e6:.1f}M parameters, float32, built in {built_s:.1f} s")
-        proc, port = start_server_process(
-            "--device", "cpu", "--dtype", "float32", "--actor", tmp, "--log-level", "WARNING",
-            timeout_s=600.0,
-        )  # fmt: skip
+        # One server per lane: each lane's first update is cold on both sides, and each
+        # server's peak memory is that lane's own.
+        for lane in lanes:
+            servers[lane] = start_server_process(
+                "--device", "cpu", "--dtype", "float32", "--actor", tmp, "--log-level", "WARNING",
+                timeout_s=600.0,
+            )  # fmt: skip
         port_in, port_out = ctx.Pipe(duplex=False)
         drain = ctx.Process(target=_drain_server, args=(port_out,), daemon=True)
         drain.start()
-        targets = {"rollserve": f"127.0.0.1:{port}", "drain": f"127.0.0.1:{port_in.recv()}"}
+        targets = {lane: f"127.0.0.1:{port}" for lane, (_, port) in servers.items()}
+        drain_target = f"127.0.0.1:{port_in.recv()}"
         conn, child_conn = ctx.Pipe()
         weights_file = str(Path(tmp) / "model.safetensors")
         client = ctx.Process(
@@ -364,32 +400,39 @@ def main(argv: list[str]) -> int:
             args=(child_conn, weights_file, args.chunk_bytes, args.crc32),
         )
         client.start()
+
+        def update(lane: str, version: int) -> UpdateRound:
+            proc, _ = servers[lane]
+            return run_update(conn, targets[lane], proc.pid, version, lane, args.streams)
+
         try:
             assert conn.recv() == "ready"
             if args.wait_quiet is not None:  # every process is started and idle
                 _wait_quiet(args.wait_quiet)
-            rss_loaded_gib = _read_status_kib(proc.pid, "VmRSS") / 2**20
-            cold = run_update(conn, targets["rollserve"], proc.pid, version=1)
+            rss_loaded_gib = {
+                lane: _read_status_kib(proc.pid, "VmRSS") / 2**20
+                for lane, (proc, _) in servers.items()
+            }
+            cold = {lane: update(lane, 1) for lane in lanes}
             raw_tcp_gbps(tcp_bytes)  # warm-ups
-            run_update(conn, targets["drain"], drain.pid, version=1)
+            run_update(conn, drain_target, drain.pid, 1, "grpc")
             rows = []
             for index in range(args.rounds):
-                tcp = raw_tcp_gbps(tcp_bytes)
-                update = run_update(conn, targets["rollserve"], proc.pid, version=index + 2)
-                drained = run_update(conn, targets["drain"], drain.pid, version=index + 2)
-                rows.append((tcp, update, drained))
+                row = {"tcp": raw_tcp_gbps(tcp_bytes)}
+                for lane in lanes:
+                    row[lane] = update(lane, index + 2)
+                row["drain"] = run_update(conn, drain_target, drain.pid, index + 2, "grpc")
+                rows.append(row)
                 load = os.getloadavg()[0]
-                print(
-                    f"round {index + 1} (load {load:.2f}): {_describe(tcp, update, drained)}",
-                    flush=True,
-                )
+                print(f"round {index + 1} (load {load:.2f}): {_describe(row, lanes)}", flush=True)
         finally:
             conn.send(None)
             client.join(timeout=60)
             drain.kill()
-            proc.terminate_and_wait()
+            for proc, _ in servers.values():
+                proc.terminate_and_wait()
     print(f"load average after: {os.getloadavg()[0]:.2f}")
-    summary = _summary(args, parameters, rss_loaded_gib, cold, rows, tuned)
+    summary = _summary(args, parameters, lanes, rss_loaded_gib, cold, rows, tuned)
     _print_summary(summary)
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
@@ -400,78 +443,88 @@ def _per_gib(cpu_s: float, update: UpdateRound) -> float:
     return cpu_s * GIB / update.file_bytes
 
 
-def _describe(tcp_gbps: float, update: UpdateRound, drained: UpdateRound) -> str:
-    return (
-        f"raw TCP {tcp_gbps:.2f} GB/s; UpdateWeights {update.gbps:.2f} GB/s "
-        f"({update.wall_s:.2f} s), ratio {update.gbps / tcp_gbps:.3f}; drain-only server "
-        f"{drained.gbps:.2f} GB/s, ratio {drained.gbps / tcp_gbps:.3f}; CPU-s/GiB client "
-        f"{_per_gib(update.client_cpu_s, update):.2f} server "
-        f"{_per_gib(update.server_cpu_s, update):.2f} (drain-only "
-        f"{_per_gib(drained.server_cpu_s, drained):.2f}); server RSS "
-        f"{update.server_rss_before_gib:.2f} GiB, peak {update.server_peak_rss_gib:.2f}"
-    )
+def _describe(row: dict, lanes: list[str]) -> str:
+    tcp = row["tcp"]
+    parts = [f"raw TCP {tcp:.2f} GB/s"]
+    for lane in [*lanes, "drain"]:
+        u = row[lane]
+        parts.append(
+            f"{lane} {u.gbps:.2f} GB/s ({u.wall_s:.3f} s) x{u.gbps / tcp:.3f}, CPU-s/GiB client "
+            f"{_per_gib(u.client_cpu_s, u):.2f} server {_per_gib(u.server_cpu_s, u):.2f}"
+        )
+    if "grpc" in lanes:
+        parts.append(f"grpc / drain {row['grpc'].gbps / row['drain'].gbps:.3f}")
+    return "; ".join(parts)
 
 
-def _summary(args, parameters, rss_loaded_gib, cold, rows, tuned) -> dict:
-    updates = [update for _, update, _ in rows]
-    drains = [drained for _, _, drained in rows]
+def _summary(args, parameters, lanes, rss_loaded_gib, cold, rows, tuned) -> dict:
     median = statistics.median
-    return {
+    per_lane = {}
+    for lane in [*lanes, "drain"]:
+        updates = [row[lane] for row in rows]
+        per_lane[lane] = {
+            "ratios_to_tcp": [row[lane].gbps / row["tcp"] for row in rows],
+            "median_ratio_to_tcp": median(row[lane].gbps / row["tcp"] for row in rows),
+            "median_gbps": median(u.gbps for u in updates),
+            "median_warm_s": median(u.wall_s for u in updates),
+            "median_client_cpu_s_per_gib": median(_per_gib(u.client_cpu_s, u) for u in updates),
+            "median_server_cpu_s_per_gib": median(_per_gib(u.server_cpu_s, u) for u in updates),
+            "max_warm_server_peak_rss_gib": max(u.server_peak_rss_gib for u in updates),
+        }
+        if lane != "drain":
+            per_lane[lane].update(
+                cold_s=cold[lane].wall_s,
+                cold_server_peak_rss_gib=cold[lane].server_peak_rss_gib,
+                server_rss_loaded_gib=rss_loaded_gib[lane],
+            )
+    summary = {
         "machine": _machine(),
         "malloc": "tuned" if tuned else "default",
         "parameters": parameters,
-        "file_bytes": cold.file_bytes,
+        "file_bytes": rows[0][lanes[0]].file_bytes if rows else 0,
         "chunk_bytes": args.chunk_bytes,
+        "streams": args.streams,
         "crc32": args.crc32,
-        "ratios": [update.gbps / tcp for tcp, update, _ in rows],
-        "median_ratio": median(update.gbps / tcp for tcp, update, _ in rows),
-        "median_drain_ratio": median(drained.gbps / tcp for tcp, _, drained in rows),
-        "median_tcp_gbps": median(tcp for tcp, _, _ in rows),
-        "median_update_gbps": median(u.gbps for u in updates),
-        "median_drain_gbps": median(d.gbps for d in drains),
-        "cold_update_s": cold.wall_s,
-        "median_warm_update_s": median(u.wall_s for u in updates),
-        "server_rss_loaded_gib": rss_loaded_gib,
-        "cold_server_peak_rss_gib": cold.server_peak_rss_gib,
-        "max_warm_server_peak_rss_gib": max(u.server_peak_rss_gib for u in updates),
-        "median_client_cpu_s_per_gib": median(_per_gib(u.client_cpu_s, u) for u in updates),
-        "median_server_cpu_s_per_gib": median(_per_gib(u.server_cpu_s, u) for u in updates),
-        "median_drain_server_cpu_s_per_gib": median(_per_gib(d.server_cpu_s, d) for d in drains),
-        "cold": asdict(cold),
-        "rounds": [
-            {"tcp_gbps": tcp, "update": asdict(u), "drain": asdict(d)} for tcp, u, d in rows
-        ],
+        "median_tcp_gbps": median(row["tcp"] for row in rows),
+        "lanes": per_lane,
+        "rounds": [{k: (v if k == "tcp" else asdict(v)) for k, v in row.items()} for row in rows],
     }
+    if "grpc" in lanes:
+        summary["grpc_over_drain"] = [row["grpc"].gbps / row["drain"].gbps for row in rows]
+        summary["median_grpc_over_drain"] = median(summary["grpc_over_drain"])
+    return summary
 
 
 def _print_summary(s: dict) -> None:
     print(
         f"\nfile {s['file_bytes'] / 1e9:.3f} GB ({s['parameters'] / 1e6:.1f}M params), "
-        f"chunks of {s['chunk_bytes'] // 1024} KiB, CRC-32 {'on' if s['crc32'] else 'off'}, "
-        f"malloc {s['malloc']}"
+        f"chunks of {s['chunk_bytes'] // 1024} KiB, {s['streams']} parallel streams, CRC-32 "
+        f"{'on' if s['crc32'] else 'off'}, malloc {s['malloc']}; raw TCP median "
+        f"{s['median_tcp_gbps']:.2f} GB/s"
     )
-    print(
-        f"median ratio UpdateWeights / raw TCP: {s['median_ratio']:.3f} (target >= 0.45); "
-        f"drain-only server with the same client: {s['median_drain_ratio']:.3f}"
-    )
-    print(
-        f"medians: raw TCP {s['median_tcp_gbps']:.2f} GB/s, UpdateWeights "
-        f"{s['median_update_gbps']:.2f} GB/s, drain-only {s['median_drain_gbps']:.2f} GB/s"
-    )
-    print(
-        f"end to end: first (cold) update {s['cold_update_s']:.2f} s, warm median "
-        f"{s['median_warm_update_s']:.2f} s"
-    )
-    print(
-        f"server RSS: {s['server_rss_loaded_gib']:.2f} GiB after loading (actor + reference copy);"
-        f" peak during the cold update {s['cold_server_peak_rss_gib']:.2f} GiB, during warm "
-        f"updates at most {s['max_warm_server_peak_rss_gib']:.2f} GiB"
-    )
-    print(
-        f"CPU-s/GiB (median): client {s['median_client_cpu_s_per_gib']:.2f}, server "
-        f"{s['median_server_cpu_s_per_gib']:.2f}, drain-only server "
-        f"{s['median_drain_server_cpu_s_per_gib']:.2f}"
-    )
+    for lane, r in s["lanes"].items():
+        target = TARGETS.get(lane)
+        goal = f" (target >= {target})" if target else ""
+        line = (
+            f"{lane:>13}: x raw TCP {r['median_ratio_to_tcp']:.3f}{goal}, {r['median_gbps']:.2f}"
+            f" GB/s, warm {r['median_warm_s']:.3f} s"
+        )
+        if "cold_s" in r:
+            line += (
+                f", cold {r['cold_s']:.3f} s; server RSS loaded {r['server_rss_loaded_gib']:.2f}"
+                f" GiB, peak cold {r['cold_server_peak_rss_gib']:.2f} / warm "
+                f"{r['max_warm_server_peak_rss_gib']:.2f} GiB"
+            )
+        line += (
+            f"; CPU-s/GiB client {r['median_client_cpu_s_per_gib']:.2f} server "
+            f"{r['median_server_cpu_s_per_gib']:.2f}"
+        )
+        print(line)
+    if "median_grpc_over_drain" in s:
+        print(
+            f"grpc single stream / drain-only server with the same client: "
+            f"{s['median_grpc_over_drain']:.3f} (target >= 0.8)"
+        )
 
 
 if __name__ == "__main__":
