@@ -18,6 +18,7 @@ from rollserve.client.buffer import ExperienceBuffer
 from rollserve.client.calls import SubscribedBatch
 from rollserve.client.client import RolloutClient
 from rollserve.client.codec import decode_tensor, encode_tensor
+from rollserve.client.distributed import WeightsGroup
 from rollserve.client.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -55,6 +56,7 @@ __all__ = [
     "ExperienceBuffer",
     "AsyncRolloutClient",
     "ReplicatedRolloutClient",
+    "WeightsGroup",
     "resolve_targets",
     "Experience",
     "BufferItem",

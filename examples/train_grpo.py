@@ -33,6 +33,7 @@ from rollserve.client import (
     ExperienceBuffer,
     FailedPrecondition,
     RolloutClient,
+    WeightsGroup,
     mean_kl,
 )
 from server_process import LocalServer
@@ -64,6 +65,10 @@ class TrainConfig:
     device: str = "cpu"
     plot: bool = True
     timeout_s: float = 120.0
+    # How weights reach the server: auto (shared memory on the same host, else gRPC), grpc,
+    # shm, or dist (a torch.distributed broadcast through a WeightsGroup).
+    transport: str = "auto"
+    streams: int = 0  # parallel gRPC streams for grpc/auto; 0: one per 4 cores
 
 
 @dataclass(frozen=True)
@@ -99,10 +104,10 @@ def load_policy(config: TrainConfig) -> torch.nn.Module:
 
 
 def sync_server(client: RolloutClient, policy: torch.nn.Module) -> int:
-    """Push the initial policy so the server samples from exactly our weights; returns its version.
+    """Wait for the server and check it serves our vocabulary; returns its current version.
 
-    A running server may have been trained before (version > 0): one full update above its
-    version makes any run start from the same place.
+    A running server may have been trained before (version > 0): the first push goes one
+    version above it, so any run starts from the same place.
     """
     health = client.wait_until_ready()
     vocab = policy.get_output_embeddings().weight.shape[0]
@@ -111,7 +116,30 @@ def sync_server(client: RolloutClient, policy: torch.nn.Module) -> int:
             f"server actor has vocab {health.vocab_size}, the trainer's {vocab}: pass the "
             "server's actor directory with --actor"
         )
-    return client.update_weights(policy.state_dict(), version=health.policy_version + 1).version
+    return health.policy_version
+
+
+class WeightPusher:
+    """Pushes the policy over the configured transport (a WeightsGroup for "dist")."""
+
+    def __init__(self, client: RolloutClient, config: TrainConfig) -> None:
+        self._client = client
+        self._options: dict[str, object] = {"transport": config.transport}
+        if config.streams:
+            self._options["streams"] = config.streams
+        self._group = WeightsGroup([client]) if config.transport == "dist" else None
+        if self._group is not None:
+            self._options = {"transport": "dist", "group": self._group}
+
+    def push(self, policy: torch.nn.Module, version: int) -> int:
+        """Send the policy as `version`; the version the server now serves."""
+        return self._client.update_weights(
+            policy.state_dict(), version=version, **self._options
+        ).version
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
 
 
 def rollout(client: RolloutClient, config: TrainConfig, step: int, version: int) -> Experience:
@@ -186,7 +214,25 @@ def train(
     generator = torch.Generator().manual_seed(config.seed)
     policy = load_policy(config)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr, weight_decay=0.0)
-    version = sync_server(client, policy)
+    pusher = WeightPusher(client, config)
+    try:
+        return _train_steps(config, client, policy, optimizer, generator, pusher, log)
+    finally:
+        pusher.close()
+
+
+def _train_steps(
+    config: TrainConfig,
+    client: RolloutClient,
+    policy: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+    pusher: WeightPusher,
+    log: Callable[[str], None],
+) -> list[StepStats]:
+    # Push the initial policy so the server samples from exactly our weights (one full update
+    # above whatever version a running server is at).
+    version = pusher.push(policy, sync_server(client, policy) + 1)
     history: list[StepStats] = []
     for step in range(config.steps):
         started_s = time.monotonic()
@@ -194,7 +240,7 @@ def train(
         rolled_s = time.monotonic()
         loss, clip_fraction = optimise(policy, optimizer, experience, config, generator)
         trained_s = time.monotonic()
-        version = client.update_weights(policy.state_dict(), version=version + 1).version
+        version = pusher.push(policy, version + 1)
         stats = StepStats(
             step=step,
             policy_version=int(experience.policy_version[0]),
@@ -287,6 +333,8 @@ _HELP = {
     "reward": "server reward source scored against the answer",
     "device": "where the trainer's policy lives (cpu, cuda)",
     "timeout_s": "deadline of each RPC",
+    "transport": "how weights reach the server: auto, grpc, shm or dist",
+    "streams": "parallel gRPC streams for grpc/auto (0: one per 4 cores)",
 }
 _POSITIVE = ("steps", "prompts_per_step", "samples_per_prompt", "ppo_epochs", "mini_batch_rows")
 

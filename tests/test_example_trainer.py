@@ -85,7 +85,9 @@ def test_trainer_policy_scores_like_the_server(
     config = trainer.TrainConfig(out_dir=tmp_path, prompts_per_step=3, samples_per_prompt=2)
     policy = trainer.load_policy(config)
     with RolloutClient(default_server) as client:
-        version = trainer.sync_server(client, policy)
+        pusher = trainer.WeightPusher(client, config)
+        version = pusher.push(policy, trainer.sync_server(client, policy) + 1)
+        pusher.close()
         assert client.health().policy_version == version
         experience = trainer.rollout(client, config, step=0, version=version)
     assert experience.num_rows == 6
@@ -100,12 +102,18 @@ def test_trainer_policy_scores_like_the_server(
     assert experience.base_action_log_probs is not None  # the KL term's input
 
 
+# Every data plane carries the trainer's weights; grpc with 2 streams takes the parallel path.
+@pytest.mark.parametrize(
+    ("transport", "streams"), [("shm", 0), ("dist", 0), ("grpc", 2)], ids=["shm", "dist", "grpc-2"]
+)
 def test_trainer_learns_against_a_running_default_server(
-    trainer: ModuleType, default_server: str, tmp_path: Path
+    trainer: ModuleType, default_server: str, tmp_path: Path, transport: str, streams: int
 ) -> None:
     config = trainer.TrainConfig(
         out_dir=tmp_path,
         target=default_server,
+        transport=transport,
+        streams=streams,
         steps=STEPS,
         seed=0,
         lr=LR,

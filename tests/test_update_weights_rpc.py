@@ -206,14 +206,21 @@ def test_steady_state_updates_reuse_one_staging_arena(
 ) -> None:
     actor = models.actor.module
     arena = staging_arena(actor)
-    client.update_weights(perturbed(actor, seed=20), version=1)
+    # A full update on the CPU is adopted: the model's tensors become views of the staged
+    # buffer, and the buffer they lived in becomes the next staging buffer (arena.py). After two
+    # full updates the two buffers alternate: no more allocations.
+    client.update_weights(perturbed(actor, seed=19), version=1)
+    model_buffers = {t.untyped_storage().data_ptr() for t in actor.state_dict().values()}
+    assert len(model_buffers) == 1  # every tensor is a view of one adopted buffer
+    client.update_weights(perturbed(actor, seed=20), version=2)
     allocations, capacity_bytes = arena.allocations, arena.capacity_bytes
     assert capacity_bytes >= sum(t.nbytes for t in actor.state_dict().values())
     name = "model.layers.0.mlp.up_proj.weight"
-    client.update_weights({name: actor.state_dict()[name] * 2}, version=2, mode="partial")
+    client.update_weights({name: actor.state_dict()[name] * 2}, version=3, mode="partial")
     weights = perturbed(actor, seed=21)
     expected = state_hash_of(actor, weights)
-    client.update_weights(weights, version=3)
+    client.update_weights(weights, version=4)
+    assert {t.untyped_storage().data_ptr() for t in actor.state_dict().values()} == model_buffers
     # Smaller and equal updates write into the same warm buffer, and still land bit-exact.
     assert (arena.allocations, arena.capacity_bytes) == (allocations, capacity_bytes)
     assert state_hash(actor) == expected

@@ -16,6 +16,12 @@ host memory, so the apply's host-to-device copies are direct DMA rather than a p
 driver's pageable bounce buffer. Pinning costs once per arena (the arena is kept), never per
 update.
 
+Adoption (CPU, full updates): rather than copying the staged tensors into the parameters, the
+parameters become views of the arena (StagedUpdate.apply), which saves a whole copy of the model
+per update. The arena then swaps buffers with the model: the buffer the model lived in before
+(if it was an adopted arena too) becomes the staging buffer of the next update. The bound above
+holds: the model's buffer plus one staging buffer.
+
 Sharing: the arenas live in a registry keyed weakly by the model module, so two servers sharing
 one loaded model (tests do) share its arena; `lease` makes the holder exclusive for the whole
 stage-verify-apply of one update, since the staged tensors are views into the arena.
@@ -40,6 +46,7 @@ class StagingArena:
         # pin_memory: page-locked host memory (only with CUDA; for models on a CUDA device).
         self.pin_memory = pin_memory
         self._buffer: torch.Tensor | None = None
+        self._model_buffer: torch.Tensor | None = None  # the adopted buffer the model lives in
         self._lease = threading.Lock()
         self.allocations = 0  # buffers allocated so far (a steady state allocates none)
 
@@ -65,6 +72,14 @@ class StagingArena:
         if self._buffer is None:  # nbytes == 0 and nothing allocated yet
             return torch.empty(0, dtype=torch.uint8)
         return self._buffer[:nbytes]
+
+    def adopted(self) -> None:
+        """The staged buffer now backs every tensor of the model: swap roles with the buffer
+        that backed them before (None after the first adoption: the loaded storages are gone).
+
+        Call only while holding the lease, after apply rebound every tensor of the model.
+        """
+        self._buffer, self._model_buffer = self._model_buffer, self._buffer
 
     def release(self) -> None:
         """Give the buffer back to the allocator (the next update allocates a fresh one)."""

@@ -52,6 +52,7 @@ class StagedUpdate:
     plan: UpdatePlan
     tensors: Mapping[str, torch.Tensor]  # wire dtype and shape, views into one host arena
     lora_state: LoraState | None
+    arena: StagingArena | None = None  # the leased arena the tensors are views of
 
     @property
     def total_bytes(self) -> int:
@@ -75,13 +76,39 @@ class StagedUpdate:
                 apply_lora(
                     model_tensors, self.plan.lora, self.tensors, self.lora_state, self.options.lora
                 )
+            elif self._adoptable(model_tensors):
+                for entry, target in self.plan.copies:
+                    model_tensors[target.name].data = self.tensors[entry.name]
+                self._forget_lora_bases()
+                if self.arena is not None:
+                    self.arena.adopted()
             else:
                 for entry, target in self.plan.copies:
                     _copy_into(model_tensors[target.name], self.tensors[entry.name])
-                    if self.lora_state is not None:
-                        # A written weight is the new truth; a later adapter merges onto it.
-                        self.lora_state.forget(target.name)
+                self._forget_lora_bases()
         return AppliedUpdate(tensors=len(self.tensors), bytes=self.total_bytes)
+
+    def _adoptable(self, model_tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether the model's tensors can become views of the staged ones instead of copies
+        (arena.py, "Adoption"): a full update on the CPU, every tensor of the model written,
+        wire dtype = model dtype (no cast)."""
+        if self.options.mode != pb.UPDATE_MODE_FULL:
+            return False
+        written = set()
+        for entry, target in self.plan.copies:
+            live = model_tensors[target.name]
+            if live.device.type != "cpu" or self.tensors[entry.name].dtype != live.dtype:
+                return False
+            written.add(id(live))
+        # Tied weights are one tensor under two names: all of them must be written.
+        return all(id(tensor) in written for tensor in model_tensors.values())
+
+    def _forget_lora_bases(self) -> None:
+        if self.lora_state is None:
+            return
+        for _, target in self.plan.copies:
+            # A written weight is the new truth; a later adapter merges onto it.
+            self.lora_state.forget(target.name)
 
     def _targets(self) -> list[TargetTensor]:
         return [target for _, target in self.plan.copies] + [t.weight for t in self.plan.lora]
@@ -122,6 +149,7 @@ class UpdateStager:
         if self._options.mode == pb.UPDATE_MODE_LORA and lora_state is None:
             raise ValueError("a LoraState is required to stage a LoRA update")
         self._lora_state = lora_state
+        self._arena = arena
         self._checks = UpdateChecks(model_spec(model), self._options)
         self._stager = SafetensorsStager(
             self._options.total_bytes,
@@ -162,6 +190,7 @@ class UpdateStager:
             plan=self._checks.plan,
             tensors=staged.tensors,
             lora_state=self._lora_state,
+            arena=self._arena,
         )
 
 
