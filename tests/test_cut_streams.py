@@ -62,9 +62,12 @@ def server(actor_dir: Path, weights) -> Iterator[tuple[ServerProcess, str]]:
     )
     target = f"127.0.0.1:{port}"
     try:
-        # Warm-up: the staging arena exists from now on; RSS baselines are taken after it.
+        # Warm-up: RSS reaches its steady state on the second update (measured: the first one's
+        # staging arena replaces pages of the loaded checkpoint) and a first experience call.
         with RolloutClient(target, timeout_s=WAIT_S) as client:
             client.update_weights(weights, version=1, chunk_bytes=CHUNK_BYTES)
+            client.update_weights(weights, version=2, chunk_bytes=CHUNK_BYTES)
+        snapshot(target)
         yield proc, target
     finally:
         assert proc.terminate_and_wait() == 0
