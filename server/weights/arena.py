@@ -73,6 +73,12 @@ class StagingArena:
             return torch.empty(0, dtype=torch.uint8)
         return self._buffer[:nbytes]
 
+    def hold_model_buffer(self, buffer: torch.Tensor) -> None:
+        """Record the one buffer all of the model's state-dict tensors live in (models.py), so
+        that the first adoption recycles it instead of allocating a second staging buffer."""
+        with self._lease:
+            self._model_buffer = buffer
+
     def adopted(self) -> None:
         """The staged buffer now backs every tensor of the model: swap roles with the buffer
         that backed them before (None after the first adoption: the loaded storages are gone).
