@@ -208,15 +208,26 @@ class GroupUpdate:
             raise FailedPrecondition("another rank of the group refused this update")
         refusal: RolloutError | None = None
         position = lane.position
+        bucket: torch.Tensor | None = None
+        on_host = self._group.device.type == "cpu"
         try:
-            bucket = torch.empty(self._bucket_bytes, dtype=torch.uint8, device=self._group.device)
             while position < lane.end:
                 size = min(self._bucket_bytes, lane.end - position)
-                received = bucket[:size]
+                # Gloo writes host memory: straight into the arena when the bytes are one run
+                # there (the common case), else into a bucket that `feed` copies from.
+                direct = lane.destination(size) if on_host and refusal is None else None
+                if direct is None and bucket is None:
+                    bucket = torch.empty(
+                        self._bucket_bytes, dtype=torch.uint8, device=self._group.device
+                    )
+                received = direct if direct is not None else bucket[:size]  # type: ignore[index]
                 broadcast(self._group.process_group, received)
                 if refusal is None:
                     try:
-                        lane.feed(position, received.cpu().numpy())
+                        if direct is not None:
+                            lane.commit(size)
+                        else:
+                            lane.feed(position, received.cpu().numpy())
                     except RolloutError as error:
                         # Take the rest of the broadcast anyway: rank 0 and the other servers
                         # must not hang on a rank that stopped listening.

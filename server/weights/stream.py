@@ -133,6 +133,17 @@ class _Data:
             position += take
             index += 1
 
+    def run(self, position: int, size: int) -> torch.Tensor | None:
+        """Arena bytes of data-section bytes [position, position + size) if one segment holds
+        them all (one contiguous run), else None."""
+        index = bisect.bisect_right(self.segment_begins, position) - 1
+        if index < 0:
+            return None
+        _, segment_end, shift = self.layout.segments[index]
+        if position + size > segment_end:
+            return None
+        return self.arena[position + shift : position + shift + size]
+
     def elements(self, index: int, first: int, stop: int) -> torch.Tensor:
         """Elements [first, stop) of entries[index] in the arena, 1-D, wire dtype."""
         entry = self.entries[index]
@@ -242,6 +253,28 @@ class Lane:
         position = self.position - len(source) - data_state.data_start
         data_state.route(position, source)
         self._cursor.advance(position + len(source))
+
+    def destination(self, size: int) -> torch.Tensor | None:
+        """Where the lane's next `size` bytes go in the arena, as a writable uint8 tensor, when
+        they are one run there (one segment) and the head is parsed; else None (use `feed`).
+
+        For data planes that can receive straight into memory (a broadcast): write the bytes
+        there, then `commit(size)`; that skips the copy `feed` makes.
+        """
+        if self._cursor is None or self._digest is not None or size <= 0:
+            return None
+        if self.position + size > self.end:
+            return None
+        data = self._stager.data
+        position = self.position - data.data_start
+        return data.run(position, size)
+
+    def commit(self, size: int) -> None:
+        """The `size` bytes at `destination(size)` were written: check them and move on."""
+        self._stager.check_open()
+        self.position += size
+        assert self._cursor is not None
+        self._cursor.advance(self.position - self._stager.data.data_start)
 
     def start_in_data(self, timeout_s: float | None) -> None:
         """For a lane that does not begin at 0: wait for the head, check the range's place."""
