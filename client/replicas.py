@@ -21,11 +21,18 @@ from typing import Any, TypeVar
 import grpc
 import torch
 from rollserve.client.client import RolloutClient
-from rollserve.client.errors import DeadlineExceeded, FailedPrecondition, RolloutError, Unavailable
+from rollserve.client.distributed import WeightsGroup
+from rollserve.client.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    RolloutError,
+    Unavailable,
+)
 from rollserve.client.experience import Experience
 from rollserve.client.requests import Prompts
 from rollserve.client.results import HealthStatus, UpdateResult
-from rollserve.client.weights import DEFAULT_CHUNK_BYTES, update_weights_messages
+from rollserve.client.weights import DEFAULT_CHUNK_BYTES, prepare_update
 
 from .targets import ReplicaAddress, as_target_list, resolve_addresses, resolve_targets
 
@@ -340,14 +347,22 @@ class ReplicatedRolloutClient:
         Returns every replica's UpdateResult; raises ReplicaUpdateError unless all of them
         now serve `version` (retry the failed ones with `replicas=list(error.failures)`).
         """
+        group = stream_options.pop("group", None)
+        if group is not None or stream_options.get("transport") == "dist":
+            return self._update_through_group(
+                group, weights, version=version, target=target, mode=mode, timeout_s=timeout_s,
+                request_id=request_id, **stream_options,
+            )  # fmt: skip
         # Bad arguments fail here, once, before any stream opens (sha256 would hash it all).
-        update_weights_messages(
+        plane = {k: stream_options[k] for k in ("transport", "streams") if k in stream_options}
+        file_options = {k: v for k, v in stream_options.items() if k not in plane}
+        prepare_update(
             weights,
             target=target,
             version=version,
             mode=mode,
             chunk_bytes=chunk_bytes,
-            **{**stream_options, "sha256": False},
+            **{**file_options, "sha256": False},
         )
 
         def push(replica: _Replica) -> UpdateResult:
@@ -373,6 +388,24 @@ class ReplicatedRolloutClient:
         if failures:
             raise ReplicaUpdateError(version, failures, results)  # type: ignore[arg-type]
         return results  # type: ignore[return-value]
+
+    def weights_group(self, **options: Any) -> WeightsGroup:
+        """A WeightsGroup of this trainer and every replica: `update_weights(..., group=g)`
+        then updates them all with one torch.distributed broadcast (options: WeightsGroup's)."""
+        with self._lock:
+            clients = [replica.client for replica in self._replicas.values()]
+        return WeightsGroup(clients, **options)
+
+    def _update_through_group(
+        self, group: WeightsGroup | None, weights: Any, **options: Any
+    ) -> dict[str, UpdateResult]:
+        options.pop("transport", None)
+        if group is None:
+            raise InvalidArgument("transport 'dist' needs group= (see weights_group())")
+        results = group.update_weights(weights, **options)
+        return {
+            client.target: result for client, result in zip(group.clients, results, strict=True)
+        }
 
     def close(self) -> None:
         """Close every replica's channel; calls still running are cancelled."""

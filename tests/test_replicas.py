@@ -20,7 +20,13 @@ import test_client
 import torch
 from helpers_server import ServerProcess, free_port, start_server_process
 from rollserve.client.client import RolloutClient
-from rollserve.client.errors import DeadlineExceeded, InvalidArgument, RolloutError, Unavailable
+from rollserve.client.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    RolloutError,
+    Unavailable,
+)
 from rollserve.client.replicas import ReplicatedRolloutClient, ReplicaUpdateError, resolve_targets
 from test_client import SCRIPTED_VERSION, WAIT_S, Pki
 
@@ -144,6 +150,26 @@ def test_update_fans_out_to_every_replica(servers: list[str]) -> None:
         assert set(ready) == set(servers)
         for _ in servers:
             assert replicas.make_experience(PROMPT, **REQUEST).policy_version.item() == version
+
+
+def test_one_broadcast_updates_every_replica(servers: list[str]) -> None:
+    version = _next_version(servers)
+    with ReplicatedRolloutClient(servers, timeout_s=WAIT_S) as replicas:
+        with replicas.weights_group(timeout_s=WAIT_S) as group:
+            assert len(group.clients) == len(servers)  # ranks 1 and 2; the trainer is rank 0
+            results = replicas.update_weights(
+                _norm(0.25), version=version, mode="partial", group=group
+            )
+            assert set(results) == set(servers)
+            assert {(r.version, r.transport) for r in results.values()} == {(version, "dist")}
+            # A stale version: both servers vote no, nobody broadcasts, the group stays usable.
+            with pytest.raises(FailedPrecondition, match="not above"):
+                replicas.update_weights(_norm(0.5), version=version, mode="partial", group=group)
+            results = replicas.update_weights(
+                _norm(0.5), version=version + 1, mode="partial", group=group
+            )
+            assert {r.version for r in results.values()} == {version + 1}
+    assert _versions(servers) == [version + 1] * len(servers)
 
 
 def test_a_down_replica_is_named_and_the_others_still_update_and_serve(servers) -> None:
