@@ -77,6 +77,11 @@ class ServerConfig:
     # An UpdateWeights stream that sends nothing for this long is ended (DEADLINE_EXCEEDED): a
     # stalled uploader would otherwise hold the update lock and the staging memory forever.
     update_idle_timeout_s: float = 60.0
+    # UpdateWeights data planes besides chunks on the stream (server/weights/): "shm" (a memfd of
+    # a client on this host) and "dist" (InitWeightsGroup makes the server join a process group
+    # at an address the admin-token caller names). "grpc" alone turns both off.
+    weight_transports: str = "grpc,shm,dist"
+    parallel_part_wait_s: float = 30.0  # how long a part of a parallel update waits for others
     max_workers: int = 16
     log_level: str = "INFO"
     wait_for_weights: bool = False

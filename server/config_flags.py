@@ -83,6 +83,12 @@ FLAGS: dict[str, Flag] = {
         "end an UpdateWeights stream that sends no message for this long",
         "S",
     ),
+    "weight_transports": Flag(
+        parse.weight_transports, "UpdateWeights data planes: grpc plus shm and/or dist", "LIST"
+    ),
+    "parallel_part_wait_s": Flag(
+        parse.positive_seconds, "how long one stream of a parallel update waits for the others", "S"
+    ),
     "max_workers": Flag(parse.positive_int, "gRPC handler threads", "N"),
     "log_level": Flag(parse.log_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL", "LEVEL"),
     "wait_for_weights": Flag(parse.boolean, "report WAITING_FOR_WEIGHTS until the first update"),

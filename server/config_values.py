@@ -162,3 +162,18 @@ def boolean(raw: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"not a boolean (true/false/1/0): {raw!r}")
+
+
+WEIGHT_TRANSPORTS = ("grpc", "shm", "dist")
+
+
+def weight_transports(raw: str) -> str:
+    """Comma-separated UpdateWeights data planes, normalised; "grpc" is always on."""
+    names = [name.strip().lower() for name in raw.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(WEIGHT_TRANSPORTS))
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown weight transport(s) {', '.join(unknown)}; choose from "
+            f"{', '.join(WEIGHT_TRANSPORTS)}"
+        )
+    return ",".join(name for name in WEIGHT_TRANSPORTS if name in {"grpc", *names})

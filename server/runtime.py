@@ -34,6 +34,8 @@ from rollserve.v1 import rollout_pb2 as pb
 __all__ = ["Runtime"]
 
 _LOG = logging.getLogger(__name__)
+# WeightsHeader.source -> the transport's name in --weight-transports and replies.
+_SOURCES = {"shared_memory": "shm", "distributed": "dist"}
 _ROLES = {
     pb.MODEL_ROLE_UNSPECIFIED: "actor",
     pb.MODEL_ROLE_ACTOR: "actor",
@@ -64,11 +66,13 @@ class Runtime:
         self._update_lock = threading.Lock()  # one weight stream at a time
         self._lora = {model.role: LoraState() for model in models.loaded()}
         # Data planes beside chunks on the stream (server/weights/): the header's `source`.
-        self.weight_sources = frozenset({"shared_memory", "distributed"})
+        enabled = state.config.weight_transports.split(",")
+        self.weight_sources = frozenset(
+            source for source, name in _SOURCES.items() if name in enabled
+        )
         self.shm_lanes = min(4, os.cpu_count() or 1)  # threads copying from shared memory
         self.weight_groups = WeightsGroups(models.device)
-        # How long one part of a parallel update waits for the others.
-        self.parallel_updates = ParallelUpdates(wait_s=30.0)
+        self.parallel_updates = ParallelUpdates(wait_s=state.config.parallel_part_wait_s)
 
     # ---- MakeExperience ----------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator
 
 import grpc
-from rollserve.client.errors import Unavailable
+from rollserve.client.errors import FailedPrecondition, Unavailable
 from rollserve.client.shared_memory import shm_host_id
 from rollserve.server.continuous import ContinuousRollout, RolloutStats, serve_subscribe
 from rollserve.server.idle_deadline import IdleDeadline
@@ -82,7 +82,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def InitWeightsGroup(
         self, request: pb.InitWeightsGroupRequest, context: grpc.ServicerContext
     ) -> pb.InitWeightsGroupResponse:
-        return self._runtime().weight_groups.init(request)
+        runtime = self._runtime()
+        if "distributed" not in runtime.weight_sources:
+            raise FailedPrecondition("this server does not accept dist (--weight-transports)")
+        return runtime.weight_groups.init(request)
 
     @handles_errors
     def DestroyWeightsGroup(
@@ -129,7 +132,7 @@ def health_response(
         return response
     response.device = models.device_label
     response.shm_host_id = SHM_HOST_ID
-    response.weight_transports.extend(WEIGHT_TRANSPORTS)
+    response.weight_transports.extend(state.config.weight_transports.split(","))
     response.vocab_size = models.vocab_size
     response.max_context_tokens = models.max_context_tokens
     for model in models.loaded():
@@ -144,8 +147,7 @@ def health_response(
     return response
 
 
-# Health.weight_transports: "grpc" (one stream or several parallel ones), "shm", "dist".
-WEIGHT_TRANSPORTS = ("grpc", "shm", "dist")
+# Who may use a SharedMemorySource (Health.shm_host_id): computed once, it never changes.
 SHM_HOST_ID = shm_host_id()
 
 

@@ -379,3 +379,24 @@ def test_a_segment_written_while_the_server_copies_never_serves_unverified_value
         shm.close()
     for tensor in actor.state_dict().values():
         assert torch.isfinite(tensor).all()
+
+
+def test_a_server_can_turn_the_other_data_planes_off(models: ModelSet) -> None:
+    config = _config(weight_transports="grpc")
+    weights = {"model.norm.weight": torch.full((SPEC.hidden_size,), 3.0)}
+    with RolloutServer(config, models=models) as server:
+        with RolloutClient(server.address, timeout_s=WAIT_S) as client:
+            assert client.health().status == "SERVING"
+            with pytest.raises(FailedPrecondition, match="transport 'shm'"):
+                client.update_weights(weights, version=1, mode="partial", transport="shm")
+            with pytest.raises(FailedPrecondition, match="does not accept dist"):
+                WeightsGroup([client], timeout_s=5.0)
+            result = client.update_weights(weights, version=1, mode="partial")  # auto: gRPC
+            assert (result.version, result.transport) == (1, "grpc")
+        header, data = _file_bytes(weights, version=2)
+        fd = _memfd(data, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        try:
+            _expect(grpc.StatusCode.FAILED_PRECONDITION, "does not accept",
+                    lambda: _raw_update(server, _shm_header(header, fd)))  # fmt: skip
+        finally:
+            os.close(fd)
