@@ -50,6 +50,8 @@ SAMPLES = {
     "shutdown_grace_s": ("2.5", 2.5),
     "drain_delay_s": ("3", 3.0),
     "update_idle_timeout_s": ("0.5", 0.5),
+    "weight_transports": ("dist, GRPC", "grpc,dist"),
+    "parallel_part_wait_s": ("2", 2.0),
     "max_workers": ("4", 4),
     "log_level": ("debug", "DEBUG"),
     "wait_for_weights": ("true", True),
@@ -91,6 +93,14 @@ COMPANIONS = {
     "tls_client_ca": {"ROLLSERVE_TLS_CERT": "/c.pem", "ROLLSERVE_TLS_KEY": "/k.pem"},
     "rollout_request": {"ROLLSERVE_ROLLOUT_PROMPTS": "/p.jsonl"},
 }
+
+
+def test_weight_transports_refuse_unknown_names() -> None:
+    with pytest.raises(ConfigError, match="carrier"):
+        ServerConfig.from_args(["--weight-transports", "shm,carrier"], {})
+    assert ServerConfig.from_args(["--weight-transports", "shm"], {}).weight_transports == (
+        "grpc,shm"
+    )
 
 
 def test_samples_cover_every_field() -> None:
