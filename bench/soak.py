@@ -425,7 +425,7 @@ def phase_load(
     proc, target = start(
         "--actor", str(actor_dir), "--rollout-prompts", str(prompts),
         "--rollout-request", str(template), "--rollout-epochs", "0",
-        "--rollout-prompts-per-batch", "2", "--max-workers", str(clients + 8),
+        "--rollout-prompts-per-batch", "2",
     )  # fmt: skip
     before, initial = snapshot(target)
     load = Load()

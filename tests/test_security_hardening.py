@@ -247,3 +247,34 @@ def test_token_comparison_is_constant_time_against_both_tokens(monkeypatch) -> N
         security.authorize(tokens, method, _auth(presented))
         # Both tokens compared every time, only with compare_digest (no ==, no early exit).
         assert sorted(b for _, b in calls) == sorted([DATA_TOKEN.encode(), ADMIN_TOKEN.encode()])
+
+
+@pytest.mark.parametrize("method", ["InitWeightsGroup", "DestroyWeightsGroup"])
+def test_weights_group_rpcs_need_the_admin_token(server, listener, method: str) -> None:
+    # InitWeightsGroup makes the server connect to the address it names: admin only, like
+    # UpdateWeights; a data token or none is refused before anything is dialled.
+    _, target, _ = server
+    request = (
+        pb.InitWeightsGroupRequest(
+            group="g",
+            master_address="127.0.0.1",
+            master_port=listener.port,
+            world_size=2,
+            rank=1,
+            timeout_s=1.0,
+        )  # fmt: skip
+        if method == "InitWeightsGroup"
+        else pb.DestroyWeightsGroupRequest(group="g")
+    )
+    with grpc.insecure_channel(target) as channel:
+        call = channel.unary_unary(
+            f"/rollserve.v1.Rollout/{method}", request_serializer=type(request).SerializeToString
+        )
+        for metadata, code in [
+            ((), grpc.StatusCode.UNAUTHENTICATED),
+            (_auth(DATA_TOKEN), grpc.StatusCode.PERMISSION_DENIED),
+        ]:
+            with pytest.raises(grpc.RpcError) as info:
+                call(request, metadata=metadata, timeout=WAIT_S)
+            assert info.value.code() is code
+    assert listener.connections == 0
