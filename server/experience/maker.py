@@ -52,7 +52,7 @@ from .steps import (
     shape_batch,
 )
 
-__all__ = ["ExperienceMaker", "NaiveExperienceMaker", "batch_seed"]
+__all__ = ["ExperienceMaker", "NaiveExperienceMaker"]
 
 
 class ExperienceMaker(abc.ABC):
