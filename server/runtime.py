@@ -4,7 +4,6 @@ the weight updater, behind the two bulk RPCs. The servicer only decodes and enco
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -21,19 +20,19 @@ from rollserve.server.weights import (
     LoraState,
     StagedUpdate,
     UpdateStager,
-    iter_chunks,
     read_header,
     staging_arena,
 )
-from rollserve.server.weights.distributed import GroupUpdate, WeightsGroups
-from rollserve.server.weights.parallel import Assembly, ParallelUpdates, check_part, feed_part
-from rollserve.server.weights.shared_memory import receive_shared_memory
+from rollserve.server.weights.distributed import WeightsGroups
+from rollserve.server.weights.parallel import ParallelUpdates, check_part, feed_part
+from rollserve.server.weights.planes import DataPlane, data_plane
 from rollserve.server.weights.staging import Request
 from rollserve.v1 import rollout_pb2 as pb
 
 __all__ = ["Runtime"]
 
 _LOG = logging.getLogger(__name__)
+_FOLLOWER_RESULT_WAIT_S = 3600.0
 # WeightsHeader.source -> the transport's name in --weight-transports and replies.
 _SOURCES = {"shared_memory": "shm", "distributed": "dist"}
 _ROLES = {
@@ -135,34 +134,14 @@ class Runtime:
             raise FailedPrecondition(f"header.{source}: this server does not accept that transport")
         with self._update_lock:
             started_s = time.monotonic()
-            # A broadcast's other ranks wait for this server's vote even when it refuses.
-            group_update = (
-                GroupUpdate(self.weight_groups, header.distributed)
-                if source == "distributed"
-                else contextlib.nullcontext()
+            plane = data_plane(
+                header,
+                shm_lanes=self.shm_lanes,
+                groups=self.weight_groups,
+                parallel=self.parallel_updates,
             )
-            with group_update:
-                role, model = self._target(header)
-                self._check_version(role, header.version)  # before receiving any bulk bytes
-                # Warm, reused staging memory; held until the swap: staged tensors are its views.
-                with staging_arena(model.module).lease() as arena:
-                    stager = UpdateStager(header, model.module, self._lora[role], arena=arena)
-                    assembly = (
-                        self.parallel_updates.open(header, stager)
-                        if header.HasField("parallel")
-                        else None
-                    )
-                    try:
-                        transport = self._receive(header, stager, requests, group_update, assembly)
-                        staged = stager.finish()
-                        applied = self._run_swap(role, model, staged)
-                    except BaseException as error:
-                        if assembly is not None:
-                            assembly.fail(error, 0)
-                        raise
-                    finally:
-                        if assembly is not None:
-                            self.parallel_updates.close(header)
+            with plane:
+                role, staged, applied = self._stage_and_swap(header, requests, plane)
             seconds = time.monotonic() - started_s
         response = pb.UpdateWeightsResponse(
             target=header.target or pb.MODEL_ROLE_ACTOR,
@@ -170,15 +149,14 @@ class Runtime:
             tensors=applied.tensors,
             bytes=staged.total_bytes,
             seconds=seconds,
-            transport=transport,
+            transport=plane.name,
         )
-        if assembly is not None:
-            assembly.succeed(response)
+        plane.finished(response)
         _LOG.info(
             "updated %s to version %d over %s: %d tensors, %d bytes in %.2f s (%.2f GB/s)",
             role,
             header.version,
-            transport,
+            plane.name,
             applied.tensors,
             staged.total_bytes,
             seconds,
@@ -186,35 +164,18 @@ class Runtime:
         )
         return response
 
-    def _receive(
-        self,
-        header: pb.WeightsHeader,
-        stager: UpdateStager,
-        requests: Iterator[pb.UpdateWeightsRequest],
-        group_update: object,
-        assembly: Assembly | None,
-    ) -> str:
-        """Bring the file's bytes into `stager` the way the header says; the transport's name."""
-        if assembly is not None:
-            if header.WhichOneof("source") is not None:
-                raise InvalidArgument("header.parallel: parallel streams carry chunks, no source")
-            feed_part(stager.lane(0, header.parallel.end), requests)
-            assembly.part_done()
-            assembly.wait_parts(self.parallel_updates.wait_s)
-            return "grpc-parallel"
-        source = header.WhichOneof("source")
-        if source == "shared_memory":
-            receive_shared_memory(stager, header.shared_memory, lanes=self.shm_lanes)
-            for _ in iter_chunks(requests):
-                raise InvalidArgument("an update from shared memory carries no chunks")
-            return "shm"
-        if source == "distributed":
-            assert isinstance(group_update, GroupUpdate)
-            group_update.receive(stager, requests)
-            return "dist"
-        for offset, data, crc32 in iter_chunks(requests):
-            stager.feed(offset, data, crc32)
-        return "grpc"
+    def _stage_and_swap(
+        self, header: pb.WeightsHeader, requests: Iterator[Request], plane: DataPlane
+    ) -> tuple[str, StagedUpdate, AppliedUpdate]:
+        """Check target and version, receive into the target's arena, verify, swap."""
+        role, model = self._target(header)
+        self._check_version(role, header.version)  # before receiving any bulk bytes
+        # Warm, reused staging memory; held until the swap: staged tensors are its views.
+        with staging_arena(model.module).lease() as arena:
+            stager = UpdateStager(header, model.module, self._lora[role], arena=arena)
+            plane.receive(stager, requests)
+            staged = stager.finish()
+            return role, staged, self._run_swap(role, model, staged)
 
     def _join_parallel(
         self, header: pb.WeightsHeader, requests: Iterator[Request]
@@ -230,7 +191,9 @@ class Runtime:
         except BaseException as error:
             assembly.fail(error, index)
             raise
-        return assembly.wait_result(self.parallel_updates.wait_s + 600.0)
+        # The leader resolves the assembly on every path (its reply or its error); the bound only
+        # keeps a handler thread from waiting forever on a bug.
+        return assembly.wait_result(_FOLLOWER_RESULT_WAIT_S)
 
     def _target(self, header: pb.WeightsHeader) -> tuple[str, LoadedModel]:
         role = _ROLES.get(header.target)

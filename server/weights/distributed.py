@@ -19,7 +19,7 @@ import logging
 import re
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -53,7 +53,6 @@ class WeightsGroup:
     process_group: dist.ProcessGroup
     rank: int
     world_size: int
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one update at a time
 
 
 class WeightsGroups:
@@ -183,16 +182,11 @@ class GroupUpdate:
         self._voted = False
 
     def __enter__(self) -> GroupUpdate:
-        if not self._group.lock.acquire(blocking=False):
-            raise FailedPrecondition(f"group {self._group.name!r} is busy with another update")
-        return self
+        return self  # one update at a time already: the runtime's update lock
 
     def __exit__(self, exc_type: object, error: BaseException | None, tb: object) -> None:
-        try:
-            if error is not None and not self._voted:
-                self._vote(_REFUSED)
-        finally:
-            self._group.lock.release()
+        if error is not None and not self._voted:
+            self._vote(_REFUSED)
 
     def receive(self, stager: UpdateStager, requests: Iterator[Request]) -> None:
         """The head from the stream, the vote, then the data section by broadcast."""
