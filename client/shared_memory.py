@@ -15,11 +15,14 @@ mapping is faulted in page by page at about 1 GB/s on our VMs; reference/transpo
 from __future__ import annotations
 
 import fcntl
+import functools
 import mmap
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 __all__ = ["SharedMemoryFile", "shm_host_id"]
@@ -28,6 +31,23 @@ __all__ = ["SharedMemoryFile", "shm_host_id"]
 # updates, LoRA) reuse one memfd.
 _SIZE_STEP_BYTES = 2 * 1024 * 1024
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+# Threads writing tensors into the mapping: memory-bound copies scale to about two per socket.
+_WRITE_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def _write_tensor(destination: np.ndarray, begin: int, tensor: torch.Tensor) -> int:
+    """Copy `tensor`'s elements (C order) to destination[begin:]; the bytes written."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes:
+        return 0
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        target = torch.from_numpy(destination[begin : begin + nbytes]).view(tensor.dtype)
+        target.view(tensor.shape).copy_(tensor)  # device to host, into the mapping
+        return nbytes
+    source = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    np.copyto(destination[begin : begin + nbytes], source)
+    return nbytes
 
 
 def shm_host_id() -> str:
@@ -43,7 +63,7 @@ class SharedMemoryFile:
     def __init__(self) -> None:
         self._fd: int | None = None
         self._mapping: mmap.mmap | None = None
-        self._bytes: torch.Tensor | None = None  # uint8 view of the whole mapping
+        self._size = 0
 
     @property
     def fd(self) -> int:
@@ -52,7 +72,7 @@ class SharedMemoryFile:
 
     @property
     def capacity_bytes(self) -> int:
-        return 0 if self._bytes is None else self._bytes.numel()
+        return self._size
 
     def write(
         self,
@@ -62,25 +82,25 @@ class SharedMemoryFile:
     ) -> None:
         """Write `head` at 0 and each (data offset, tensor) after it; size the memfd to fit.
 
-        A tensor is copied once, straight from its memory (CPU or GPU) into the mapping, in its
-        dtype and C order; `progress(bytes_written)` after each.
+        A CPU tensor is copied once, from its memory into the mapping, by numpy in `threads`
+        threads (numpy releases the GIL; torch's copy would wake its OpenMP pool, whose spinning
+        threads then compete with the server for the same cores); a GPU tensor is copied from
+        the device straight into the mapping. `progress(bytes_written)` after each tensor.
         """
         total = len(head) + sum(t.numel() * t.element_size() for _, t in tensors)
         self._reserve(total)
-        assert self._bytes is not None
-        destination = self._bytes
-        destination[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        assert self._mapping is not None
+        destination = np.frombuffer(self._mapping, dtype=np.uint8, count=total)
+        destination[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        write = functools.partial(_write_tensor, destination)
         written = len(head)
-        with torch.no_grad():
-            for offset, tensor in tensors:
-                nbytes = tensor.numel() * tensor.element_size()
-                if nbytes:
-                    begin = len(head) + offset
-                    view = destination[begin : begin + nbytes].view(tensor.dtype)
-                    view.view(tensor.shape).copy_(tensor.detach())
+        with ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="shm-write") as pool:
+            begins = [len(head) + offset for offset, _ in tensors]
+            for nbytes in pool.map(write, begins, [tensor for _, tensor in tensors]):
                 written += nbytes
                 if progress is not None:
                     progress(written)
+        del destination, write  # no view may outlive a write: close() unmaps
 
     def _reserve(self, nbytes: int) -> None:
         if nbytes <= self.capacity_bytes:
@@ -95,12 +115,11 @@ class SharedMemoryFile:
         except BaseException:
             os.close(fd)
             raise
-        self._fd, self._mapping = fd, mapping
-        self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._fd, self._mapping, self._size = fd, mapping, size
 
     def close(self) -> None:
         """Unmap and close the memfd (its memory is freed once the server closed it too)."""
-        self._bytes = None
+        self._size = 0
         if self._mapping is not None:
             self._mapping.close()
             self._mapping = None
