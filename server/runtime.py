@@ -4,13 +4,19 @@ the weight updater, behind the two bulk RPCs. The servicer only decodes and enco
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 
-from rollserve.client.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rollserve.client.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 from rollserve.client.experience import experience_to_proto
 from rollserve.server.engine import Engine
 from rollserve.server.experience.maker import NaiveExperienceMaker
@@ -63,6 +69,8 @@ class Runtime:
         self.maker = maker
         self.engine = Engine(max_queue_depth=state.config.max_queue_depth)
         self._update_lock = threading.Lock()  # one weight stream at a time
+        # One stream updating, one more waiting; see _update_turn.
+        self._update_slots = threading.BoundedSemaphore(2)
         self._lora = {model.role: LoraState() for model in models.loaded()}
         # Data planes beside chunks on the stream (server/weights/): the header's `source`.
         enabled = state.config.weight_transports.split(",")
@@ -132,7 +140,7 @@ class Runtime:
         source = header.WhichOneof("source")
         if source is not None and source not in self.weight_sources:
             raise FailedPrecondition(f"header.{source}: this server does not accept that transport")
-        with self._update_lock:
+        with self._update_turn():
             started_s = time.monotonic()
             plane = data_plane(
                 header,
@@ -194,6 +202,25 @@ class Runtime:
         # The leader resolves the assembly on every path (its reply or its error); the bound only
         # keeps a handler thread from waiting forever on a bug.
         return assembly.wait_result(_FOLLOWER_RESULT_WAIT_S)
+
+    @contextlib.contextmanager
+    def _update_turn(self) -> Iterator[None]:
+        """The update lock; a third concurrent stream is refused rather than queued.
+
+        Every stream waiting for the lock holds a gRPC handler thread: 16 stalled uploads took
+        all of them, and Health and MakeExperience hung until each stall had timed out in turn
+        (issue 12, tests/test_cut_streams.py).
+        """
+        if not self._update_slots.acquire(blocking=False):
+            raise ResourceExhausted(
+                "UpdateWeights: one update is streaming and another is waiting for it; retry "
+                "once they finish"
+            )
+        try:
+            with self._update_lock:
+                yield
+        finally:
+            self._update_slots.release()
 
     def _target(self, header: pb.WeightsHeader) -> tuple[str, LoadedModel]:
         role = _ROLES.get(header.target)

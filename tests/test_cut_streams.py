@@ -249,3 +249,37 @@ def test_a_sigkilled_uploader_leaves_weights_version_and_memory(
         uploader.wait()
     assert uploader.returncode == -9
     assert_unchanged_then_next_update_succeeds(proc, target, before, baseline_rss, weights)
+
+
+def test_many_stalled_uploads_neither_queue_nor_starve_health(server, weights) -> None:
+    # Regression: every stream waiting for the update lock held a gRPC handler thread; 16
+    # stalled uploads took all 16 (--max-workers) and Health hung until each stall had timed
+    # out in turn. Now one streams, one waits, the rest are refused at once.
+    proc, target = server
+    before = snapshot(target)
+    encoded = messages(weights, version=before[1] + 1)
+    stalls = [Stalling(encoded, 1) for _ in range(16)]
+    channels = [grpc.insecure_channel(target) for _ in stalls]
+    try:
+        futures = [
+            update_weights_callable(channel).future(iter(stall), timeout=WAIT_S)
+            for channel, stall in zip(channels, stalls, strict=True)
+        ]
+        time.sleep(0.2)
+        # Answered while they stall: well before the first stall reaches its idle deadline.
+        with RolloutClient(target, timeout_s=0.6 * IDLE_S) as client:
+            assert client.health().policy_version == before[1]
+        errors = [future.exception(timeout=WAIT_S) for future in futures]
+    finally:
+        for stall in stalls:
+            stall.release.set()
+        for channel in channels:
+            channel.close()
+    codes = [error.code() if error is not None else grpc.StatusCode.OK for error in errors]
+    refused = [
+        e for e in errors if e is not None and e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    ]
+    assert len(refused) >= 14, codes
+    assert "another is waiting" in refused[0].details()
+    assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+    assert_unchanged_then_next_update_succeeds(proc, target, before, rss_bytes(proc.pid), weights)
