@@ -17,10 +17,17 @@ from typing import Any, TypeVar
 import grpc
 from rollserve.client.errors import Cancelled, Internal, RolloutError
 
-__all__ = ["INTERNAL_MESSAGE", "handles_errors", "rpc_errors"]
+__all__ = [
+    "INTERNAL_MESSAGE",
+    "MAX_MESSAGE_CHARS",
+    "bounded_message",
+    "handles_errors",
+    "rpc_errors",
+]
 
 _LOG = logging.getLogger(__name__)
 INTERNAL_MESSAGE = "internal server error (see the server log)"
+MAX_MESSAGE_CHARS = 1024
 _Handler = TypeVar("_Handler", bound=Callable[..., Any])
 
 
@@ -30,7 +37,7 @@ def rpc_errors(context: grpc.ServicerContext, method: str) -> Iterator[None]:
     try:
         yield
     except RolloutError as exc:
-        _LOG.info("%s failed: %s %s", method, exc.code.name, exc.message)
+        _LOG.info("%s failed: %s %s", method, exc.code.name, bounded_message(exc.message))
         _abort(context, exc)
     except Exception:
         if context.code() is not None:
@@ -48,7 +55,20 @@ def rpc_errors(context: grpc.ServicerContext, method: str) -> Iterator[None]:
 
 def _abort(context: grpc.ServicerContext, error: RolloutError) -> None:
     """End the call with the error's status; its code comes from the table in errors.py."""
-    context.abort(error.code, error.message)
+    context.abort(error.code, bounded_message(error.message))
+
+
+def bounded_message(message: str) -> str:
+    """At most MAX_MESSAGE_CHARS of a status message (its start names the field).
+
+    Messages quote the offending value, and a client's value can be any length: a 70,000-character
+    algorithm.preset made the status details larger than HTTP/2's 16 KiB metadata limit, so the
+    client got RESOURCE_EXHAUSTED "received metadata size exceeds hard limit" instead of the
+    INVALID_ARGUMENT naming the field (and the server log a 70 KB line).
+    """
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
 
 
 def handles_errors(handler: _Handler) -> _Handler:

@@ -209,3 +209,19 @@ def test_token_budgets_of_a_request(models: ModelSet) -> None:
     assert decode(request, max_batch_tokens=7 * 501).generate_batch_rows == 6
     with pytest.raises(InvalidArgument, match="samples_per_prompt: one group of 3 rows"):
         decode(request, max_batch_tokens=2 * 501)
+
+
+@pytest.mark.parametrize("field", ["preset", "kl_mode", "whitening"])
+def test_an_oversized_name_is_invalid_argument_with_a_bounded_message(channel, field) -> None:
+    # Regression: the message quoted all 70,000 characters, the status details outgrew HTTP/2's
+    # 16 KiB metadata limit, and the client got RESOURCE_EXHAUSTED "received metadata size
+    # exceeds hard limit" instead of INVALID_ARGUMENT naming the field.
+    request = base_experience_request()
+    setattr(request.algorithm, field, "A" * 70_000)
+    with pytest.raises(grpc.RpcError) as info:
+        list(channel.unary_stream("/rollserve.v1.Rollout/MakeExperience")(
+            request.SerializeToString(), timeout=CALL_TIMEOUT_S
+        ))  # fmt: skip
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert info.value.details().startswith(f"algorithm.{field}")
+    assert len(info.value.details()) < 1100
