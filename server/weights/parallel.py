@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 
 from rollserve.client.errors import DeadlineExceeded, InvalidArgument, RolloutError
@@ -26,6 +27,7 @@ __all__ = ["MAX_STREAMS", "Assembly", "ParallelUpdates", "check_part", "feed_par
 
 MAX_STREAMS = 64
 _UPDATE_ID = re.compile(r"[\x21-\x7e]{1,64}")
+_REMEMBERED_FAILURES = 256
 
 
 def check_part(header: pb.WeightsHeader) -> pb.ParallelPart:
@@ -81,6 +83,9 @@ class Assembly:
     def join(self, header: pb.WeightsHeader) -> Lane:
         """A follower's lane, after checking its header equals the leader's."""
         part = header.parallel
+        with self._changed:
+            if self._error is not None:
+                raise type(self._error)(str(self._error))
         if _without_part(header) != self._header:
             raise InvalidArgument(
                 f"header.parallel.index {part.index}: the header differs from part 0's"
@@ -151,21 +156,30 @@ class ParallelUpdates:
     def __init__(self, wait_s: float) -> None:
         self.wait_s = wait_s  # how long a part waits for another (the leader, the other parts)
         self._assemblies: dict[str, Assembly] = {}
+        self._failed: OrderedDict[str, Assembly] = OrderedDict()  # the latest failed updates
         self._changed = threading.Condition()
 
     def open(self, header: pb.WeightsHeader, stager: UpdateStager) -> Assembly:
         """Leader: register the update (the caller calls `close` when it is over)."""
         update_id = header.parallel.update_id
         with self._changed:
-            if update_id in self._assemblies:
+            if update_id in self._assemblies or update_id in self._failed:
                 raise InvalidArgument(f"header.parallel.update_id {update_id!r} is in use")
             assembly = self._assemblies[update_id] = Assembly(header, stager)
             self._changed.notify_all()
         return assembly
 
-    def close(self, header: pb.WeightsHeader) -> None:
+    def close(self, header: pb.WeightsHeader, error: BaseException | None = None) -> None:
+        """Forget the update; a failed one is remembered a while, so that a part arriving after
+        the failure gets its status at once instead of waiting wait_s for a leader."""
+        update_id = header.parallel.update_id
         with self._changed:
-            self._assemblies.pop(header.parallel.update_id, None)
+            assembly = self._assemblies.pop(update_id, None)
+            if error is not None and assembly is not None:
+                self._failed[update_id] = assembly
+                while len(self._failed) > _REMEMBERED_FAILURES:
+                    self._failed.popitem(last=False)
+            self._changed.notify_all()
 
     def join(self, header: pb.WeightsHeader) -> Assembly:
         """Follower: the leader's assembly, waiting up to wait_s for part 0 to register it."""
@@ -173,6 +187,8 @@ class ParallelUpdates:
         deadline = time.monotonic() + self.wait_s
         with self._changed:
             while update_id not in self._assemblies:
+                if update_id in self._failed:
+                    return self._failed[update_id]  # joining it raises its failure
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise DeadlineExceeded(

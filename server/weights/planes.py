@@ -123,7 +123,7 @@ class _ParallelLead(_Plane):
             return
         if error is not None:
             self._assembly.fail(error, 0)  # the other parts return this status too
-        self._updates.close(self._header)
+        self._updates.close(self._header, error)
 
     def finished(self, response: pb.UpdateWeightsResponse) -> None:
         if self._assembly is not None:
