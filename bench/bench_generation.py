@@ -92,6 +92,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=50)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--threads", type=int, default=0,
+        help="torch threads (0: torch's default); 1 avoids OpenMP barrier stalls on a busy host",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.min_prompt_len = args.min_prompt_len or max(1, args.prompt_len * 3 // 4)
     return args
@@ -139,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("CUDA is not available: skipping the GPU benchmark.")
         return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     model = build_model(args.model_size, args.vocab, args.hidden, args.layers, dtype, args.device)
     vocab = model.config.vocab_size
