@@ -208,6 +208,17 @@ class BaseClient:
             metadata=self._settings.metadata_for(),
         )
 
+    def share_weights(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module) -> None:
+        """Make the weights' CPU tensors live in this client's shared memory (a sealed memfd):
+        later updates of these tensors over transport "shm" (or "auto" on the server's host)
+        copy nothing on the trainer's side; the server copies them once into its staging
+        memory. For a module, its parameters and buffers themselves move (optimizers keep
+        working on them). Do not train in another thread while an update runs.
+        """
+        if isinstance(weights, torch.nn.Module):
+            weights = weights.state_dict(keep_vars=True)
+        self._uploads.share(weights)
+
     def _send_update(
         self,
         update: UpdateFile,

@@ -36,10 +36,13 @@ _WRITE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def _write_tensor(destination: np.ndarray, begin: int, tensor: torch.Tensor) -> int:
-    """Copy `tensor`'s elements (C order) to destination[begin:]; the bytes written."""
+    """Copy `tensor`'s elements (C order) to destination[begin:]; the bytes written.
+
+    Nothing to copy for a tensor that already lives there (see SharedMemoryFile.share).
+    """
     nbytes = tensor.numel() * tensor.element_size()
-    if not nbytes:
-        return 0
+    if not nbytes or _lives_at(tensor, destination, begin):
+        return nbytes
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         target = torch.from_numpy(destination[begin : begin + nbytes]).view(tensor.dtype)
@@ -48,6 +51,14 @@ def _write_tensor(destination: np.ndarray, begin: int, tensor: torch.Tensor) -> 
     source = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
     np.copyto(destination[begin : begin + nbytes], source)
     return nbytes
+
+
+def _lives_at(tensor: torch.Tensor, destination: np.ndarray, begin: int) -> bool:
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and tensor.data_ptr() == destination.ctypes.data + begin
+    )
 
 
 def shm_host_id() -> str:
@@ -64,6 +75,7 @@ class SharedMemoryFile:
         self._fd: int | None = None
         self._mapping: mmap.mmap | None = None
         self._size = 0
+        self._shared = False  # some tensors are views of the mapping (share)
 
     @property
     def fd(self) -> int:
@@ -102,10 +114,33 @@ class SharedMemoryFile:
                     progress(written)
         del destination, write  # no view may outlive a write: close() unmaps
 
+    def share(self, head: bytes, tensors: list[tuple[int, torch.Tensor]]) -> None:
+        """Write the file once, then make each CPU tensor a view of its own bytes in it.
+
+        From then on the trainer's optimizer writes straight into shared memory, and `write`
+        finds every tensor in place: an update costs no copy on this side at all, only the
+        server's copy into its staging memory (the analogue of handing a server CUDA IPC handles
+        of the trainer's tensors). The tensors must not change during an update (they do not
+        while update_weights runs, unless another thread trains).
+        """
+        self.write(head, tensors)
+        assert self._mapping is not None
+        total = len(head) + sum(t.numel() * t.element_size() for _, t in tensors)
+        shared = torch.frombuffer(self._mapping, dtype=torch.uint8, count=total)
+        with torch.no_grad():
+            for offset, tensor in tensors:
+                nbytes = tensor.numel() * tensor.element_size()
+                if tensor.device.type != "cpu" or not nbytes:
+                    continue
+                begin = len(head) + offset
+                tensor.data = shared[begin : begin + nbytes].view(tensor.dtype).view(tensor.shape)
+        self._shared = True
+
     def _reserve(self, nbytes: int) -> None:
         if nbytes <= self.capacity_bytes:
             return
         self.close()
+        self._shared = False
         size = -(-nbytes // _SIZE_STEP_BYTES) * _SIZE_STEP_BYTES
         fd = os.memfd_create("rollserve-weights", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -118,11 +153,14 @@ class SharedMemoryFile:
         self._fd, self._mapping, self._size = fd, mapping, size
 
     def close(self) -> None:
-        """Unmap and close the memfd (its memory is freed once the server closed it too)."""
+        """Unmap and close the memfd (its memory is freed once the server closed it too).
+
+        After `share`, the trainer's tensors keep the mapping alive (they are views of it).
+        """
         self._size = 0
-        if self._mapping is not None:
+        if self._mapping is not None and not self._shared:
             self._mapping.close()
-            self._mapping = None
+        self._mapping = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -19,14 +19,15 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import torch
 from rollserve.client.errors import FailedPrecondition, InvalidArgument
 from rollserve.client.shared_memory import SharedMemoryFile, shm_host_id
-from rollserve.client.weights import UpdateFile
+from rollserve.client.weights import UpdateFile, prepare_update
 from rollserve.v1 import rollout_pb2 as pb
 
 __all__ = ["TRANSPORTS", "CallOptions", "Uploads", "default_streams"]
@@ -109,6 +110,13 @@ class Uploads:
                 _LOG.warning("shared memory failed (%s); sending this update over gRPC", error)
         count = default_streams() if streams is None else streams
         return self._send_grpc(update, options, count, progress)
+
+    def share(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Move the CPU tensors of `state_dict` into this client's memfd (see SharedMemoryFile)."""
+        update = prepare_update(state_dict, target="actor", version=0, mode="full")
+        head, specs = update.layout()
+        with self._shm_lock:
+            self._shm.share(head, [(spec.begin, state_dict[spec.name]) for spec in specs])
 
     def close(self) -> None:
         with self._shm_lock:

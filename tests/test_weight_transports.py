@@ -400,3 +400,21 @@ def test_a_server_can_turn_the_other_data_planes_off(models: ModelSet) -> None:
                     lambda: _raw_update(server, _shm_header(header, fd)))  # fmt: skip
         finally:
             os.close(fd)
+
+
+def test_shared_weights_are_sent_without_a_copy_and_stay_trainable(
+    models: ModelSet, client: RolloutClient
+) -> None:
+    actor = models.actor.module
+    trainer = copy.deepcopy(actor).requires_grad_(True)
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1)
+    client.share_weights(trainer)  # the parameters now live in the client's memfd
+    pointers = {name: p.data_ptr() for name, p in trainer.named_parameters()}
+    for version in (1, 2):
+        optimizer.zero_grad()
+        trainer(torch.tensor([[1, 5, 9, 13]])).logits.square().mean().backward()
+        optimizer.step()  # trains in place, in shared memory
+        assert {name: p.data_ptr() for name, p in trainer.named_parameters()} == pointers
+        result = client.update_weights(trainer, version=version, transport="shm")
+        assert (result.version, result.transport) == (version, "shm")
+        assert state_hash(actor) == state_hash(trainer)

@@ -496,3 +496,20 @@ def test_cuda_sender_and_cuda_bfloat16_receiver(
         staged.apply(receiver)
     want = {k: v.to(torch.bfloat16) for k, v in sender.state_dict().items()}
     assert_state_equal({k: v.cpu() for k, v in receiver.state_dict().items()}, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_value_checks_take_large_finite_values_and_refuse_nan_and_infinity(dtype) -> None:
+    from rollserve.client.errors import InvalidArgument
+    from rollserve.server.weights.verify import ValueRule, check_values
+
+    rule = ValueRule(check_finite=True)
+    largest = torch.finfo(dtype).max
+    # Finite, but their sum overflows: the one-pass sum check must fall back to the exact one.
+    check_values("big", torch.full((1024,), largest, dtype=dtype), rule)
+    check_values("mixed", torch.tensor([largest, -largest, 1.0, 0.0], dtype=dtype), rule)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        values = torch.zeros(4096, dtype=dtype)
+        values[4095] = bad
+        with pytest.raises(InvalidArgument, match="NaN or infinite"):
+            check_values("bad", values, rule)
