@@ -195,7 +195,9 @@ def _update_client(conn: Connection, weights_file: str, chunk_bytes: int, crc32:
     """Holds the state dict; for each (target, version, lane) received, pushes it and reports.
 
     Lanes: "grpc" (one stream; also against the drain server), "grpc-parallel" (--streams
-    streams), "shm" (shared memory), "dist" (a gloo broadcast through a WeightsGroup).
+    streams), "shm" (shared memory: the client copies the tensors into its memfd),
+    "shm-shared" (the trainer's tensors live in the memfd: client.share_weights; no client
+    copy), "dist" (a gloo broadcast through a WeightsGroup).
     """
     from rollserve.client.client import RolloutClient
     from rollserve.client.distributed import WeightsGroup
@@ -204,12 +206,18 @@ def _update_client(conn: Connection, weights_file: str, chunk_bytes: int, crc32:
     state_dict = load_file(weights_file)
     clients: dict[str, RolloutClient] = {}
     groups: dict[str, WeightsGroup] = {}
+    shared: dict[str, dict] = {}  # "shm-shared": a state dict that lives in shared memory
     conn.send("ready")
     while (order := conn.recv()) is not None:
         target, version, lane, streams = order
         client = clients.setdefault(target, RolloutClient(target, timeout_s=600.0))
         options: dict = {"chunk_bytes": chunk_bytes, "crc32": crc32}
-        if lane == "dist":
+        if lane == "shm-shared":
+            if target not in shared:  # the trainer's tensors move into the client's memfd once
+                shared[target] = {name: t.clone() for name, t in state_dict.items()}
+                client.share_weights(shared[target])
+            options = {"transport": "shm"}
+        elif lane == "dist":
             if target not in groups:
                 groups[target] = WeightsGroup([client], timeout_s=120.0)
             options = {"transport": "dist", "group": groups[target]}
@@ -218,7 +226,8 @@ def _update_client(conn: Connection, weights_file: str, chunk_bytes: int, crc32:
         else:
             options.update(transport=lane, streams=1 if lane == "grpc" else None)
         cpu_before = resource.getrusage(resource.RUSAGE_SELF)
-        result = client.update_weights(state_dict, version=version, **options)
+        weights = shared.get(target, state_dict) if lane == "shm-shared" else state_dict
+        result = client.update_weights(weights, version=version, **options)
         cpu_after = resource.getrusage(resource.RUSAGE_SELF)
         cpu_s = (cpu_after.ru_utime - cpu_before.ru_utime) + (
             cpu_after.ru_stime - cpu_before.ru_stime
@@ -353,8 +362,12 @@ def _machine() -> str:
     )
 
 
-LANES = ("grpc", "grpc-parallel", "shm", "dist")
-TARGETS = {"shm": 1.5, "dist": 0.6}  # x raw TCP; grpc: x the drain-only server, 0.8
+LANES = ("grpc", "grpc-parallel", "shm", "shm-shared", "dist")
+TARGETS = {
+    "shm": 1.5,
+    "shm-shared": 1.5,
+    "dist": 0.6,
+}  # x raw TCP; grpc: x the drain-only server, 0.8
 
 
 def main(argv: list[str]) -> int:
