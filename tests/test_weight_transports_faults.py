@@ -179,6 +179,8 @@ def test_weights_group_settings_are_checked(server: RolloutServer) -> None:
             ({"group": "bad/name"}, grpc.StatusCode.INVALID_ARGUMENT, "group"),
             ({"rank": 0}, grpc.StatusCode.INVALID_ARGUMENT, "rank"),
             ({"world_size": 1}, grpc.StatusCode.INVALID_ARGUMENT, "world_size"),
+            ({"world_size": 2**31 - 1}, grpc.StatusCode.INVALID_ARGUMENT, "world_size"),
+            ({"master_address": "host\x00x"}, grpc.StatusCode.INVALID_ARGUMENT, "master_address"),
             ({"master_port": 0}, grpc.StatusCode.INVALID_ARGUMENT, "master_port"),
             ({"backend": "mpi"}, grpc.StatusCode.INVALID_ARGUMENT, "backend"),
             ({"backend": "nccl"}, grpc.StatusCode.FAILED_PRECONDITION, "nccl"),

@@ -254,20 +254,21 @@ class Lane:
         data_state.route(position, source)
         self._cursor.advance(position + len(source))
 
-    def destination(self, size: int) -> torch.Tensor | None:
-        """Where the lane's next `size` bytes go in the arena, as a writable uint8 tensor, when
-        they are one run there (one segment) and the head is parsed; else None (use `feed`).
+    def destination(self, offset: int, size: int) -> torch.Tensor | None:
+        """Where file bytes [offset, offset + size) of this lane go in the arena, as a writable
+        uint8 tensor, when they are one run there (one segment) and the head is parsed; else
+        None (use `feed`). `offset` may be ahead of the lane's position (a receive posted
+        before the previous bytes are committed).
 
         For data planes that can receive straight into memory (a broadcast): write the bytes
-        there, then `commit(size)`; that skips the copy `feed` makes.
+        there, then `commit(size)` in order; that skips the copy `feed` makes.
         """
         if self._cursor is None or self._digest is not None or size <= 0:
             return None
-        if self.position + size > self.end:
+        if offset < self.position or offset + size > self.end:
             return None
         data = self._stager.data
-        position = self.position - data.data_start
-        return data.run(position, size)
+        return data.run(offset - data.data_start, size)
 
     def commit(self, size: int) -> None:
         """The `size` bytes at `destination(size)` were written: check them and move on."""
