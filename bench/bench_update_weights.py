@@ -94,6 +94,28 @@ def _tcp_sender(port: int, total_bytes: int, result: Connection) -> None:
         result.send(time.perf_counter() - started_s)
 
 
+def memcpy_gbps(buffers: tuple, threads: int = 2) -> float:
+    """One warm DRAM-to-DRAM copy of a file-sized buffer by `threads` numpy threads: the most a
+    data plane that copies the file once (shared memory) can reach on this machine."""
+    import threading
+
+    import numpy as np
+
+    source, destination = buffers
+    size = len(source)
+    cuts = [size * i // threads // 64 * 64 for i in range(threads)] + [size]
+    workers = [
+        threading.Thread(target=np.copyto, args=(destination[a:b], source[a:b]))
+        for a, b in zip(cuts, cuts[1:], strict=False)
+    ]
+    started_s = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return size / (time.perf_counter() - started_s) / 1e9
+
+
 def raw_tcp_gbps(total_bytes: int) -> float:
     """One sender and one receiver process over 127.0.0.1; GB/s (1e9) from first byte to ack."""
     ctx = mp.get_context("spawn")
@@ -429,9 +451,13 @@ def main(argv: list[str]) -> int:
             cold = {lane: update(lane, 1) for lane in lanes}
             raw_tcp_gbps(tcp_bytes)  # warm-ups
             run_update(conn, drain_target, drain.pid, 1, "grpc")
+            import numpy as np
+
+            copy_buffers = tuple(np.full(cold[lanes[0]].file_bytes, 1, np.uint8) for _ in range(2))
+            memcpy_gbps(copy_buffers)  # warm-up
             rows = []
             for index in range(args.rounds):
-                row = {"tcp": raw_tcp_gbps(tcp_bytes)}
+                row = {"tcp": raw_tcp_gbps(tcp_bytes), "memcpy": memcpy_gbps(copy_buffers)}
                 for lane in lanes:
                     row[lane] = update(lane, index + 2)
                 row["drain"] = run_update(conn, drain_target, drain.pid, index + 2, "grpc")
@@ -458,7 +484,7 @@ def _per_gib(cpu_s: float, update: UpdateRound) -> float:
 
 def _describe(row: dict, lanes: list[str]) -> str:
     tcp = row["tcp"]
-    parts = [f"raw TCP {tcp:.2f} GB/s"]
+    parts = [f"raw TCP {tcp:.2f} GB/s, memcpy {row['memcpy']:.2f} GB/s"]
     for lane in [*lanes, "drain"]:
         u = row[lane]
         parts.append(
@@ -477,6 +503,7 @@ def _summary(args, parameters, lanes, rss_loaded_gib, cold, rows, tuned) -> dict
         updates = [row[lane] for row in rows]
         per_lane[lane] = {
             "ratios_to_tcp": [row[lane].gbps / row["tcp"] for row in rows],
+            "median_ratio_to_memcpy": median(row[lane].gbps / row["memcpy"] for row in rows),
             "median_ratio_to_tcp": median(row[lane].gbps / row["tcp"] for row in rows),
             "median_gbps": median(u.gbps for u in updates),
             "median_warm_s": median(u.wall_s for u in updates),
@@ -499,8 +526,12 @@ def _summary(args, parameters, lanes, rss_loaded_gib, cold, rows, tuned) -> dict
         "streams": args.streams,
         "crc32": args.crc32,
         "median_tcp_gbps": median(row["tcp"] for row in rows),
+        "median_memcpy_gbps": median(row["memcpy"] for row in rows),
+        "median_memcpy_over_tcp": median(row["memcpy"] / row["tcp"] for row in rows),
         "lanes": per_lane,
-        "rounds": [{k: (v if k == "tcp" else asdict(v)) for k, v in row.items()} for row in rows],
+        "rounds": [
+            {k: (v if isinstance(v, float) else asdict(v)) for k, v in row.items()} for row in rows
+        ],
     }
     if "grpc" in lanes:
         summary["grpc_over_drain"] = [row["grpc"].gbps / row["drain"].gbps for row in rows]
@@ -513,14 +544,17 @@ def _print_summary(s: dict) -> None:
         f"\nfile {s['file_bytes'] / 1e9:.3f} GB ({s['parameters'] / 1e6:.1f}M params), "
         f"chunks of {s['chunk_bytes'] // 1024} KiB, {s['streams']} parallel streams, CRC-32 "
         f"{'on' if s['crc32'] else 'off'}, malloc {s['malloc']}; raw TCP median "
-        f"{s['median_tcp_gbps']:.2f} GB/s"
+        f"{s['median_tcp_gbps']:.2f} GB/s; one warm memcpy of the file (2 threads) "
+        f"{s['median_memcpy_gbps']:.2f} GB/s = {s['median_memcpy_over_tcp']:.2f} x raw TCP: the "
+        "ceiling of any plane that copies the file once"
     )
     for lane, r in s["lanes"].items():
         target = TARGETS.get(lane)
         goal = f" (target >= {target})" if target else ""
         line = (
-            f"{lane:>13}: x raw TCP {r['median_ratio_to_tcp']:.3f}{goal}, {r['median_gbps']:.2f}"
-            f" GB/s, warm {r['median_warm_s']:.3f} s"
+            f"{lane:>13}: x raw TCP {r['median_ratio_to_tcp']:.3f}{goal}, x memcpy "
+            f"{r['median_ratio_to_memcpy']:.3f}, {r['median_gbps']:.2f} GB/s, warm "
+            f"{r['median_warm_s']:.3f} s"
         )
         if "cold_s" in r:
             line += (
