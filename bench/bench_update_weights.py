@@ -116,6 +116,55 @@ def memcpy_gbps(buffers: tuple, threads: int = 2) -> float:
     return size / (time.perf_counter() - started_s) / 1e9
 
 
+def _gloo_receiver(port: int, total_bytes: int, bucket_bytes: int, rounds: int) -> None:
+    import torch
+    from rollserve.client.process_group import new_process_group
+
+    group = new_process_group(group="ceiling", master_address="127.0.0.1", master_port=port,
+                              world_size=2, rank=1, backend="gloo", timeout_s=120.0)  # fmt: skip
+    buffer = torch.empty(total_bytes, dtype=torch.uint8)  # like the arena: the whole file
+    for _ in range(rounds):
+        for begin in range(0, total_bytes, bucket_bytes):
+            group.broadcast(buffer[begin : begin + bucket_bytes], 0).wait()
+
+
+class GlooCeiling:
+    """Gloo broadcasts of a file-sized buffer to one receiver process, nothing of rollserve in
+    between: the ceiling of the dist data plane (same bucket size, receive into one buffer)."""
+
+    def __init__(self, total_bytes: int, bucket_bytes: int, rounds: int) -> None:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+        from rollserve.client.process_group import new_process_group
+
+        store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=120))  # fmt: skip
+        ctx = mp.get_context("spawn")
+        self._receiver = ctx.Process(
+            target=_gloo_receiver, args=(store.port, total_bytes, bucket_bytes, rounds + 1)
+        )
+        self._receiver.start()
+        self._group = new_process_group(group="ceiling", master_address="127.0.0.1",
+                                        master_port=store.port, world_size=2, rank=0,
+                                        backend="gloo", timeout_s=120.0, store=store)  # fmt: skip
+        self._store = store
+        self._buffer = torch.ones(total_bytes, dtype=torch.uint8)
+        self._bucket_bytes = bucket_bytes
+        self.gbps()  # warm-up
+
+    def gbps(self) -> float:
+        started_s = time.perf_counter()
+        for begin in range(0, len(self._buffer), self._bucket_bytes):
+            chunk = self._buffer[begin : begin + self._bucket_bytes]
+            self._group.broadcast(chunk, 0).wait()
+        return len(self._buffer) / (time.perf_counter() - started_s) / 1e9
+
+    def close(self) -> None:
+        self._receiver.join(timeout=60)
+
+
 def raw_tcp_gbps(total_bytes: int) -> float:
     """One sender and one receiver process over 127.0.0.1; GB/s (1e9) from first byte to ack."""
     ctx = mp.get_context("spawn")
@@ -440,6 +489,7 @@ def main(argv: list[str]) -> int:
             proc, _ = servers[lane]
             return run_update(conn, targets[lane], proc.pid, version, lane, args.streams)
 
+        gloo = None
         try:
             assert conn.recv() == "ready"
             if args.wait_quiet is not None:  # every process is started and idle
@@ -455,9 +505,16 @@ def main(argv: list[str]) -> int:
 
             copy_buffers = tuple(np.full(cold[lanes[0]].file_bytes, 1, np.uint8) for _ in range(2))
             memcpy_gbps(copy_buffers)  # warm-up
+            if "dist" in lanes:
+                from rollserve.client.distributed import DEFAULT_BUCKET_BYTES
+
+                file_bytes = cold["dist"].file_bytes
+                gloo = GlooCeiling(file_bytes, DEFAULT_BUCKET_BYTES, args.rounds)
             rows = []
             for index in range(args.rounds):
                 row = {"tcp": raw_tcp_gbps(tcp_bytes), "memcpy": memcpy_gbps(copy_buffers)}
+                if gloo is not None:
+                    row["gloo"] = gloo.gbps()
                 for lane in lanes:
                     row[lane] = update(lane, index + 2)
                 row["drain"] = run_update(conn, drain_target, drain.pid, index + 2, "grpc")
@@ -468,6 +525,8 @@ def main(argv: list[str]) -> int:
             conn.send(None)
             client.join(timeout=60)
             drain.kill()
+            if gloo is not None:
+                gloo.close()
             for proc, _ in servers.values():
                 proc.terminate_and_wait()
     print(f"load average after: {os.getloadavg()[0]:.2f}")
@@ -485,6 +544,8 @@ def _per_gib(cpu_s: float, update: UpdateRound) -> float:
 def _describe(row: dict, lanes: list[str]) -> str:
     tcp = row["tcp"]
     parts = [f"raw TCP {tcp:.2f} GB/s, memcpy {row['memcpy']:.2f} GB/s"]
+    if "gloo" in row:
+        parts.append(f"gloo ceiling {row['gloo']:.2f} GB/s")
     for lane in [*lanes, "drain"]:
         u = row[lane]
         parts.append(
@@ -528,11 +589,16 @@ def _summary(args, parameters, lanes, rss_loaded_gib, cold, rows, tuned) -> dict
         "median_tcp_gbps": median(row["tcp"] for row in rows),
         "median_memcpy_gbps": median(row["memcpy"] for row in rows),
         "median_memcpy_over_tcp": median(row["memcpy"] / row["tcp"] for row in rows),
+        "median_gloo_over_tcp": (
+            median(row["gloo"] / row["tcp"] for row in rows) if "gloo" in rows[0] else None
+        ),
         "lanes": per_lane,
         "rounds": [
             {k: (v if isinstance(v, float) else asdict(v)) for k, v in row.items()} for row in rows
         ],
     }
+    if "dist" in lanes:
+        summary["median_dist_over_gloo"] = median(row["dist"].gbps / row["gloo"] for row in rows)
     if "grpc" in lanes:
         summary["grpc_over_drain"] = [row["grpc"].gbps / row["drain"].gbps for row in rows]
         summary["median_grpc_over_drain"] = median(summary["grpc_over_drain"])
@@ -567,6 +633,11 @@ def _print_summary(s: dict) -> None:
             f"{r['median_server_cpu_s_per_gib']:.2f}"
         )
         print(line)
+    if s.get("median_gloo_over_tcp") is not None:
+        print(
+            f"gloo broadcast alone (the dist ceiling): {s['median_gloo_over_tcp']:.3f} x raw TCP;"
+            f" dist / gloo: {s['median_dist_over_gloo']:.3f}"
+        )
     if "median_grpc_over_drain" in s:
         print(
             f"grpc single stream / drain-only server with the same client: "
