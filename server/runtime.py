@@ -32,6 +32,7 @@ from rollserve.server.weights import (
 from rollserve.server.weights.distributed import WeightsGroups
 from rollserve.server.weights.parallel import ParallelUpdates, check_part, feed_part
 from rollserve.server.weights.planes import DataPlane, data_plane
+from rollserve.server.weights.shared_memory import release_mappings
 from rollserve.server.weights.staging import Request
 from rollserve.v1 import rollout_pb2 as pb
 
@@ -263,3 +264,4 @@ class Runtime:
         # readiness probe queued after an update) dies with std::terminate (SIGABRT).
         self.engine.close(wait=True, timeout_s=timeout_s)
         self.weight_groups.close()
+        release_mappings()

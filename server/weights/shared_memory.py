@@ -6,17 +6,20 @@ under a shared mapping would SIGBUS the server), and maps it. The head goes thro
 that starts at 0 like any chunk; the data section is split into `lanes` byte ranges copied by
 that many threads at once (numpy releases the GIL for the copy and the value checks), each
 straight from the mapping into the staging arena, in pieces that stay in the CPU cache for the
-value checks. The mapping is closed before the call returns: the server keeps no reference.
+value checks. The mapping of the last file is kept for the next update from the same file
+(_RecentMapping): a sealed memfd cannot shrink, so its pages stay valid.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
 import os
 import stat
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -26,7 +29,7 @@ from rollserve.server.weights.staging import UpdateStager
 from rollserve.server.weights.stream import Lane
 from rollserve.v1 import rollout_pb2 as pb
 
-__all__ = ["PIECE_BYTES", "receive_shared_memory"]
+__all__ = ["PIECE_BYTES", "receive_shared_memory", "release_mappings"]
 
 # Copied and checked per piece: small enough to stay in L2/L3 between the copy and the check.
 PIECE_BYTES = 1 << 20
@@ -40,19 +43,77 @@ def receive_shared_memory(
 ) -> None:
     """Copy the whole file of `source` into `stager` with `lanes` threads; verify as it lands."""
     total_bytes = stager.options.total_bytes
-    mapping = _map(source, total_bytes)
-    try:
+    with _MAPPINGS.mapping(source, total_bytes) as mapping:
         file = np.frombuffer(mapping, dtype=np.uint8, count=total_bytes)
         try:
             _copy(stager, file, lanes)
         finally:
             del file  # the mapping cannot close while a view of it lives
-    finally:
-        try:
-            mapping.close()
-        except BufferError:
-            # An exception's traceback still holds a view; the mapping goes with the last one.
-            pass
+
+
+class _RecentMapping:
+    """The last client file's mapping, kept for its next update while it is in use.
+
+    Mapping a file is free, but the first read of each of its 4 KiB pages through a new mapping
+    faults (measured: ~30 ms of a 0.1 s update of 0.48 GB); a trainer sends every update from
+    the same memfd, so the server keeps the mapping of the last one and reuses it while the
+    file (device and inode, checked on every update) is the same. It is dropped when another
+    file comes, after `_KEEP_S` without an update (so the memory of a trainer that exited is
+    freed soon after), and at shutdown.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key: tuple[int, int] | None = None
+        self._mapping: mmap.mmap | None = None
+        self._size = 0
+        self._timer: threading.Timer | None = None
+
+    @contextlib.contextmanager
+    def mapping(self, source: pb.SharedMemorySource, total_bytes: int) -> Iterator[mmap.mmap]:
+        with self._lock:
+            fd, info = _open(source, total_bytes)
+            try:
+                key = (info.st_dev, info.st_ino)
+                if key != self._key or self._size < total_bytes:
+                    self._drop()
+                    self._mapping = mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ)
+                    self._key, self._size = key, info.st_size
+            finally:
+                os.close(fd)
+            if self._timer is not None:
+                self._timer.cancel()
+            assert self._mapping is not None
+            try:
+                yield self._mapping
+            finally:
+                self._timer = threading.Timer(_KEEP_S, self.release)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def release(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._mapping is not None:
+            try:
+                self._mapping.close()
+            except BufferError:
+                pass  # an exception's traceback still holds a view: it goes with the last one
+        self._key, self._mapping, self._size = None, None, 0
+
+
+_KEEP_S = 30.0
+_MAPPINGS = _RecentMapping()
+
+
+def release_mappings() -> None:
+    """Unmap the kept client file (the server is shutting down)."""
+    _MAPPINGS.release()
 
 
 def _copy(stager: UpdateStager, file: np.ndarray, lanes: int) -> None:
@@ -99,8 +160,8 @@ def _split(data_start: int, total_bytes: int, lanes: int) -> list[int]:
     return bounds
 
 
-def _map(source: pb.SharedMemorySource, total_bytes: int) -> mmap.mmap:
-    """Open and map the client's memfd read-only, after checking what it is."""
+def _open(source: pb.SharedMemorySource, total_bytes: int) -> tuple[int, os.stat_result]:
+    """Open the client's memfd read-only after checking what it is; the fd and its stat."""
     if source.pid <= 0 or source.fd < 0:
         raise InvalidArgument(
             f"shared_memory: pid {source.pid} and fd {source.fd} do not name a file"
@@ -128,9 +189,10 @@ def _map(source: pb.SharedMemorySource, total_bytes: int) -> mmap.mmap:
                 f"shared_memory: the file holds {info.st_size} bytes, fewer than "
                 f"header.total_bytes {total_bytes}"
             )
-        return mmap.mmap(fd, total_bytes, prot=mmap.PROT_READ)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd, info
 
 
 def _open_error(path: str, error: OSError) -> str:
