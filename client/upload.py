@@ -103,11 +103,13 @@ class Uploads:
         if transport == "shm" or (transport == "auto" and self._auto_shm(update, streams)):
             try:
                 return self._send_shm(update, options, progress)
-            except FailedPrecondition as error:
-                if transport == "shm" or not str(error).startswith(_SHM_UNREACHABLE):
+            except grpc.RpcError as error:
+                if transport == "shm" or not _shm_unreachable(error):
                     raise
                 self._server_shares_host = False
-                _LOG.warning("shared memory failed (%s); sending this update over gRPC", error)
+                _LOG.warning(
+                    "shared memory failed (%s); sending this update over gRPC", error.details()
+                )
         count = default_streams() if streams is None else streams
         return self._send_grpc(update, options, count, progress)
 
@@ -203,6 +205,13 @@ class Uploads:
             self._calls.append(call)
             self._extra_channels.append(channel)
         return self._calls[:count]
+
+
+def _shm_unreachable(error: grpc.RpcError) -> bool:
+    """The server could not open the memfd at all: nothing was staged, sending again is safe."""
+    return error.code() == grpc.StatusCode.FAILED_PRECONDITION and (
+        error.details() or ""
+    ).startswith(_SHM_UNREACHABLE)
 
 
 def _part_ranges(update: UpdateFile, streams: int) -> list[tuple[int, int]]:

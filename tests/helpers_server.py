@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rollserve.server.cli import check_health
@@ -49,17 +49,21 @@ def free_port() -> int:
 
 
 def start_server_process(
-    *args: str, env: Mapping[str, str] | None = None, timeout_s: float = 90.0
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 90.0,
+    prefix: Sequence[str] = (),
 ) -> tuple[ServerProcess, int]:
     """Run `python -m rollserve.server serve --host 127.0.0.1 --port 0 ... *args`; wait for SERVING.
 
     `--port 0` is added unless args or env choose a port. Inherited ROLLSERVE_* variables are
-    dropped so the caller's environment cannot change what the test starts.
+    dropped so the caller's environment cannot change what the test starts. `prefix` runs the
+    server through another command (e.g. `unshare ...`).
     """
     env = dict(env or {})
     workdir = Path(tempfile.mkdtemp(prefix="rollserve-server-"))
     port_file = workdir / "port"
-    command = [sys.executable, "-m", "rollserve.server", "serve", "--host", "127.0.0.1"]
+    command = [*prefix, sys.executable, "-m", "rollserve.server", "serve", "--host", "127.0.0.1"]
     if "--port" not in args and "ROLLSERVE_PORT" not in env:
         command += ["--port", "0"]
     command += ["--port-file", str(port_file), *args]

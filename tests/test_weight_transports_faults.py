@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import signal
 import subprocess
 import sys
@@ -293,3 +294,45 @@ def test_processes_shared_memory_and_a_trainer_killed_mid_broadcast(actor_dir: P
             assert torch.equal(_greedy_log_probs(client), before)  # the original weights again
     finally:
         assert proc.terminate_and_wait() == 0, proc.log_text()
+
+
+_UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM"]
+
+
+def _can_unshare() -> bool:
+    try:
+        return subprocess.run([*_UNSHARE, "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="needs unshare(1) with PID namespaces (root)")
+def test_auto_falls_back_to_grpc_when_the_server_cannot_open_the_memfd(
+    actor_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server in another PID namespace cannot open /proc/<client pid>/fd/N. Even if the
+    client wrongly believes it shares the host (forced here), "shm" fails with a clear status
+    and "auto" logs a warning and sends the update over gRPC."""
+    import rollserve.client.upload as upload
+
+    proc, port = start_server_process("--device", "cpu", "--actor", str(actor_dir), prefix=_UNSHARE)
+    target = f"127.0.0.1:{port}"
+    try:
+        with RolloutClient(target, timeout_s=WAIT_S) as client:
+            server_id = client._upload_health(WAIT_S).shm_host_id
+            monkeypatch.setattr(upload, "shm_host_id", lambda: server_id)
+            weights = {"model.norm.weight": torch.full((SPEC.hidden_size,), 0.5)}
+            with pytest.raises(FailedPrecondition, match="does not exist on the server's host"):
+                client.update_weights(weights, version=1, mode="partial", transport="shm")
+            with caplog.at_level("WARNING", logger="rollserve.client.upload"):
+                result = client.update_weights(weights, version=1, mode="partial")
+            assert (result.version, result.transport) == (1, "grpc")
+            assert "sending this update over gRPC" in caplog.text
+            # Remembered: the next "auto" update goes over gRPC without trying again.
+            assert client.update_weights(weights, version=2, mode="partial").transport == "grpc"
+    finally:
+        # unshare does not pass SIGTERM on: stop the server itself, then unshare ends with it.
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        for child in children:
+            os.kill(int(child), signal.SIGTERM)
+        proc.terminate_and_wait()
