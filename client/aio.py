@@ -33,12 +33,12 @@ from rollserve.client.calls import (
 )
 from rollserve.client.channel import open_aio_channel, open_channel
 from rollserve.client.client import POLL_CALL_S
-from rollserve.client.distributed import WeightsGroup, update_through_group
+from rollserve.client.distributed import WeightsGroup
 from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable
 from rollserve.client.experience import Experience, experience_from_proto
 from rollserve.client.requests import Prompts
 from rollserve.client.results import HealthStatus, UpdateResult
-from rollserve.client.weights import DEFAULT_CHUNK_BYTES, prepare_update
+from rollserve.client.weights import DEFAULT_CHUNK_BYTES
 
 __all__ = ["AsyncRolloutClient"]
 
@@ -154,32 +154,12 @@ class AsyncRolloutClient(BaseClient):
         def report(sent: int, total: int) -> None:  # from a sending thread
             loop.call_soon_threadsafe(progress, sent, total)
 
-        relay = None if progress is None else report
-        if transport == "dist" or group is not None:
-            return await asyncio.to_thread(
-                update_through_group, self, group, transport, weights, version=version,
-                target=target, mode=mode, timeout_s=timeout_s, request_id=request_id,
-                progress=relay, **stream_options,
-            )  # fmt: skip
-
-        def send() -> UpdateResult:
-            update = prepare_update(
-                weights,
-                target=target,
-                version=version,
-                mode=mode,
-                chunk_bytes=chunk_bytes,
-                **stream_options,  # type: ignore[arg-type]
-            )
-            started_s = time.monotonic()
-            with typed_errors():
-                reply = self._send_update(
-                    update, timeout_s, request_id, transport=transport, streams=streams,
-                    progress=relay,
-                )  # fmt: skip
-            return UpdateResult.from_proto(reply, wall_s=time.monotonic() - started_s)
-
-        return await asyncio.to_thread(send)
+        return await asyncio.to_thread(
+            self._update, weights, version=version, target=target, mode=mode,
+            transport=transport, streams=streams, group=group, chunk_bytes=chunk_bytes,
+            timeout_s=timeout_s, request_id=request_id,
+            progress=None if progress is None else report, **stream_options,
+        )  # fmt: skip
 
     def _open_upload_channel(self) -> grpc.Channel:
         """UpdateWeights streams on a sync channel of this client's settings.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,11 +19,13 @@ from typing import Any, ClassVar
 import grpc
 import torch
 from rollserve.client.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_credentials, open_channel
+from rollserve.client.distributed import WeightsGroup, update_through_group
 from rollserve.client.errors import from_rpc_error
 from rollserve.client.experience import Experience, concat_experiences, experience_from_proto
 from rollserve.client.requests import Prompts, build_make_experience_request
+from rollserve.client.results import UpdateResult
 from rollserve.client.upload import CallOptions, Uploads
-from rollserve.client.weights import UpdateFile
+from rollserve.client.weights import UpdateFile, prepare_update
 from rollserve.client.wire import update_weights_callable
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
@@ -218,6 +221,44 @@ class BaseClient:
         if isinstance(weights, torch.nn.Module):
             weights = weights.state_dict(keep_vars=True)
         self._uploads.share(weights)
+
+    def _update(
+        self,
+        weights: Mapping[str, torch.Tensor] | torch.nn.Module,
+        *,
+        version: int,
+        target: str,
+        mode: str,
+        transport: str,
+        streams: int | None,
+        group: WeightsGroup | None,
+        chunk_bytes: int,
+        timeout_s: float | None,
+        request_id: str | None,
+        progress: Callable[[int, int], None] | None,
+        **stream_options: object,
+    ) -> UpdateResult:
+        """update_weights of both clients (sync; the asyncio client runs it in a thread)."""
+        if transport == "dist" or group is not None:
+            return update_through_group(
+                self, group, transport, weights, version=version, target=target, mode=mode,
+                timeout_s=timeout_s, request_id=request_id, progress=progress, **stream_options,
+            )  # fmt: skip
+        update = prepare_update(
+            weights,
+            target=target,
+            version=version,
+            mode=mode,
+            chunk_bytes=chunk_bytes,
+            **stream_options,  # type: ignore[arg-type]
+        )
+        started_s = time.monotonic()
+        with typed_errors():
+            reply = self._send_update(
+                update, timeout_s, request_id, transport=transport, streams=streams,
+                progress=progress,
+            )  # fmt: skip
+        return UpdateResult.from_proto(reply, wall_s=time.monotonic() - started_s)
 
     def _send_update(
         self,

@@ -16,12 +16,12 @@ from rollserve.client.calls import (
     typed_errors,
 )
 from rollserve.client.channel import open_channel
-from rollserve.client.distributed import WeightsGroup, update_through_group
+from rollserve.client.distributed import WeightsGroup
 from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable
 from rollserve.client.experience import Experience, experience_from_proto
 from rollserve.client.requests import Prompts
 from rollserve.client.results import HealthStatus, UpdateResult
-from rollserve.client.weights import DEFAULT_CHUNK_BYTES, prepare_update
+from rollserve.client.weights import DEFAULT_CHUNK_BYTES
 
 __all__ = ["RolloutClient"]
 
@@ -166,30 +166,11 @@ class RolloutClient(BaseClient):
         total_bytes)` is called as bytes go out. `stream_options` go to
         `update_weights_messages` (crc32, sha256, lora, ...).
         """
-        if transport == "dist" or group is not None:
-            return update_through_group(
-                self, group, transport, weights, version=version, target=target, mode=mode,
-                timeout_s=timeout_s, request_id=request_id, progress=progress, **stream_options,
-            )  # fmt: skip
-        update = prepare_update(
-            weights,
-            target=target,
-            version=version,
-            mode=mode,
-            chunk_bytes=chunk_bytes,
-            **stream_options,  # type: ignore[arg-type]
-        )
-        started_s = time.monotonic()
-        with typed_errors():
-            reply = self._send_update(
-                update,
-                timeout_s,
-                request_id,
-                transport=transport,
-                streams=streams,
-                progress=progress,
-            )
-        return UpdateResult.from_proto(reply, wall_s=time.monotonic() - started_s)
+        return self._update(
+            weights, version=version, target=target, mode=mode, transport=transport,
+            streams=streams, group=group, chunk_bytes=chunk_bytes, timeout_s=timeout_s,
+            request_id=request_id, progress=progress, **stream_options,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Close the channel; calls still running are cancelled."""

@@ -9,13 +9,14 @@ the hand-encoded bytes are valid protobuf.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Mapping
 
 import torch
 from rollserve.client.weights import update_weights_messages
 from rollserve.v1 import rollout_pb2 as pb
 
-__all__ = ["update_weights_requests"]
+__all__ = ["perturbed", "state_hash", "update_weights_requests"]
 
 
 def update_weights_requests(
@@ -26,3 +27,24 @@ def update_weights_requests(
     Arguments are validated before the first message, as update_weights_messages does.
     """
     return map(pb.UpdateWeightsRequest.FromString, update_weights_messages(weights, **options))
+
+
+def state_hash(module: torch.nn.Module) -> str:
+    """SHA-256 of every name and every byte of the module's state dict."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(name.encode())
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(memoryview(flat.view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def perturbed(module: torch.nn.Module, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """A trainer-side state dict: every floating tensor moved by seeded noise."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: tensor + scale * torch.randn(tensor.shape, generator=generator)
+        if tensor.is_floating_point()
+        else tensor.clone()
+        for name, tensor in module.state_dict().items()
+    }

@@ -9,7 +9,6 @@ weights it saw at its start. The --wait-for-weights test runs a real server subp
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers_weights import update_weights_requests
+from helpers_weights import perturbed, state_hash, update_weights_requests
 from rollserve.client.channel import open_channel
 from rollserve.client.client import RolloutClient
 from rollserve.client.errors import FailedPrecondition
@@ -86,27 +85,6 @@ def stub(server: RolloutServer) -> Iterator[rollout_pb2_grpc.RolloutStub]:
     channel = open_channel(server.address)
     yield rollout_pb2_grpc.RolloutStub(channel)
     channel.close()
-
-
-def state_hash(module: torch.nn.Module) -> str:
-    """SHA-256 of every name and every byte of the module's state dict."""
-    digest = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
-        digest.update(name.encode())
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        digest.update(memoryview(flat.view(torch.uint8).numpy()))
-    return digest.hexdigest()
-
-
-def perturbed(module: torch.nn.Module, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
-    """A trainer-side state dict: every floating tensor moved by seeded noise."""
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        name: tensor + scale * torch.randn(tensor.shape, generator=generator)
-        if tensor.is_floating_point()
-        else tensor.clone()
-        for name, tensor in module.state_dict().items()
-    }
 
 
 def requests(state_dict, version: int, **options: object) -> list[pb.UpdateWeightsRequest]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import fcntl
-import hashlib
 import mmap
 import os
 import threading
@@ -24,6 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from helpers_weights import perturbed, state_hash
 from rollserve.client import RolloutClient
 from rollserve.client.distributed import WeightsGroup
 from rollserve.client.errors import (
@@ -95,22 +95,6 @@ def sender(client: RolloutClient, transport: str) -> Iterator[Send]:
         )
         return
     yield lambda weights, **options: client.update_weights(weights, transport=transport, **options)
-
-
-def state_hash(module: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
-        digest.update(name.encode())
-        digest.update(
-            memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-        )
-    return digest.hexdigest()
-
-
-def perturbed(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
-            for name, tensor in module.state_dict().items()}  # fmt: skip
 
 
 def loaded(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -7,7 +7,6 @@ each: a clear status, the old weights serving bit for bit, and the next update l
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ import grpc
 import pytest
 import torch
 from helpers_server import start_server_process
+from helpers_weights import perturbed, state_hash
 from rollserve.client import RolloutClient
 from rollserve.client.distributed import WeightsGroup
 from rollserve.client.errors import FailedPrecondition
@@ -57,22 +57,6 @@ def server(models: ModelSet) -> Iterator[RolloutServer]:
     with RolloutServer(config, models=models) as running:
         running.state.runtime.parallel_updates.wait_s = 2.0  # a missing part fails fast here
         yield running
-
-
-def state_hash(module: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
-        digest.update(name.encode())
-        digest.update(
-            memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-        )
-    return digest.hexdigest()
-
-
-def perturbed(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {name: tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
-            for name, tensor in module.state_dict().items()}  # fmt: skip
 
 
 # ---- parallel streams ---------------------------------------------------------------------------
