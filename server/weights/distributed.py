@@ -222,11 +222,7 @@ class GroupUpdate:
         try:
             refusal = self._receive_buckets(lane)
         except Exception as error:
-            self._groups.drop(self._group)
-            raise Unavailable(
-                f"group {self._group.name!r}: the broadcast failed ({error}); the group is "
-                "dropped, make a new one"
-            ) from None
+            raise self._out_of_step("the broadcast", error) from None
         if refusal is not None:
             raise refusal
 
@@ -275,8 +271,12 @@ class GroupUpdate:
         try:
             return all_max(self._group.process_group, vote, self._group.device) == _READY
         except Exception as error:
-            self._groups.drop(self._group)
-            raise Unavailable(
-                f"group {self._group.name!r}: the vote before the broadcast failed ({error}); "
-                "the group is dropped"
-            ) from None
+            raise self._out_of_step("the vote before the broadcast", error) from None
+
+    def _out_of_step(self, what: str, error: Exception) -> Unavailable:
+        """A failed collective (a rank died, a timeout): drop the group; the status to raise."""
+        self._groups.drop(self._group)
+        return Unavailable(
+            f"group {self._group.name!r}: {what} failed ({error}); the group is dropped, make a "
+            "new one"
+        )
