@@ -44,6 +44,7 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "WeightsGroup", "update_through_group"]
 
 DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024  # best of 4, 16, 64 MiB on the 2-core VM (gloo)
 _READY = 0
+_VOTE_GRACE_S = 5.0  # how long a failed call's vote may still arrive
 _FOLLOWED_VOTE = "another rank of the group refused"
 
 
@@ -191,12 +192,15 @@ class WeightsGroup:
         work = self._group.allreduce([flag], options)
         deadline = time.monotonic() + self._timeout_s
         while not work.is_completed():
-            # A server that failed before its vote (an unknown group, say) never votes.
-            for call in calls:
-                if call.done() and call.exception() is not None:
-                    raise RuntimeError(f"a server failed before voting: {call.exception()}")
+            # A server that refuses votes first and then fails its call, so a failed call may
+            # race its own vote: give the vote a moment. One that failed before it could vote
+            # (an unknown group, say) never votes: then the group is out of step.
+            if any(call.done() and call.exception() is not None for call in calls):
+                deadline = min(deadline, time.monotonic() + _VOTE_GRACE_S)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no vote within {self._timeout_s:g} s")
+                failed = [c.exception() for c in calls if c.done() and c.exception() is not None]
+                reason = f"a server failed before voting: {failed[0]}" if failed else "no vote"
+                raise RuntimeError(f"{reason} (waited {self._timeout_s:g} s at most)")
             time.sleep(0.001)
         work.wait()
         return int(flag.item()) == _READY
