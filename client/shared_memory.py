@@ -36,13 +36,10 @@ _WRITE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def _write_tensor(destination: np.ndarray, begin: int, tensor: torch.Tensor) -> int:
-    """Copy `tensor`'s elements (C order) to destination[begin:]; the bytes written.
-
-    Nothing to copy for a tensor that already lives there (see SharedMemoryFile.share).
-    """
+    """Copy `tensor`'s elements (C order) to destination[begin:]; the bytes written."""
     nbytes = tensor.numel() * tensor.element_size()
-    if not nbytes or _lives_at(tensor, destination, begin):
-        return nbytes
+    if not nbytes:
+        return 0
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         target = torch.from_numpy(destination[begin : begin + nbytes]).view(tensor.dtype)
@@ -76,6 +73,7 @@ class SharedMemoryFile:
         self._mapping: mmap.mmap | None = None
         self._size = 0
         self._shared = False  # some tensors are views of the mapping (share)
+        self._pool: ThreadPoolExecutor | None = None  # the writing threads, started once
 
     @property
     def fd(self) -> int:
@@ -104,15 +102,25 @@ class SharedMemoryFile:
         assert self._mapping is not None
         destination = np.frombuffer(self._mapping, dtype=np.uint8, count=total)
         destination[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-        write = functools.partial(_write_tensor, destination)
-        written = len(head)
-        with ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="shm-write") as pool:
-            begins = [len(head) + offset for offset, _ in tensors]
-            for nbytes in pool.map(write, begins, [tensor for _, tensor in tensors]):
+        begins = [len(head) + offset for offset, _ in tensors]
+        moving = [
+            (begin, tensor)
+            for begin, (_, tensor) in zip(begins, tensors, strict=True)
+            if not _lives_at(tensor, destination, begin)
+        ]
+        written = total - sum(t.numel() * t.element_size() for _, t in moving)
+        if progress is not None:
+            progress(written)  # the head and the tensors already in place (see share)
+        if moving:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="shm-write")
+            write = functools.partial(_write_tensor, destination)
+            for nbytes in self._pool.map(write, *zip(*moving, strict=True)):
                 written += nbytes
                 if progress is not None:
                     progress(written)
-        del destination, write  # no view may outlive a write: close() unmaps
+            del write
+        del destination  # no view may outlive a write: close() unmaps
 
     def share(self, head: bytes, tensors: list[tuple[int, torch.Tensor]]) -> None:
         """Write the file once, then make each CPU tensor a view of its own bytes in it.
@@ -158,6 +166,9 @@ class SharedMemoryFile:
         After `share`, the trainer's tensors keep the mapping alive (they are views of it).
         """
         self._size = 0
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
         if self._mapping is not None and not self._shared:
             self._mapping.close()
         self._mapping = None

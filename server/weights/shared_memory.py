@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import mmap
 import os
 import stat
@@ -33,6 +34,7 @@ __all__ = ["PIECE_BYTES", "receive_shared_memory", "release_mappings"]
 
 # Copied and checked per piece: small enough to stay in L2/L3 between the copy and the check.
 PIECE_BYTES = 1 << 20
+MAX_LANES = 4  # copying threads; memory-bound copies gain little past two per socket
 
 
 def receive_shared_memory(
@@ -121,20 +123,25 @@ def _copy(stager: UpdateStager, file: np.ndarray, lanes: int) -> None:
     # Where the data begins, from the length prefix (the lane at 0 validates it while parsing).
     prefix = int.from_bytes(file[:8].tobytes(), "little") if total_bytes >= 8 else 0
     data_start = min(8 + prefix, total_bytes)
-    bounds = _split(data_start, total_bytes, lanes)
+    bounds = _split(data_start, total_bytes, min(lanes, MAX_LANES))
     parts = [
         stager.lane(begin, end)
         for begin, end in zip([0, *bounds], [*bounds, total_bytes], strict=True)
     ]
     try:
         _feed_range(parts[0].feed, file, 0, data_start)  # the head: the arena exists after it
-        with ThreadPoolExecutor(len(parts), thread_name_prefix="shm-lane") as pool:
-            futures = [pool.submit(_feed_lane, part, file) for part in parts]
-            for future in futures:
-                future.result()
+        futures = [_lane_pool().submit(_feed_lane, part, file) for part in parts]
+        for future in futures:
+            future.result()
     except BaseException as error:
         stager.fail(error)
         raise
+
+
+@functools.cache
+def _lane_pool() -> ThreadPoolExecutor:
+    # One pool for the process (one update runs at a time): no thread start-up per update.
+    return ThreadPoolExecutor(MAX_LANES, thread_name_prefix="shm-lane")
 
 
 def _feed_lane(lane: Lane, file: np.ndarray) -> None:
