@@ -1,32 +1,40 @@
-"""UpdateWeights applied GB/s against raw TCP loopback GB/s, in interleaved rounds.
+"""UpdateWeights applied GB/s per data plane against raw TCP loopback GB/s, in interleaved rounds.
 
 Each round measures, one after the other:
 
 * raw TCP: a sender process `sendall`s 4 MiB blocks (~1 GiB in all) over 127.0.0.1 to a
   receiver process that `recv_into`s a preallocated buffer and acks the last byte; the clock runs
-  in the sender from the first byte to the ack;
-* UpdateWeights: a client process pushes the whole state dict of a random Llama (~100M
-  parameters, float32, built from a config and saved to a temp dir) in 1 MiB chunks (no CRC-32,
-  the client's default; --crc32 asks for it) to a real `rollserve serve` subprocess; the clock
-  runs from the first message to the server's reply, i.e. until the new weights are applied
-  (received, verified and copied into the model on the engine thread);
-* the same client pushing the same file to a drain-only gRPC server (parses each message with
+  in the sender from the first byte to the ack (both buffers stay in the CPU cache);
+* memcpy: one warm DRAM-to-DRAM copy of a file-sized buffer by 2 numpy threads, the ceiling of
+  any plane that must copy the file once; and, with "dist", gloo broadcasting the file to one
+  receiver process (nothing of rollserve), the ceiling of that plane;
+* UpdateWeights, one lane per data plane, each to its own `rollserve serve` subprocess: a client
+  process pushes the whole state dict of a random Llama (~120M parameters, float32, built from
+  a config and saved to a temp dir); the clock runs from the call to the server's reply, i.e.
+  until the new weights are applied (received, verified and swapped in on the engine thread).
+  Lanes: grpc (one stream, 1 MiB chunks, no CRC), grpc-parallel (--streams streams), shm (the
+  client copies the tensors into its memfd), shm-shared (`client.share_weights`: the tensors
+  live in the memfd, no client copy), dist (a gloo broadcast through a WeightsGroup);
+* the grpc client pushing the same file to a drain-only gRPC server (parses each message with
   rollserve's wire parser, client/wire.py, and drops it): the ceiling that the client and gRPC
-  itself allow, which splits the gap to raw TCP into the client's share and the server's.
+  allow, which splits the gap to raw TCP into the client's share and the server's.
 
 The headline is the median of the per-round ratios (this VM drifts by +-20 % from minute to
-minute, so only paired ratios are stable; reference/transport.md). Target: >= 0.45. We also print
-the end-to-end seconds of the first (cold) update and of the warm ones, the server's and client's
-CPU seconds per GiB, and the server's resident memory: after loading, and its peak during each
-update (VmHWM, reset before each update through /proc/<pid>/clear_refs).
+minute, so only paired ratios are stable; reference/transport.md). Targets (issue 11): shm >= 1.5
+x raw TCP, dist >= 0.6 x raw TCP, grpc >= 0.8 x the drain-only server. We also print each lane's
+ratio to memcpy, the end-to-end seconds of its first (cold) update and of the warm ones, CPU
+seconds per GiB on both sides, and each server's resident memory: after loading, and its peak
+during each update (VmHWM, reset before each update through /proc/<pid>/clear_refs; for shm it
+includes the client's memfd pages the server maps).
 
 Every process runs with the tuned malloc environment of reference/transport.md
 (MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_TOP_PAD_=67108864):
 the script re-executes itself with it unless --default-malloc is given.
 
-    python bench/bench_update_weights.py                  # ~2-3 minutes on 2 cores
+    python bench/bench_update_weights.py                  # ~4 minutes on 2 cores
     python bench/bench_update_weights.py --wait-quiet 1.5 # first wait for a quiet machine
     python bench/bench_update_weights.py --rounds 3 --hidden 256 --layers 4 --vocab 8192
+    python bench/bench_update_weights.py --transports shm,shm-shared,dist
 """
 
 from __future__ import annotations
