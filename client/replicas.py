@@ -70,6 +70,15 @@ def _describe(target: str, error: RolloutError) -> str:
     return f"{target}: {error.code.name}: {detail}"
 
 
+def _all_updated(version: int, answers: Mapping[str, object]) -> dict[str, UpdateResult]:
+    """Every replica's result, or ReplicaUpdateError naming those that failed."""
+    failures = {t: a for t, a in answers.items() if isinstance(a, RolloutError)}
+    results = {t: a for t, a in answers.items() if not isinstance(a, RolloutError)}
+    if failures:
+        raise ReplicaUpdateError(version, failures, results)  # type: ignore[arg-type]
+    return results  # type: ignore[return-value]
+
+
 class ReplicaUpdateError(RolloutError):
     """A weight update that did not reach every replica.
 
@@ -354,16 +363,11 @@ class ReplicatedRolloutClient:
                 request_id=request_id, **stream_options,
             )  # fmt: skip
         # Bad arguments fail here, once, before any stream opens (sha256 would hash it all).
-        plane = {k: stream_options[k] for k in ("transport", "streams") if k in stream_options}
-        file_options = {k: v for k, v in stream_options.items() if k not in plane}
-        prepare_update(
-            weights,
-            target=target,
-            version=version,
-            mode=mode,
-            chunk_bytes=chunk_bytes,
-            **{**file_options, "sha256": False},
-        )
+        file_options = {
+            k: v for k, v in stream_options.items() if k not in ("transport", "streams")
+        }
+        prepare_update(weights, target=target, version=version, mode=mode,
+                       chunk_bytes=chunk_bytes, **{**file_options, "sha256": False})  # fmt: skip
 
         def push(replica: _Replica) -> UpdateResult:
             report = None if progress is None else _bind_progress(progress, replica.target)
@@ -382,12 +386,7 @@ class ReplicatedRolloutClient:
                 raise FailedPrecondition(f"now serves version {result.version}, not {version}")
             return result
 
-        answers = self._fan_out(self._chosen(replicas), push)
-        failures = {t: a for t, a in answers.items() if isinstance(a, RolloutError)}
-        results = {t: a for t, a in answers.items() if not isinstance(a, RolloutError)}
-        if failures:
-            raise ReplicaUpdateError(version, failures, results)  # type: ignore[arg-type]
-        return results  # type: ignore[return-value]
+        return _all_updated(version, self._fan_out(self._chosen(replicas), push))
 
     def weights_group(self, **options: Any) -> WeightsGroup:
         """A WeightsGroup of this trainer and every replica: `update_weights(..., group=g)`
