@@ -45,7 +45,12 @@ sys.path.insert(0, str(REPO / "tests"))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 from helpers_fuzz import FuzzReport, WeightsStreams, fuzz_cases, run_case  # noqa: E402
-from helpers_server import ServerProcess, start_server_process  # noqa: E402
+from helpers_server import (  # noqa: E402
+    ServerProcess,
+    greedy_snapshot,
+    rss_bytes,
+    start_server_process,
+)
 from rollserve.client.client import RolloutClient  # noqa: E402
 from rollserve.client.weights import update_weights_messages  # noqa: E402
 from rollserve.client.wire import update_weights_callable  # noqa: E402
@@ -55,28 +60,6 @@ from rollserve.server.models import load_models  # noqa: E402
 
 CALL_TIMEOUT_S = 60.0  # a call that reaches it counts as a hang
 MIB = 1 << 20
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def snapshot(target: str) -> tuple[list[float], int]:
-    """Greedy log-probs of a fixed request and the actor's version."""
-    with RolloutClient(target, timeout_s=CALL_TIMEOUT_S) as client:
-        experience = client.make_experience(
-            [[1, 72, 101, 108], [1, 50, 51]],
-            max_new_tokens=6,
-            temperature=0.0,
-            seed=1,
-            rewards=["exact_match"],
-            gt_answers=["a", "b"],
-        )
-        version = client.health().policy_version
-    return experience.action_log_probs.flatten().tolist(), version
 
 
 def state_dict_of(actor_dir: Path) -> dict[str, torch.Tensor]:
@@ -101,7 +84,7 @@ def phase_fuzz(workdir: Path, cases: int, seed: int) -> tuple[dict, bool]:
     actor_dir = save_tiny_causal_lm(workdir / "fuzz-actor")
     weights = state_dict_of(actor_dir)
     proc, target = start("--actor", str(actor_dir))
-    before, start_version = snapshot(target)
+    before, start_version = greedy_snapshot(target, CALL_TIMEOUT_S)
     version = {"now": start_version}
     report = FuzzReport()
     crashed = None
@@ -123,7 +106,7 @@ def phase_fuzz(workdir: Path, cases: int, seed: int) -> tuple[dict, bool]:
                 crashed = f"{case.category} {case.note}"
                 break
     seconds = time.monotonic() - started_s
-    after, end_version = snapshot(target) if crashed is None else ([], -1)
+    after, end_version = greedy_snapshot(target, CALL_TIMEOUT_S) if crashed is None else ([], -1)
     result = {
         "cases": report.total,
         "seconds": round(seconds, 1),
@@ -229,7 +212,7 @@ def phase_cuts(workdir: Path, rounds: int) -> tuple[dict, bool]:
         client.update_weights(weights, version=1, chunk_bytes=MIB)
         client.update_weights(weights, version=2, chunk_bytes=MIB)
     for _ in range(3):
-        snapshot(target)
+        greedy_snapshot(target, CALL_TIMEOUT_S)
     baseline_rss = rss_bytes(proc.pid)
     kinds = ["after_header", "mid_tensor", "before_last_chunk", "stalled", "sigkilled"]
     outcomes: dict[str, Counter] = defaultdict(Counter)
@@ -238,7 +221,7 @@ def phase_cuts(workdir: Path, rounds: int) -> tuple[dict, bool]:
     failures = []
     for index in range(rounds):
         kind = kinds[index % len(kinds)]
-        before = snapshot(target)
+        before = greedy_snapshot(target, CALL_TIMEOUT_S)
         encoded = list(
             update_weights_messages(
                 _perturbed(weights, index),
@@ -255,7 +238,7 @@ def phase_cuts(workdir: Path, rounds: int) -> tuple[dict, bool]:
             stop = stop_at.get(kind, len(encoded) // 2)
             code = _cut_upload(target, encoded, stop, cancel=kind != "stalled")
         outcomes[kind][code] += 1
-        after = snapshot(target)
+        after = greedy_snapshot(target, CALL_TIMEOUT_S)
         time.sleep(0.3)
         max_rss_over = max(max_rss_over, rss_bytes(proc.pid) - baseline_rss)
         rss_per_round_mib.append(round(rss_bytes(proc.pid) / MIB))
@@ -427,7 +410,7 @@ def phase_load(
         "--rollout-request", str(template), "--rollout-epochs", "0",
         "--rollout-prompts-per-batch", "2",
     )  # fmt: skip
-    before, initial = snapshot(target)
+    before, initial = greedy_snapshot(target, CALL_TIMEOUT_S)
     load = Load()
     stop = threading.Event()
     roles = ["experience"] * (clients - 1 - 3 - 3) + ["health"] * 3 + ["subscribe"] * 3
@@ -454,7 +437,7 @@ def phase_load(
     for thread in threads:
         thread.join(CALL_TIMEOUT_S + 10)
     hung_threads = sum(thread.is_alive() for thread in threads)
-    after, final_version = snapshot(target)
+    after, final_version = greedy_snapshot(target, CALL_TIMEOUT_S)
     table = {}
     for rpc, values in sorted(load.latencies_s.items()):
         table[rpc] = {

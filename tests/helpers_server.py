@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rollserve.server.cli import check_health
 
-__all__ = ["ServerProcess", "free_port", "start_server_process"]
+__all__ = ["ServerProcess", "free_port", "greedy_snapshot", "rss_bytes", "start_server_process"]
 
 
 class ServerProcess(subprocess.Popen):
@@ -93,3 +93,29 @@ def _wait_until_serving(proc: ServerProcess, port_file: Path, timeout_s: float) 
                 return port
         time.sleep(0.1)
     raise TimeoutError(f"server did not serve within {timeout_s} s")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process `pid` (VmRSS), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+def greedy_snapshot(target: str, timeout_s: float = 60.0) -> tuple[list[float], int]:
+    """Greedy log-probs of a fixed request and the actor's version (Health): equal snapshots
+    mean the weights and the version did not change."""
+    from rollserve.client import RolloutClient
+
+    with RolloutClient(target, timeout_s=timeout_s) as client:
+        experience = client.make_experience(
+            [[1, 72, 101, 108], [1, 50, 51]],
+            max_new_tokens=6,
+            temperature=0.0,
+            seed=1,
+            rewards=["exact_match"],
+            gt_answers=["a", "b"],
+        )
+        version = client.health().policy_version
+    return experience.action_log_probs.flatten().tolist(), version

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from helpers_server import ServerProcess, start_server_process
+from helpers_server import ServerProcess, greedy_snapshot, rss_bytes, start_server_process
 from rollserve.client.client import RolloutClient
 from rollserve.client.weights import update_weights_messages
 from rollserve.client.wire import update_weights_callable
@@ -67,32 +67,10 @@ def server(actor_dir: Path, weights) -> Iterator[tuple[ServerProcess, str]]:
         with RolloutClient(target, timeout_s=WAIT_S) as client:
             client.update_weights(weights, version=1, chunk_bytes=CHUNK_BYTES)
             client.update_weights(weights, version=2, chunk_bytes=CHUNK_BYTES)
-        snapshot(target)
+        greedy_snapshot(target)
         yield proc, target
     finally:
         assert proc.terminate_and_wait() == 0
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
-def snapshot(target: str) -> tuple[list[float], int]:
-    """Greedy log-probs of a fixed request and the actor's policy version."""
-    with RolloutClient(target, timeout_s=WAIT_S) as client:
-        experience = client.make_experience(
-            [[1, 72, 101, 108], [1, 50, 51]],
-            max_new_tokens=4,
-            temperature=0.0,
-            seed=1,
-            rewards=["exact_match"],
-            gt_answers=["a", "b"],
-        )
-        version = client.health().policy_version
-    return experience.action_log_probs.flatten().tolist(), version
 
 
 def messages(weights, version: int) -> list[bytes]:
@@ -134,7 +112,7 @@ def settled_rss(pid: int, ceiling: int) -> int:
 def assert_unchanged_then_next_update_succeeds(
     proc: ServerProcess, target: str, before, baseline_rss: int, weights
 ) -> None:
-    assert snapshot(target) == before
+    assert greedy_snapshot(target) == before
     rss = settled_rss(proc.pid, baseline_rss + RSS_SLACK_BYTES)
     assert rss <= baseline_rss + RSS_SLACK_BYTES, (rss - baseline_rss) / 2**20
     with RolloutClient(target, timeout_s=WAIT_S) as client:
@@ -153,7 +131,7 @@ CUTS = {"after_header": 1, "mid_tensor": 2, "before_last_chunk": -1}
 @pytest.mark.parametrize("cut", CUTS)
 def test_a_cancelled_upload_leaves_weights_version_and_memory(server, weights, cut: str) -> None:
     proc, target = server
-    before = snapshot(target)
+    before = greedy_snapshot(target)
     baseline_rss = rss_bytes(proc.pid)
     encoded = messages(perturbed(weights, seed=len(cut)), version=before[1] + 1)
     stalling = Stalling(encoded, CUTS[cut] % len(encoded))
@@ -173,7 +151,7 @@ def test_a_stalled_upload_is_ended_by_the_idle_deadline(server, weights) -> None
     # Regression: with no idle deadline the stalled stream held the update lock forever, so the
     # second update below never finished (and the stalled client, with no deadline, hung too).
     proc, target = server
-    before = snapshot(target)
+    before = greedy_snapshot(target)
     baseline_rss = rss_bytes(proc.pid)
     encoded = messages(perturbed(weights, seed=3), version=before[1] + 1)
     stalling = Stalling(encoded, len(encoded) // 2)
@@ -229,7 +207,7 @@ def test_a_sigkilled_uploader_leaves_weights_version_and_memory(
     from safetensors.torch import save_file
 
     proc, target = server
-    before = snapshot(target)
+    before = greedy_snapshot(target)
     baseline_rss = rss_bytes(proc.pid)
     weights_file = tmp_path / "new.safetensors"
     save_file({n: t.contiguous() for n, t in perturbed(weights, seed=5).items()}, weights_file)
@@ -256,7 +234,7 @@ def test_many_stalled_uploads_neither_queue_nor_starve_health(server, weights) -
     # stalled uploads took all 16 (--max-workers) and Health hung until each stall had timed
     # out in turn. Now one streams, one waits, the rest are refused at once.
     proc, target = server
-    before = snapshot(target)
+    before = greedy_snapshot(target)
     encoded = messages(weights, version=before[1] + 1)
     stalls = [Stalling(encoded, 1) for _ in range(16)]
     channels = [grpc.insecure_channel(target) for _ in stalls]

@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 from helpers_fuzz import FuzzReport, WeightsStreams, base_experience_request, fuzz_cases, run_case
-from helpers_server import ServerProcess, start_server_process
+from helpers_server import ServerProcess, greedy_snapshot, start_server_process
 from rollserve.client.client import RolloutClient
 from rollserve.client.errors import InvalidArgument
 from rollserve.server.config import ServerConfig
@@ -53,20 +53,6 @@ def channel(server) -> Iterator[grpc.Channel]:
     options = [("grpc.max_send_message_length", 64 << 20)]
     with grpc.insecure_channel(server[1], options=options) as opened:
         yield opened
-
-
-def greedy_log_probs(target: str) -> tuple[list[float], int]:
-    """Greedy log-probs of a fixed request and the policy version stamped on its rows."""
-    with RolloutClient(target, timeout_s=CALL_TIMEOUT_S) as client:
-        experience = client.make_experience(
-            [[1, 72, 101, 108], [1, 50, 51]],
-            max_new_tokens=6,
-            temperature=0.0,
-            seed=1,
-            rewards=["exact_match"],
-            gt_answers=["a", "b"],
-        )
-    return experience.action_log_probs.flatten().tolist(), int(experience.policy_version[0])
 
 
 # One undecodable message per method (0x0a 0x05: a length-delimited field 1 running past the end).
@@ -123,7 +109,7 @@ def test_a_fixed_seed_fuzz_sample_gets_only_client_error_statuses(
     server, channel, models: ModelSet
 ) -> None:
     proc, target = server
-    log_probs_before, _ = greedy_log_probs(target)
+    log_probs_before, _ = greedy_snapshot(target)
     with RolloutClient(target) as client:
         version = {"now": client.health().policy_version}
     start_version = version["now"]
@@ -149,7 +135,7 @@ def test_a_fixed_seed_fuzz_sample_gets_only_client_error_statuses(
     assert not bad, "\n".join(bad[:20])
     assert report.total == CASES
     # The streams carried the served weights: any accepted one changed the version only.
-    log_probs_after, stamped = greedy_log_probs(target)
+    log_probs_after, stamped = greedy_snapshot(target)
     assert log_probs_after == log_probs_before
     assert stamped == version["now"] == start_version + report.accepted_updates
 
