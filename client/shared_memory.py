@@ -30,7 +30,8 @@ __all__ = ["SharedMemoryFile", "shm_host_id"]
 # Files are sized up to this granularity, so that updates of slightly different sizes (partial
 # updates, LoRA) reuse one memfd.
 _SIZE_STEP_BYTES = 2 * 1024 * 1024
-REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+# Linux only (memfd seals); elsewhere 0, and shm_host_id() says "" so "auto" never picks shm.
+REQUIRED_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
 # Threads writing tensors into the mapping: memory-bound copies scale to about two per socket.
 _WRITE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
@@ -59,9 +60,15 @@ def _lives_at(tensor: torch.Tensor, destination: np.ndarray, begin: int) -> bool
 
 
 def shm_host_id() -> str:
-    """Who can open this process's memfds by /proc/<pid>/fd: same boot, same PID namespace."""
-    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    pid_namespace = os.stat("/proc/self/ns/pid").st_ino
+    """Who can open this process's memfds by /proc/<pid>/fd: same boot, same PID namespace.
+
+    "" where there is no such thing (not Linux): it matches no server.
+    """
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        pid_namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
     return f"{boot_id}/{pid_namespace}"
 
 

@@ -142,7 +142,8 @@ class Uploads:
             health = self._health(timeout_s)
         except grpc.RpcError:
             return False  # the update itself will report why the server is unreachable
-        return "shm" in health.weight_transports and health.shm_host_id == shm_host_id()
+        local = shm_host_id()
+        return "shm" in health.weight_transports and bool(local) and health.shm_host_id == local
 
     def _send_shm(
         self, update: UpdateFile, options: CallOptions, progress: Progress | None
