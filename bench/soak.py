@@ -209,8 +209,8 @@ def phase_cuts(workdir: Path, rounds: int) -> tuple[dict, bool]:
     with RolloutClient(target, timeout_s=CALL_TIMEOUT_S) as client:
         # Warm-up: measured, RSS reaches its steady state on the second update (the first one's
         # arena replaces pages of the loaded checkpoint), and after a few experience calls.
-        client.update_weights(weights, version=1, chunk_bytes=MIB)
-        client.update_weights(weights, version=2, chunk_bytes=MIB)
+        client.update_weights(weights, version=1, chunk_bytes=MIB, transport="grpc")
+        client.update_weights(weights, version=2, chunk_bytes=MIB, transport="grpc")
     for _ in range(3):
         greedy_snapshot(target, CALL_TIMEOUT_S)
     baseline_rss = rss_bytes(proc.pid)
@@ -243,7 +243,9 @@ def phase_cuts(workdir: Path, rounds: int) -> tuple[dict, bool]:
         max_rss_over = max(max_rss_over, rss_bytes(proc.pid) - baseline_rss)
         rss_per_round_mib.append(round(rss_bytes(proc.pid) / MIB))
         with RolloutClient(target, timeout_s=CALL_TIMEOUT_S) as client:
-            next_ok = client.update_weights(weights, version=before[1] + 1, chunk_bytes=MIB)
+            next_ok = client.update_weights(
+                weights, version=before[1] + 1, chunk_bytes=MIB, transport="grpc"
+            )
         if after != before or next_ok.version != before[1] + 1:
             failures.append(f"round {index} ({kind}): weights/version changed or next update bad")
     end_rss = rss_bytes(proc.pid)

@@ -64,9 +64,11 @@ def server(actor_dir: Path, weights) -> Iterator[tuple[ServerProcess, str]]:
     try:
         # Warm-up: RSS reaches its steady state on the second update (measured: the first one's
         # staging arena replaces pages of the loaded checkpoint) and a first experience call.
+        # Every update here goes over gRPC: over shared memory the server would also keep the
+        # client's memfd mapped for a while (weights/shared_memory.py), which RSS counts.
         with RolloutClient(target, timeout_s=WAIT_S) as client:
-            client.update_weights(weights, version=1, chunk_bytes=CHUNK_BYTES)
-            client.update_weights(weights, version=2, chunk_bytes=CHUNK_BYTES)
+            client.update_weights(weights, version=1, chunk_bytes=CHUNK_BYTES, transport="grpc")
+            client.update_weights(weights, version=2, chunk_bytes=CHUNK_BYTES, transport="grpc")
         greedy_snapshot(target)
         yield proc, target
     finally:
@@ -116,7 +118,9 @@ def assert_unchanged_then_next_update_succeeds(
     rss = settled_rss(proc.pid, baseline_rss + RSS_SLACK_BYTES)
     assert rss <= baseline_rss + RSS_SLACK_BYTES, (rss - baseline_rss) / 2**20
     with RolloutClient(target, timeout_s=WAIT_S) as client:
-        result = client.update_weights(weights, version=before[1] + 1, chunk_bytes=CHUNK_BYTES)
+        result = client.update_weights(
+            weights, version=before[1] + 1, chunk_bytes=CHUNK_BYTES, transport="grpc"
+        )
     assert result.version == before[1] + 1
     # Regression: every cut upload logged "Exception serializing message!" with a traceback.
     log = proc.log_text()
@@ -162,7 +166,7 @@ def test_a_stalled_upload_is_ended_by_the_idle_deadline(server, weights) -> None
             assert stalling.reached.wait(WAIT_S)
             with RolloutClient(target, timeout_s=WAIT_S) as other:
                 result = other.update_weights(
-                    weights, version=before[1] + 1, chunk_bytes=CHUNK_BYTES
+                    weights, version=before[1] + 1, chunk_bytes=CHUNK_BYTES, transport="grpc"
                 )
             assert result.version == before[1] + 1
             error = future.exception(timeout=WAIT_S)
