@@ -413,7 +413,11 @@ def test_stale_batches_are_dropped_and_counted(
     models: ModelSet, files: dict[str, Path], actor_weights: dict[str, torch.Tensor]
 ) -> None:
     with (
-        serving(models, files, rollout_epochs=0, max_staleness=1) as server,
+        # A queue of one: while the stale batch waits, the loop cannot queue another one made
+        # by version 0 before the updates land (that made two stale batches now and then).
+        serving(
+            models, files, rollout_epochs=0, max_staleness=1, rollout_queue_batches=1
+        ) as server,
         RolloutClient(server.address) as client,
     ):
         engine = server.state.runtime.engine
