@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from rollserve.client.errors import FailedPrecondition, InvalidArgument, Unavailable, from_rpc_error
-from rollserve.client.process_group import BACKENDS, new_process_group
+from rollserve.client.process_group import BACKENDS, broadcast_spans, new_process_group
 from rollserve.client.results import UpdateResult
 from rollserve.client.weights import DEFAULT_CHUNK_BYTES, UpdateFile, WeightSpec, prepare_update
 from rollserve.v1 import rollout_pb2 as pb
@@ -206,11 +206,12 @@ class WeightsGroup:
         return int(flag.item()) == _READY
 
     def _broadcast(self, update: UpdateFile, progress: Callable[[int, int], None] | None) -> None:
-        """The data section in broadcasts of bucket_bytes, each sent while the next is filled.
+        """The data section in broadcasts of at most bucket_bytes, each sent while the next is
+        filled (broadcast_spans: the servers post their receives with the same ranges).
 
-        A bucket that lies inside one host tensor is sent from the tensor's own memory; one
-        that spans tensors (or comes from a GPU tensor under gloo) is filled into one of two
-        alternating buffers first. The servers post their receives with the same sizes.
+        A range that lies inside one host tensor is sent from the tensor's own memory; a pack
+        of small tensors (or a GPU tensor's bytes under gloo) is filled into one of two
+        alternating buffers first.
         """
         head, specs = update.layout()
         data_bytes = specs[-1].end if specs else 0
@@ -218,8 +219,9 @@ class WeightsGroup:
         ends = [spec.end for spec in specs]
         buffers = _Buffers(self.bucket_bytes, self.device)
         in_flight: tuple[dist.Work, int] | None = None
-        for index, begin in enumerate(range(0, data_bytes, self.bucket_bytes)):
-            end = min(begin + self.bucket_bytes, data_bytes)
+        tensors = [(spec.begin, spec.end) for spec in specs]
+        spans = broadcast_spans(tensors, data_bytes, self.bucket_bytes)
+        for index, (begin, end) in enumerate(spans):
             bucket = _bucket(specs, sources, ends, begin, end, buffers.buffer(index), self.device)
             work = self._group.broadcast(bucket, 0)
             if in_flight is not None:

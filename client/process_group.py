@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import datetime
 import socket
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["BACKENDS", "all_max", "broadcast", "new_process_group"]
+__all__ = ["BACKENDS", "PACK_BELOW_BYTES", "all_max", "broadcast", "broadcast_spans", "new_process_group"]
 
 BACKENDS = ("gloo", "nccl")
 
@@ -78,3 +79,58 @@ def all_max(group: dist.ProcessGroup, value: int, device: torch.device | str = "
     options.reduceOp = dist.ReduceOp.MAX
     group.allreduce([flag], options).wait()
     return int(flag.item())
+
+
+# Tensors smaller than this share a broadcast with their neighbours (one fill copy on the
+# sender); larger ones go alone, from their own memory.
+PACK_BELOW_BYTES = 1 << 20
+
+
+def broadcast_spans(
+    tensors: Sequence[tuple[int, int]], data_bytes: int, bucket_bytes: int
+) -> list[tuple[int, int]]:
+    """The data-section byte ranges [begin, end) that rank 0 broadcasts, in order; every rank
+    computes them from the file's header (tensors: each tensor's [begin, end), in data order).
+
+    A range never holds part of a large tensor together with anything else: a tensor of at
+    least PACK_BELOW_BYTES goes in bucket_bytes pieces of its own, sent from the trainer's
+    tensor and received straight into the arena, with no copy on either side. Runs of smaller
+    tensors (and any bytes between tensors) are packed into ranges of at most bucket_bytes,
+    which the sender fills into a buffer. Fixed buckets over the whole section made the
+    trainer copy every bucket that crossed a tensor boundary: 60 % of a Llama's bytes, ~70 ms
+    of a 0.26 s update of 0.48 GB on the 2-core VM.
+    """
+    pack_below = min(PACK_BELOW_BYTES, bucket_bytes)
+    spans: list[tuple[int, int]] = []
+    pack: list[int] = []  # [begin, end] of the small run being packed
+
+    def flush() -> None:
+        if pack:
+            spans.append((pack[0], pack[1]))
+            pack.clear()
+
+    def small(begin: int, end: int) -> None:
+        for piece in range(begin, end, bucket_bytes):  # one piece unless a gap is that large
+            piece_end = min(piece + bucket_bytes, end)
+            if pack and piece_end - pack[0] <= bucket_bytes:
+                pack[1] = piece_end
+            else:
+                flush()
+                pack.extend((piece, piece_end))
+
+    position = 0
+    for begin, end in sorted(tensors):
+        if begin > position:
+            small(position, begin)  # bytes between tensors travel like a small tensor
+        if end - begin < pack_below:
+            if end > begin:
+                small(begin, end)
+        else:
+            flush()
+            pieces = range(begin, end, bucket_bytes)
+            spans.extend((piece, min(piece + bucket_bytes, end)) for piece in pieces)
+        position = max(position, end)
+    if data_bytes > position:
+        small(position, data_bytes)
+    flush()
+    return spans

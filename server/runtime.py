@@ -32,7 +32,7 @@ from rollserve.server.weights import (
 from rollserve.server.weights.distributed import WeightsGroups
 from rollserve.server.weights.parallel import ParallelUpdates, check_part, feed_part
 from rollserve.server.weights.planes import DataPlane, data_plane
-from rollserve.server.weights.shared_memory import release_mappings
+from rollserve.server.weights.shared_memory import default_lanes, release_mappings
 from rollserve.server.weights.staging import Request
 from rollserve.v1 import rollout_pb2 as pb
 
@@ -78,7 +78,7 @@ class Runtime:
         self.weight_sources = frozenset(
             source for source, name in _SOURCES.items() if name in enabled
         )
-        self.shm_lanes = min(4, os.cpu_count() or 1)  # threads copying from shared memory
+        self.shm_lanes = default_lanes(os.cpu_count())  # threads copying from shared memory
         self.weight_groups = WeightsGroups(models.device)
         self.parallel_updates = ParallelUpdates(wait_s=state.config.parallel_part_wait_s)
 

@@ -508,6 +508,8 @@ def test_value_checks_take_large_finite_values_and_refuse_nan_and_infinity(dtype
     # Finite, but their sum overflows: the one-pass sum check must fall back to the exact one.
     check_values("big", torch.full((1024,), largest, dtype=dtype), rule)
     check_values("mixed", torch.tensor([largest, -largest, 1.0, 0.0], dtype=dtype), rule)
+    # Finite, but their squares overflow (the fast check is a sum of squares).
+    check_values("squares", torch.full((64,), math.sqrt(largest) * 4, dtype=dtype), rule)
     for bad in (float("nan"), float("inf"), float("-inf")):
         values = torch.zeros(4096, dtype=dtype)
         values[4095] = bad

@@ -15,6 +15,7 @@ makes a new one. The old weights keep serving either way.
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 import threading
@@ -30,7 +31,12 @@ from rollserve.client.errors import (
     RolloutError,
     Unavailable,
 )
-from rollserve.client.process_group import BACKENDS, all_max, new_process_group
+from rollserve.client.process_group import (
+    BACKENDS,
+    all_max,
+    broadcast_spans,
+    new_process_group,
+)
 from rollserve.server.weights.staging import Request, UpdateStager, iter_chunks
 from rollserve.server.weights.stream import Lane
 from rollserve.v1 import rollout_pb2 as pb
@@ -40,6 +46,8 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "WeightsGroup", "WeightsGroups"]
 _LOG = logging.getLogger(__name__)
 DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024  # best of 4, 16, 64 MiB on the 2-core VM (gloo)
 MAX_BUCKET_BYTES = 1024 * 1024 * 1024
+# Receives posted ahead of the one being checked (each a bucket of the arena, or a bounce buffer).
+_POSTED_RECEIVES = 2
 _GROUP_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _ADDRESS = re.compile(r"[A-Za-z0-9._:\[\]-]{1,255}")  # host names, IPv4, IPv6 (bracketed or not)
 MAX_WORLD_SIZE = 4096  # a trainer and its servers; far above any real deployment
@@ -159,19 +167,20 @@ def _check_init(
 
 
 class _Bounce:
-    """Two bucket buffers, allocated on first use, alternating between posted receives."""
+    """`count` bucket buffers, allocated on first use, taken in turn by posted receives."""
 
-    def __init__(self, bucket_bytes: int, device: torch.device) -> None:
+    def __init__(self, bucket_bytes: int, device: torch.device, *, count: int) -> None:
         self._bucket_bytes = bucket_bytes
         self._device = device
+        self._count = count
         self._buffers: list[torch.Tensor] = []
 
     def buffer(self, index: int, size: int) -> torch.Tensor:
-        while len(self._buffers) < 2:
+        while len(self._buffers) < self._count:
             self._buffers.append(
                 torch.empty(self._bucket_bytes, dtype=torch.uint8, device=self._device)
             )
-        return self._buffers[index % 2][:size]
+        return self._buffers[index % self._count][:size]
 
 
 def _shutdown(group: WeightsGroup) -> None:
@@ -212,10 +221,10 @@ class GroupUpdate:
         lane = stager.lane(0, stager.options.total_bytes)
         for offset, data, crc32 in iter_chunks(requests):
             lane.feed(offset, data, crc32)
-        if not stager.head_parsed:
+        if not stager.head_parsed or lane.position != lane.file_data.data_start:
             raise InvalidArgument(
-                "the stream of a distributed update must carry the file's whole head "
-                f"(it ended after {lane.position} bytes)"
+                "the stream of a distributed update must carry the file's head and nothing "
+                f"else (it carried {lane.position} bytes)"
             )
         if not self._vote(_READY):
             raise FailedPrecondition("another rank of the group refused this update")
@@ -227,16 +236,20 @@ class GroupUpdate:
             raise refusal
 
     def _receive_buckets(self, lane: Lane) -> RolloutError | None:
-        """Every broadcast of the data section, each received while the previous one is being
-        checked (gloo runs the posted receive in its own thread). Returns the first value error:
+        """Every broadcast of the data section (broadcast_spans), each checked while the next
+        _POSTED_RECEIVES are being received (gloo runs posted receives in its own threads,
+        and the trainer keeps two broadcasts in flight). Returns the first value error:
         after one, the rest of the broadcast is still taken (rank 0 and the other servers must
         not hang on a rank that stopped listening), but not kept."""
         group = self._group
+        data = lane.file_data
+        tensors = [(entry.begin, entry.end) for entry in data.entries]
+        data_bytes = lane.end - data.data_start
         spans = [
-            (position, min(self._bucket_bytes, lane.end - position))
-            for position in range(lane.position, lane.end, self._bucket_bytes)
+            (data.data_start + begin, end - begin)
+            for begin, end in broadcast_spans(tensors, data_bytes, self._bucket_bytes)
         ]
-        bounce = _Bounce(self._bucket_bytes, group.device)
+        bounce = _Bounce(self._bucket_bytes, group.device, count=_POSTED_RECEIVES + 1)
         refusal: RolloutError | None = None
 
         def post(index: int) -> tuple[dist.Work, torch.Tensor, bool]:
@@ -249,12 +262,15 @@ class GroupUpdate:
             target = direct if direct is not None else bounce.buffer(index, size)
             return group.process_group.broadcast(target, 0), target, direct is not None
 
-        posted = post(0) if spans else None
+        posted: collections.deque[tuple[dist.Work, torch.Tensor, bool]] = collections.deque()
         for index, (position, size) in enumerate(spans):
-            assert posted is not None
-            work, received, direct = posted
+            while len(posted) < _POSTED_RECEIVES and index + len(posted) < len(spans):
+                posted.append(post(index + len(posted)))
+            work, received, direct = posted.popleft()
             work.wait()
-            posted = post(index + 1) if index + 1 < len(spans) else None
+            following = index + 1 + len(posted)  # the first range not posted yet
+            if following < len(spans):
+                posted.append(post(following))
             if refusal is not None:
                 continue
             try:

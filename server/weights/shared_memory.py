@@ -30,11 +30,20 @@ from rollserve.server.weights.staging import UpdateStager
 from rollserve.server.weights.stream import Lane
 from rollserve.v1 import rollout_pb2 as pb
 
-__all__ = ["PIECE_BYTES", "receive_shared_memory", "release_mappings"]
+__all__ = ["PIECE_BYTES", "default_lanes", "receive_shared_memory", "release_mappings"]
 
-# Copied and checked per piece: small enough to stay in L2/L3 between the copy and the check.
-PIECE_BYTES = 1 << 20
+# Copied and checked per piece: small enough to stay in L3 between the copy and the check,
+# large enough that the per-piece Python is small (0.48 GB update, 2-core VM: 1 MiB pieces
+# 65 ms, 2 MiB 58, 4 MiB 57, 256 KiB 105).
+PIECE_BYTES = 2 << 20
 MAX_LANES = 4  # copying threads; memory-bound copies gain little past two per socket
+
+
+def default_lanes(cpu_count: int | None) -> int:
+    """One lane more than cores, at most MAX_LANES: while one lane checks a piece that is in the
+    cache, another's memory-bound copy takes its core (2-core VM: 3 lanes 45-53 ms for 0.48 GB,
+    2 lanes 50-58)."""
+    return max(1, min(MAX_LANES, (cpu_count or 1) + 1))
 
 
 def receive_shared_memory(

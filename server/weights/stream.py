@@ -254,6 +254,11 @@ class Lane:
         data_state.route(position, source)
         self._cursor.advance(position + len(source))
 
+    @property
+    def file_data(self) -> _Data:
+        """The parsed head (entries, where the data section starts) and the arena."""
+        return self._stager.data
+
     def destination(self, offset: int, size: int) -> torch.Tensor | None:
         """Where file bytes [offset, offset + size) of this lane go in the arena, as a writable
         uint8 tensor, when they are one run there (one segment) and the head is parsed; else

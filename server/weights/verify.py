@@ -189,15 +189,17 @@ def max_magnitude(values: torch.Tensor) -> float:
 
 
 def _sum_is_finite(values: torch.Tensor) -> bool:
-    """One pass instead of max_magnitude's two: a float32/64 sum is NaN or infinite whenever a
-    NaN or an infinity is among the values (x + inf is inf or NaN, never finite). A finite sum
-    proves them finite; a non-finite one may also be an overflow of large finite values, so
-    the caller then runs the exact check. Single-threaded numpy, for the same reason as
-    max_magnitude."""
+    """One pass instead of max_magnitude's two: a float32/64 sum of squares is NaN or infinite
+    whenever a NaN or an infinity is among the values (inf * inf is inf, NaN stays NaN, and
+    x + inf is inf or NaN, never finite). A finite sum proves them finite; a non-finite one may
+    also be an overflow of large finite values (|x| > 1.8e19 in float32), so the caller then
+    runs the exact check. The sum of squares is a BLAS dot product: 17 us per MiB in the
+    cache against 41 for np.add.reduce (2-core VM), and single-threaded at these sizes, for
+    the same reason as max_magnitude."""
     if values.dtype not in (torch.float32, torch.float64):
         return False
     flat = values.detach().contiguous().reshape(-1).numpy()
-    return bool(np.isfinite(np.add.reduce(flat)))
+    return bool(np.isfinite(np.dot(flat, flat)))
 
 
 def check_values(name: str, tensor: torch.Tensor, rule: ValueRule) -> None:
