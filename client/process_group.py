@@ -15,7 +15,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["BACKENDS", "PACK_BELOW_BYTES", "all_max", "broadcast", "broadcast_spans", "new_process_group"]
+__all__ = [
+    "BACKENDS",
+    "PACK_BELOW_BYTES",
+    "all_max",
+    "broadcast",
+    "broadcast_spans",
+    "new_process_group",
+]
 
 BACKENDS = ("gloo", "nccl")
 
