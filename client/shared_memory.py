@@ -1,10 +1,11 @@
 """Same-host weight updates: the safetensors file in a sealed memfd that the server copies from.
 
 A trainer on the server's host (colocated, the common case) writes the file into shared memory
-with one copy from its tensors (multi-threaded torch copies), and the UpdateWeights call carries
-only the header and a reference, (pid, fd). The server opens /proc/<pid>/fd/<fd>, checks the
-seals and the size, and copies the bytes into its staging arena; the verification, version and
-atomic swap are those of every other transport.
+with one copy from its tensors (numpy copies in a few threads, in file order), and the
+UpdateWeights call carries only the header, a reference, (pid, fd), and how much of the file is
+written so far (the server copies each part as soon as it is written: the two copies overlap).
+The server opens /proc/<pid>/fd/<fd>, checks the seals and the size, and copies the bytes into
+its staging arena; the verification, version and atomic swap are those of every other transport.
 
 Why a memfd sealed against shrinking and growing: a reader of a shared mapping that another
 process truncates gets SIGBUS, which would kill the server. F_SEAL_SHRINK makes the size final
@@ -34,20 +35,41 @@ _SIZE_STEP_BYTES = 2 * 1024 * 1024
 REQUIRED_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
 # Threads writing tensors into the mapping: memory-bound copies scale to about two per socket.
 _WRITE_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Tensors are written in slices of this size, in file order: the threads share a large tensor,
+# and a streamed update's server copies each slice soon after it is written.
+_WRITE_PIECE_BYTES = 8 << 20
 
 
-def _write_tensor(destination: np.ndarray, begin: int, tensor: torch.Tensor) -> int:
-    """Copy `tensor`'s elements (C order) to destination[begin:]; the bytes written."""
+def _pieces(begin: int, tensor: torch.Tensor) -> list[tuple[int, np.ndarray | torch.Tensor]]:
+    """(file offset, source) pieces that write `tensor`'s elements (C order) at `begin`: its
+    bytes in _WRITE_PIECE_BYTES slices for a CPU tensor, the whole tensor for a GPU one."""
     nbytes = tensor.numel() * tensor.element_size()
     if not nbytes:
-        return 0
+        return []
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
-        target = torch.from_numpy(destination[begin : begin + nbytes]).view(tensor.dtype)
-        target.view(tensor.shape).copy_(tensor)  # device to host, into the mapping
-        return nbytes
-    source = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-    np.copyto(destination[begin : begin + nbytes], source)
+        return [(begin, tensor)]
+    flat = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return [
+        (begin + offset, flat[offset : offset + _WRITE_PIECE_BYTES])
+        for offset in range(0, nbytes, _WRITE_PIECE_BYTES)
+    ]
+
+
+def _nbytes(source: np.ndarray | torch.Tensor) -> int:
+    if isinstance(source, np.ndarray):
+        return source.nbytes
+    return source.numel() * source.element_size()
+
+
+def _write_piece(destination: np.ndarray, begin: int, source: np.ndarray | torch.Tensor) -> int:
+    """Copy one piece to destination[begin:]; the bytes written."""
+    nbytes = _nbytes(source)
+    if isinstance(source, np.ndarray):
+        np.copyto(destination[begin : begin + nbytes], source)
+    else:
+        target = torch.from_numpy(destination[begin : begin + nbytes]).view(source.dtype)
+        target.view(source.shape).copy_(source)  # device to host, into the mapping
     return nbytes
 
 
@@ -96,13 +118,17 @@ class SharedMemoryFile:
         head: bytes,
         tensors: list[tuple[int, torch.Tensor]],
         progress: Callable[[int], None] | None = None,
+        written: Callable[[int], None] | None = None,
     ) -> None:
         """Write `head` at 0 and each (data offset, tensor) after it; size the memfd to fit.
 
         A CPU tensor is copied once, from its memory into the mapping, by numpy in `threads`
         threads (numpy releases the GIL; torch's copy would wake its OpenMP pool, whose spinning
         threads then compete with the server for the same cores); a GPU tensor is copied from
-        the device straight into the mapping. `progress(bytes_written)` after each tensor.
+        the device straight into the mapping. `progress(bytes_written)` after each tensor;
+        `written(end)` whenever the file's bytes [0, end) are final, first right after the head
+        (before any tensor is copied), last with the file's size: the streamed transport sends
+        these to the server, which copies behind the writer.
         """
         total = len(head) + sum(t.numel() * t.element_size() for _, t in tensors)
         self._reserve(total)
@@ -110,22 +136,32 @@ class SharedMemoryFile:
         destination = np.frombuffer(self._mapping, dtype=np.uint8, count=total)
         destination[: len(head)] = np.frombuffer(head, dtype=np.uint8)
         begins = [len(head) + offset for offset, _ in tensors]
-        moving = [
-            (begin, tensor)
+        pieces = [
+            piece
             for begin, (_, tensor) in zip(begins, tensors, strict=True)
             if not _lives_at(tensor, destination, begin)
+            for piece in _pieces(begin, tensor)
         ]
-        written = total - sum(t.numel() * t.element_size() for _, t in moving)
+        pieces.sort(key=lambda piece: piece[0])
+        # The end of the final prefix of the file once each piece is written.
+        prefix_ends = [begin for begin, _ in pieces[1:]] + [total]
+        done = total - sum(_nbytes(source) for _, source in pieces)
         if progress is not None:
-            progress(written)  # the head and the tensors already in place (see share)
-        if moving:
+            progress(done)  # the head and the tensors already in place (see share)
+        if written is not None:
+            written(pieces[0][0] if pieces else total)
+        if pieces:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="shm-write")
-            write = functools.partial(_write_tensor, destination)
-            for nbytes in self._pool.map(write, *zip(*moving, strict=True)):
-                written += nbytes
+            write = functools.partial(_write_piece, destination)
+            # map yields in order: after the i-th piece every byte before the next is final.
+            results = self._pool.map(write, *zip(*pieces, strict=True))
+            for nbytes, prefix_end in zip(results, prefix_ends, strict=True):
+                done += nbytes
                 if progress is not None:
-                    progress(written)
+                    progress(done)
+                if written is not None:
+                    written(prefix_end)
             del write
         del destination  # no view may outlive a write: close() unmaps
 

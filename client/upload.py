@@ -6,7 +6,8 @@ verifies, versions and swaps the same way (server/weights/). What differs is the
 * "grpc": chunks on one UpdateWeights stream, or on `streams` parallel streams over separate
   TCP connections (each carries a byte range of the file);
 * "shm": the file in a sealed memfd on the server's host (client/shared_memory.py); the call
-  carries the header only;
+  carries the header, then how much of the file is written so far: the server copies each
+  part as soon as it is written;
 * "dist": a torch.distributed broadcast to every server of a WeightsGroup (client/distributed.py);
 * "auto": "shm" when the server says it shares this host (Health.shm_host_id), else "grpc". Auto
   is the only mode that falls back: when shared memory fails before any byte is staged (the
@@ -21,6 +22,7 @@ import threading
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from queue import SimpleQueue
 from typing import Any
 
 import grpc
@@ -37,6 +39,8 @@ TRANSPORTS = ("auto", "grpc", "shm", "dist")
 MAX_STREAMS = 64
 # The server's shm refusals that mean "this data plane cannot work here", not "bad update".
 _SHM_UNREACHABLE = "shared_memory: "
+# A streamed shared-memory update tells the server about every this many more written bytes.
+_WRITTEN_STEP_BYTES = 8 << 20
 
 Progress = Callable[[int, int], None]
 StartCall = Callable[..., Any]  # a raw-bytes UpdateWeights callable (wire.update_weights_callable)
@@ -163,15 +167,25 @@ class Uploads:
         with self._shm_lock:
             if progress is not None:
                 progress(0, total_bytes)
-            self._shm.write(head, tensors, report)
-            header = pb.WeightsHeader()
-            header.CopyFrom(update.header)
-            header.shared_memory.pid = os.getpid()
-            header.shared_memory.fd = self._shm.fd
-            message = pb.UpdateWeightsRequest(header=header).SerializeToString()
-            return self._calls[0](
-                iter([message]), timeout=options.timeout_s, metadata=options.metadata
+            # Streamed: the call starts once the head is written and the server copies each
+            # part as soon as this side has written it (the two copies overlap).
+            stream = _WrittenStream(
+                self._calls[0], options, lambda: self._shm_header(update), total_bytes
             )
+            try:
+                self._shm.write(head, tensors, report, written=stream.written_to)
+            except BaseException:
+                stream.abandon()
+                raise
+            return stream.result()
+
+    def _shm_header(self, update: UpdateFile) -> bytes:
+        header = pb.WeightsHeader()
+        header.CopyFrom(update.header)
+        header.shared_memory.pid = os.getpid()
+        header.shared_memory.fd = self._shm.fd
+        header.shared_memory.streamed = True
+        return pb.UpdateWeightsRequest(header=header).SerializeToString()
 
     # ---- gRPC streams ------------------------------------------------------------------------
 
@@ -206,6 +220,47 @@ class Uploads:
             self._calls.append(call)
             self._extra_channels.append(channel)
         return self._calls[:count]
+
+
+class _WrittenStream:
+    """The UpdateWeights call of a streamed shared-memory update: the header once the file's
+    head is written, then a SharedMemoryWritten whenever another _WRITTEN_STEP_BYTES are final
+    (and at the end, with the file's size)."""
+
+    def __init__(
+        self, call: StartCall, options: CallOptions, header: Callable[[], bytes], total_bytes: int
+    ) -> None:
+        self._call = call
+        self._options = options
+        self._header = header
+        self._total_bytes = total_bytes
+        self._messages: SimpleQueue[bytes | None] = SimpleQueue()
+        self._future: grpc.Future | None = None
+        self._sent = 0
+
+    def written_to(self, end: int) -> None:
+        if self._future is None:  # the memfd is sized and the head is in it: start the call
+            self._messages.put(self._header())
+            self._future = self._call.future(
+                iter(self._messages.get, None),
+                timeout=self._options.timeout_s,
+                metadata=self._options.metadata,
+            )
+        if end == self._total_bytes or end - self._sent >= _WRITTEN_STEP_BYTES:
+            written = pb.SharedMemoryWritten(bytes=end)
+            self._messages.put(pb.UpdateWeightsRequest(shm_written=written).SerializeToString())
+            self._sent = end
+
+    def result(self) -> pb.UpdateWeightsResponse:
+        assert self._future is not None
+        self._messages.put(None)  # the end of the stream
+        return self._future.result()
+
+    def abandon(self) -> None:
+        """Writing failed: end the stream (the server refuses the short file) and the call."""
+        self._messages.put(None)
+        if self._future is not None:
+            self._future.cancel()
 
 
 def _shm_unreachable(error: grpc.RpcError) -> bool:

@@ -62,6 +62,7 @@ except ImportError:  # the optional accelerator is absent: the standard library'
 _VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
 _REQUEST_HEADER = 1 << 3 | _LEN  # UpdateWeightsRequest.header
 _REQUEST_CHUNK = 2 << 3 | _LEN  # UpdateWeightsRequest.chunk
+_REQUEST_SHM_WRITTEN = 3 << 3 | _LEN  # UpdateWeightsRequest.shm_written
 _CHUNK_OFFSET = 1 << 3 | _VARINT  # WeightsChunk.offset (uint64)
 _CHUNK_DATA = 2 << 3 | _LEN  # WeightsChunk.data (bytes)
 _CHUNK_CRC32 = 3 << 3 | _FIXED32  # WeightsChunk.crc32 (optional fixed32)
@@ -201,28 +202,34 @@ def _parse_chunk(view: memoryview, pos: int, end: int) -> WireChunk:
 
 
 def parse_update_request(message: bytes) -> pb.UpdateWeightsRequest | WireChunk | MalformedRequest:
-    """One received UpdateWeightsRequest: a header (protobuf), a WireChunk, or why it is neither.
+    """One received UpdateWeightsRequest: a header or shm_written (protobuf), a WireChunk, or why
+    it is none of them.
 
     Use as the request_deserializer of UpdateWeights on the server. Never raises.
     """
     view = memoryview(message)
     end = len(view)
+    field = "WeightsHeader"
     try:
         if end == 0:
             raise _Malformed("an empty UpdateWeightsRequest (neither header nor chunk)")
         tag, pos = _read_varint(view, 0, end)
-        if tag not in (_REQUEST_HEADER, _REQUEST_CHUNK):
+        if tag not in (_REQUEST_HEADER, _REQUEST_CHUNK, _REQUEST_SHM_WRITTEN):
             raise _Malformed(
                 f"UpdateWeightsRequest field {tag >> 3} (wire type {tag & 7}) is unknown to this "
                 "server"
             )
         length, pos = _read_length(view, pos, end)
         if pos + length != end:
-            raise _Malformed("an UpdateWeightsRequest must hold exactly one header or one chunk")
+            raise _Malformed(
+                "an UpdateWeightsRequest must hold exactly one header, chunk or shm_written"
+            )
         if tag == _REQUEST_CHUNK:
             return _parse_chunk(view, pos, end)
+        if tag == _REQUEST_SHM_WRITTEN:
+            field = "SharedMemoryWritten"
         return pb.UpdateWeightsRequest.FromString(message)  # small: protobuf's own parser
     except _Malformed as error:
         return MalformedRequest(str(error))
     except Exception as error:  # protobuf's DecodeError on a malformed header
-        return MalformedRequest(f"the WeightsHeader does not parse: {error}")
+        return MalformedRequest(f"the {field} does not parse: {error}")

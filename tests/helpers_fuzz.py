@@ -582,7 +582,7 @@ def _update_cases(
                     messages[index] + b"\x20\x01",  # a stray field after the chunk
                     b"\x12\x0b\x08" + b"\xff" * 10,  # an overlong varint offset
                     b"\x12\x03\x08\x01\x08",  # offset twice
-                    b"\x1a\x00",  # UpdateWeightsRequest field 3
+                    b"\x22\x00",  # UpdateWeightsRequest field 4
                     b"\x12\x05\x28\x01\x10\x00\x00",  # unknown WeightsChunk field 5
                 )
             )

@@ -324,6 +324,46 @@ def test_bad_shared_memory_references_are_refused(models: ModelSet, server: Roll
             os.close(fd)
 
 
+def _written(count: int) -> bytes:
+    written = pb.SharedMemoryWritten(bytes=count)
+    return pb.UpdateWeightsRequest(shm_written=written).SerializeToString()
+
+
+def test_a_streamed_shared_memory_file_must_be_written_in_full_and_in_order(
+    models: ModelSet, server: RolloutServer
+) -> None:
+    """shared_memory.streamed: the server copies what SharedMemoryWritten says is written;
+    a count that goes back or past the file, a stream that ends early, or a chunk is refused."""
+    actor = models.actor.module
+    before = state_hash(actor)
+    weights = {"model.norm.weight": torch.full((SPEC.hidden_size,), 3.0)}
+    header, data = _file_bytes(weights, version=1)
+    fd = _memfd(data, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    streamed = _shm_header(header, fd)
+    streamed.shared_memory.streamed = True
+    total = len(data)
+    try:
+        refusals = {
+            "ended when 100 of": [_written(100)],
+            "must not decrease": [_written(100), _written(50)],
+            "nor pass header.total_bytes": [_written(total + 1)],
+            "no chunk": [_written(100), b"\x12\x00"],
+            "ended when 0 of": [],
+        }
+        for match, messages in refusals.items():
+            _expect(grpc.StatusCode.INVALID_ARGUMENT, match,
+                    lambda m=messages: _raw_update(server, streamed, m))  # fmt: skip
+        # A count on an update whose bytes come as chunks is refused too.
+        _expect(grpc.StatusCode.INVALID_ARGUMENT, "shm_written belongs",
+                lambda: _raw_update(server, header, [_written(10)]))  # fmt: skip
+        assert state_hash(actor) == before
+        steps = [_written(n) for n in (8, 9, total // 2, total // 2, total)]
+        assert _raw_update(server, streamed, steps).version == 1
+        assert torch.equal(actor.state_dict()["model.norm.weight"], weights["model.norm.weight"])
+    finally:
+        os.close(fd)
+
+
 def test_a_segment_written_while_the_server_copies_never_serves_unverified_values(
     models: ModelSet, server: RolloutServer
 ) -> None:

@@ -132,11 +132,20 @@ GOOD_CHUNK = protobuf_chunk(1 << 20, b"xyz" * 5, 0xDEADBEEF).SerializeToString()
 GOOD_HEADER = pb.UpdateWeightsRequest(header=pb.WeightsHeader(version=1)).SerializeToString()
 
 
+def test_shm_written_parses_with_protobuf() -> None:
+    message = pb.UpdateWeightsRequest(shm_written=pb.SharedMemoryWritten(bytes=12345))
+    parsed = parse_update_request(message.SerializeToString())
+    assert isinstance(parsed, pb.UpdateWeightsRequest) and parsed.shm_written.bytes == 12345
+    broken = parse_update_request(b"\x1a\x02\x08\x80")  # a truncated varint inside
+    assert isinstance(broken, MalformedRequest)
+    assert "SharedMemoryWritten does not parse" in broken.reason
+
+
 @pytest.mark.parametrize(
     ("message", "reason"),
     [
         (b"", "empty"),
-        (b"\x1a\x00", "field 3"),  # an UpdateWeightsRequest field this server does not know
+        (b"\x22\x00", "field 4"),  # an UpdateWeightsRequest field this server does not know
         (b"\x10\x01", "field 2 (wire type 0)"),  # chunk with the wrong wire type
         (b"\x12\x02\x20\x01", "WeightsChunk field 4"),  # unknown field inside the chunk
         (b"\x12\x06\x08\x01\x08\x02\x12\x00", "twice"),  # repeated offset
@@ -312,7 +321,7 @@ def test_protobuf_clients_still_work_through_the_wire_parser(wire_server) -> Non
     ("corrupt", "match"),
     [
         (lambda m: [m[0], b"\x12\x02\x20\x01", *m[1:]], "WeightsChunk field 4"),
-        (lambda m: [b"\x1a\x00", *m], "malformed UpdateWeightsRequest"),
+        (lambda m: [b"\x22\x00", *m], "malformed UpdateWeightsRequest"),
         (lambda m: [m[0], m[1][:-1] + bytes([m[1][-1] ^ 1]), *m[2:]], "crc32 mismatch"),
     ],
 )

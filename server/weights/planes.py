@@ -66,7 +66,8 @@ class _Chunks(_Plane):
 
 
 class _SharedMemory(_Plane):
-    """A sealed memfd of a client on this host, copied by `lanes` threads; no chunks."""
+    """A sealed memfd of a client on this host, copied by `lanes` threads (while the client
+    still writes it, when streamed); no chunks."""
 
     name = "shm"
 
@@ -75,9 +76,7 @@ class _SharedMemory(_Plane):
         self._lanes = lanes
 
     def receive(self, stager: UpdateStager, requests: Iterator[Request]) -> None:
-        receive_shared_memory(stager, self._source, lanes=self._lanes)
-        for _ in iter_chunks(requests):
-            raise InvalidArgument("an update from shared memory carries no chunks")
+        receive_shared_memory(stager, self._source, requests, lanes=self._lanes)
 
 
 class _Broadcast(_Plane):

@@ -3,11 +3,14 @@
 The client (client/shared_memory.py) names its memfd by (pid, fd); the server opens
 /proc/<pid>/fd/<fd> read-only, refuses it unless it is sealed against shrinking (a truncation
 under a shared mapping would SIGBUS the server), and maps it. The head goes through the lane
-that starts at 0 like any chunk; the data section is split into `lanes` byte ranges copied by
-that many threads at once (numpy releases the GIL for the copy and the value checks), each
-straight from the mapping into the staging arena, in pieces that stay in the CPU cache for the
-value checks. The mapping of the last file is kept for the next update from the same file
-(_RecentMapping): a sealed memfd cannot shrink, so its pages stay valid.
+that starts at 0 like any chunk; the data section is cut into stripes that `lanes` threads take
+in file order (numpy releases the GIL for the copy and the value checks), each copied straight
+from the mapping into the staging arena, in pieces that stay in the CPU cache for the value
+checks. A *streamed* file is still being written by the client when the call starts: the
+handler thread follows its SharedMemoryWritten counts (_Written) and each piece is copied once
+the count covers it, so the client's copy and the server's overlap. The mapping of the last file
+is kept for the next update from the same file (_RecentMapping): a sealed memfd cannot shrink,
+so its pages stay valid.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import stat
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from queue import Empty, SimpleQueue
 
 import numpy as np
 from rollserve.client.errors import FailedPrecondition, InvalidArgument
 from rollserve.client.shared_memory import REQUIRED_SEALS
-from rollserve.server.weights.staging import UpdateStager
+from rollserve.server.weights.staging import Request, UpdateStager, iter_chunks, iter_shm_written
 from rollserve.server.weights.stream import Lane
 from rollserve.v1 import rollout_pb2 as pb
 
@@ -37,6 +41,10 @@ __all__ = ["PIECE_BYTES", "default_lanes", "receive_shared_memory", "release_map
 # 65 ms, 2 MiB 58, 4 MiB 57, 256 KiB 105).
 PIECE_BYTES = 2 << 20
 MAX_LANES = 4  # copying threads; memory-bound copies gain little past two per socket
+# The data section is cut into stripes that the lanes take in file order: with a streamed file,
+# the lanes copy right behind the client's writes.
+STRIPE_BYTES = 32 << 20
+MAX_STRIPES = 256
 
 
 def default_lanes(cpu_count: int | None) -> int:
@@ -49,17 +57,77 @@ def default_lanes(cpu_count: int | None) -> int:
 def receive_shared_memory(
     stager: UpdateStager,
     source: pb.SharedMemorySource,
+    requests: Iterator[Request],
     *,
     lanes: int,
 ) -> None:
-    """Copy the whole file of `source` into `stager` with `lanes` threads; verify as it lands."""
+    """Copy the whole file of `source` into `stager` with `lanes` threads; verify as it lands.
+
+    A streamed source is still being written by the client: this thread follows its
+    SharedMemoryWritten messages while the lanes copy each part once it is written."""
     total_bytes = stager.options.total_bytes
+    written = _Written(0 if source.streamed else total_bytes, total_bytes)
     with _MAPPINGS.mapping(source, total_bytes) as mapping:
         file = np.frombuffer(mapping, dtype=np.uint8, count=total_bytes)
         try:
-            _copy(stager, file, lanes)
+            _copy(stager, file, lanes, written, requests if source.streamed else None)
         finally:
             del file  # the mapping cannot close while a view of it lives
+    if not source.streamed:
+        for _ in iter_chunks(requests):
+            raise InvalidArgument("an update from shared memory carries no chunks")
+
+
+class _Written:
+    """How much of the file the client has written: everything, or (streamed) what its
+    SharedMemoryWritten messages said so far. Lanes wait here before copying a piece."""
+
+    def __init__(self, written_bytes: int, total_bytes: int) -> None:
+        self.bytes = written_bytes
+        self._total_bytes = total_bytes
+        self._changed = threading.Condition()
+        self._failure: BaseException | None = None
+
+    def wait_for(self, end: int) -> None:
+        if self.bytes >= end:  # always, unless streamed: no lock on the common path
+            return
+        with self._changed:
+            while self.bytes < end:
+                if self._failure is not None:
+                    raise InvalidArgument(f"the update failed elsewhere: {self._failure}")
+                self._changed.wait()
+
+    def advance(self, written_bytes: int) -> None:
+        if not self.bytes <= written_bytes <= self._total_bytes:
+            raise InvalidArgument(
+                f"shm_written: {written_bytes} bytes after {self.bytes}; it must not decrease "
+                f"nor pass header.total_bytes {self._total_bytes}"
+            )
+        with self._changed:
+            self.bytes = written_bytes
+            self._changed.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._changed:
+            if self._failure is None:
+                self._failure = error
+            self._changed.notify_all()
+
+    def follow(self, counts: Iterator[int] | None, until: int | None = None) -> None:
+        """Advance with the stream's SharedMemoryWritten counts (None: not streamed, all is
+        written) until `until` bytes are written, or else to the stream's end, where the last
+        must have said all."""
+        if counts is None or (until is not None and self.bytes >= until):
+            return
+        for written_bytes in counts:
+            self.advance(written_bytes)
+            if until is not None and self.bytes >= until:
+                return
+        if self.bytes != self._total_bytes:
+            raise InvalidArgument(
+                f"the stream ended when {self.bytes} of the file's {self._total_bytes} bytes "
+                "were written (the last shm_written must say header.total_bytes)"
+            )
 
 
 class _RecentMapping:
@@ -127,22 +195,47 @@ def release_mappings() -> None:
     _MAPPINGS.release()
 
 
-def _copy(stager: UpdateStager, file: np.ndarray, lanes: int) -> None:
+def _copy(
+    stager: UpdateStager,
+    file: np.ndarray,
+    threads: int,
+    written: _Written,
+    requests: Iterator[Request] | None,
+) -> None:
     total_bytes = len(file)
-    # Where the data begins, from the length prefix (the lane at 0 validates it while parsing).
-    prefix = int.from_bytes(file[:8].tobytes(), "little") if total_bytes >= 8 else 0
-    data_start = min(8 + prefix, total_bytes)
-    bounds = _split(data_start, total_bytes, min(lanes, MAX_LANES))
-    parts = [
-        stager.lane(begin, end)
-        for begin, end in zip([0, *bounds], [*bounds, total_bytes], strict=True)
-    ]
+    counts = None if requests is None else iter_shm_written(requests)
     try:
-        _feed_range(parts[0].feed, file, 0, data_start)  # the head: the arena exists after it
-        futures = [_lane_pool().submit(_feed_lane, part, file) for part in parts]
-        for future in futures:
-            future.result()
+        # Where the data begins, from the length prefix (the lane at 0 validates it).
+        written.follow(counts, until=min(8, total_bytes))
+        prefix = int.from_bytes(file[:8].tobytes(), "little") if total_bytes >= 8 else 0
+        data_start = min(8 + prefix, total_bytes)
+        written.follow(counts, until=data_start)
+        bounds = _stripes(data_start, total_bytes)
+        stripes = [
+            stager.lane(begin, end)
+            for begin, end in zip([0, *bounds], [*bounds, total_bytes], strict=True)
+        ]
+        _feed_range(stripes[0].feed, file, 0, data_start, written)  # the head: then the arena
+        queue: SimpleQueue[Lane] = SimpleQueue()
+        for stripe in stripes:
+            queue.put(stripe)
+        futures = [
+            _lane_pool().submit(_copy_stripes, queue, file, written, stager)
+            for _ in range(min(threads, MAX_LANES, len(stripes)))
+        ]
+        try:
+            written.follow(counts)  # this thread follows the writer while the lanes copy
+        except BaseException as error:
+            written.fail(error)  # wake the lanes waiting for bytes that will not come
+            stager.fail(error)
+            raise
+        finally:
+            errors = [future.exception() for future in futures]
+        for error in errors:
+            if error is not None:
+                raise error
     except BaseException as error:
+        written.fail(error)
         stager.fail(error)
         raise
 
@@ -153,27 +246,42 @@ def _lane_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(MAX_LANES, thread_name_prefix="shm-lane")
 
 
-def _feed_lane(lane: Lane, file: np.ndarray) -> None:
-    if lane.begin > 0:
-        lane.start_in_data(timeout_s=0)  # the head was parsed before this thread started
-    _feed_range(lane.feed, file, lane.position, lane.end)
+def _copy_stripes(
+    stripes: SimpleQueue[Lane], file: np.ndarray, written: _Written, stager: UpdateStager
+) -> None:
+    """Take the next stripe, in file order, until none is left (a streamed file is written in
+    order, so the lanes follow the writer)."""
+    try:
+        while True:
+            try:
+                lane = stripes.get_nowait()
+            except Empty:
+                return
+            if lane.begin > 0:
+                lane.start_in_data(timeout_s=0)  # the head was parsed before this thread started
+            _feed_range(lane.feed, file, lane.position, lane.end, written)
+    except BaseException as error:
+        written.fail(error)  # the other lanes stop waiting for the writer
+        stager.fail(error)
+        raise
 
 
-def _feed_range(feed: Callable[..., None], file: np.ndarray, begin: int, end: int) -> None:
+def _feed_range(
+    feed: Callable[..., None], file: np.ndarray, begin: int, end: int, written: _Written
+) -> None:
     for offset in range(begin, end, PIECE_BYTES):
-        feed(offset, file[offset : min(offset + PIECE_BYTES, end)])
+        piece_end = min(offset + PIECE_BYTES, end)
+        written.wait_for(piece_end)
+        feed(offset, file[offset:piece_end])
 
 
-def _split(data_start: int, total_bytes: int, lanes: int) -> list[int]:
-    """Interior boundaries that cut the data section into `lanes` near-equal, 64-byte-aligned
-    ranges (elements cut at a boundary are checked once at the end, stream.py)."""
+def _stripes(data_start: int, total_bytes: int) -> list[int]:
+    """Interior boundaries that cut the data section into 64-byte-aligned stripes of about
+    STRIPE_BYTES (at most MAX_STRIPES), which the lanes take in turn (elements cut at a
+    boundary are checked once at the end, stream.py)."""
     size = total_bytes - data_start
-    bounds = []
-    for i in range(1, lanes):
-        cut = data_start + (size * i // lanes) // 64 * 64
-        if data_start < cut < total_bytes and (not bounds or cut > bounds[-1]):
-            bounds.append(cut)
-    return bounds
+    stripe = max(STRIPE_BYTES, -(-size // MAX_STRIPES)) // 64 * 64
+    return list(range(data_start + stripe, total_bytes, stripe))
 
 
 def _open(source: pb.SharedMemorySource, total_bytes: int) -> tuple[int, os.stat_result]:

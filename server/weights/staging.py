@@ -28,6 +28,7 @@ __all__ = [
     "StagedUpdate",
     "UpdateStager",
     "iter_chunks",
+    "iter_shm_written",
     "read_header",
     "stage_chunks",
     "stage_update",
@@ -219,14 +220,30 @@ def iter_chunks(stream: Iterator[Request]) -> Iterator[tuple[int, bytes | memory
         else:
             kind = request.WhichOneof("payload")
             if kind != "chunk":
-                raise InvalidArgument(
-                    "a second header in one UpdateWeights stream"
-                    if kind == "header"
-                    else "an empty message"
-                )
+                raise InvalidArgument(_UNEXPECTED.get(kind, "an empty message"))
             chunk = request.chunk
             # upb copies `data` on every access: read it once.
             yield chunk.offset, chunk.data, chunk.crc32 if chunk.HasField("crc32") else None
+
+
+def iter_shm_written(stream: Iterator[Request]) -> Iterator[int]:
+    """SharedMemoryWritten.bytes of every remaining message, which must all be shm_written."""
+    for request in stream:
+        if isinstance(request, MalformedRequest):
+            raise InvalidArgument(f"malformed UpdateWeightsRequest: {request.reason}")
+        kind = "chunk" if type(request) is WireChunk else request.WhichOneof("payload")
+        if kind != "shm_written":
+            raise InvalidArgument(
+                "an update from a streamed shared-memory file carries shm_written messages, "
+                f"no {kind or 'empty message'}"
+            )
+        yield request.shm_written.bytes
+
+
+_UNEXPECTED = {
+    "header": "a second header in one UpdateWeights stream",
+    "shm_written": "shm_written belongs to an update from shared memory with streamed set",
+}
 
 
 def stage_chunks(stager: UpdateStager, stream: Iterator[Request]) -> StagedUpdate:

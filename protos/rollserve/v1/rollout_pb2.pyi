@@ -317,12 +317,20 @@ class WeightsHeader(_message.Message):
     def __init__(self, target: _Optional[_Union[ModelRole, str]] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., total_bytes: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., sha256: _Optional[str] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., allow_non_finite: _Optional[bool] = ..., shared_memory: _Optional[_Union[SharedMemorySource, _Mapping]] = ..., distributed: _Optional[_Union[DistributedSource, _Mapping]] = ..., parallel: _Optional[_Union[ParallelPart, _Mapping]] = ...) -> None: ...
 
 class SharedMemorySource(_message.Message):
-    __slots__ = ("pid", "fd")
+    __slots__ = ("pid", "fd", "streamed")
     PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
     pid: int
     fd: int
-    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
+    streamed: bool
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., streamed: _Optional[bool] = ...) -> None: ...
+
+class SharedMemoryWritten(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
 
 class DistributedSource(_message.Message):
     __slots__ = ("group", "bucket_bytes")
@@ -357,12 +365,14 @@ class WeightsChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "shm_written")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SHM_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     header: WeightsHeader
     chunk: WeightsChunk
-    def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., chunk: _Optional[_Union[WeightsChunk, _Mapping]] = ...) -> None: ...
+    shm_written: SharedMemoryWritten
+    def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., chunk: _Optional[_Union[WeightsChunk, _Mapping]] = ..., shm_written: _Optional[_Union[SharedMemoryWritten, _Mapping]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("target", "version", "tensors", "bytes", "seconds", "transport")
