@@ -13,8 +13,9 @@ Each round measures, one after the other:
   a config and saved to a temp dir); the clock runs from the call to the server's reply, i.e.
   until the new weights are applied (received, verified and swapped in on the engine thread).
   Lanes: grpc (one stream, 1 MiB chunks, no CRC), grpc-parallel (--streams streams), shm (the
-  client copies the tensors into its memfd), shm-shared (`client.share_weights`: the tensors
-  live in the memfd, no client copy), dist (a gloo broadcast through a WeightsGroup);
+  client copies the tensors into its memfd while the server copies behind it: two copies),
+  shm-shared (`client.share_weights`: the tensors live in the memfd, only the server's copy),
+  dist (a gloo broadcast through a WeightsGroup);
 * the grpc client pushing the same file to a drain-only gRPC server (parses each message with
   rollserve's wire parser, client/wire.py, and drops it): the ceiling that the client and gRPC
   allow, which splits the gap to raw TCP into the client's share and the server's.
