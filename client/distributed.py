@@ -32,7 +32,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from rollserve.client.errors import FailedPrecondition, InvalidArgument, Unavailable, from_rpc_error
-from rollserve.client.process_group import BACKENDS, broadcast_spans, new_process_group
+from rollserve.client.process_group import (
+    BACKENDS,
+    DEFAULT_BUCKET_BYTES,
+    broadcast_spans,
+    new_process_group,
+)
 from rollserve.client.results import UpdateResult
 from rollserve.client.weights import DEFAULT_CHUNK_BYTES, UpdateFile, WeightSpec, prepare_update
 from rollserve.v1 import rollout_pb2 as pb
@@ -42,7 +47,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "WeightsGroup", "update_through_group"]
 
-DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024  # best of 4, 16, 64 MiB on the 2-core VM (gloo)
 _READY = 0
 _VOTE_GRACE_S = 5.0  # how long a failed call's vote may still arrive
 _FOLLOWED_VOTE = "another rank of the group refused"

@@ -33,6 +33,7 @@ from rollserve.client.errors import (
 )
 from rollserve.client.process_group import (
     BACKENDS,
+    DEFAULT_BUCKET_BYTES,
     all_max,
     broadcast_spans,
     new_process_group,
@@ -44,7 +45,6 @@ from rollserve.v1 import rollout_pb2 as pb
 __all__ = ["DEFAULT_BUCKET_BYTES", "WeightsGroup", "WeightsGroups"]
 
 _LOG = logging.getLogger(__name__)
-DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024  # best of 4, 16, 64 MiB on the 2-core VM (gloo)
 MAX_BUCKET_BYTES = 1024 * 1024 * 1024
 # Receives posted ahead of the one being checked (each a bucket of the arena, or a bounce buffer).
 _POSTED_RECEIVES = 2
