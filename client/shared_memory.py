@@ -56,15 +56,9 @@ def _pieces(begin: int, tensor: torch.Tensor) -> list[tuple[int, np.ndarray | to
     ]
 
 
-def _nbytes(source: np.ndarray | torch.Tensor) -> int:
-    if isinstance(source, np.ndarray):
-        return source.nbytes
-    return source.numel() * source.element_size()
-
-
 def _write_piece(destination: np.ndarray, begin: int, source: np.ndarray | torch.Tensor) -> int:
     """Copy one piece to destination[begin:]; the bytes written."""
-    nbytes = _nbytes(source)
+    nbytes = source.nbytes  # numpy and torch alike
     if isinstance(source, np.ndarray):
         np.copyto(destination[begin : begin + nbytes], source)
     else:
@@ -125,7 +119,7 @@ class SharedMemoryFile:
         A CPU tensor is copied once, from its memory into the mapping, by numpy in `threads`
         threads (numpy releases the GIL; torch's copy would wake its OpenMP pool, whose spinning
         threads then compete with the server for the same cores); a GPU tensor is copied from
-        the device straight into the mapping. `progress(bytes_written)` after each tensor;
+        the device straight into the mapping. `progress(bytes_written)` after each piece;
         `written(end)` whenever the file's bytes [0, end) are final, first right after the head
         (before any tensor is copied), last with the file's size: the streamed transport sends
         these to the server, which copies behind the writer.
@@ -145,7 +139,7 @@ class SharedMemoryFile:
         pieces.sort(key=lambda piece: piece[0])
         # The end of the final prefix of the file once each piece is written.
         prefix_ends = [begin for begin, _ in pieces[1:]] + [total]
-        done = total - sum(_nbytes(source) for _, source in pieces)
+        done = total - sum(source.nbytes for _, source in pieces)
         if progress is not None:
             progress(done)  # the head and the tensors already in place (see share)
         if written is not None:

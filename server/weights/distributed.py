@@ -262,15 +262,12 @@ class GroupUpdate:
             target = direct if direct is not None else bounce.buffer(index, size)
             return group.process_group.broadcast(target, 0), target, direct is not None
 
-        posted: collections.deque[tuple[dist.Work, torch.Tensor, bool]] = collections.deque()
+        posted = collections.deque(post(i) for i in range(min(_POSTED_RECEIVES, len(spans))))
         for index, (position, size) in enumerate(spans):
-            while len(posted) < _POSTED_RECEIVES and index + len(posted) < len(spans):
-                posted.append(post(index + len(posted)))
             work, received, direct = posted.popleft()
             work.wait()
-            following = index + 1 + len(posted)  # the first range not posted yet
-            if following < len(spans):
-                posted.append(post(following))
+            if index + _POSTED_RECEIVES < len(spans):
+                posted.append(post(index + _POSTED_RECEIVES))
             if refusal is not None:
                 continue
             try:

@@ -66,11 +66,11 @@ def receive_shared_memory(
     A streamed source is still being written by the client: this thread follows its
     SharedMemoryWritten messages while the lanes copy each part once it is written."""
     total_bytes = stager.options.total_bytes
-    written = _Written(0 if source.streamed else total_bytes, total_bytes)
+    written = _Written(total_bytes, iter_shm_written(requests) if source.streamed else None)
     with _MAPPINGS.mapping(source, total_bytes) as mapping:
         file = np.frombuffer(mapping, dtype=np.uint8, count=total_bytes)
         try:
-            _copy(stager, file, lanes, written, requests if source.streamed else None)
+            _copy(stager, file, lanes, written)
         finally:
             del file  # the mapping cannot close while a view of it lives
     if not source.streamed:
@@ -79,12 +79,13 @@ def receive_shared_memory(
 
 
 class _Written:
-    """How much of the file the client has written: everything, or (streamed) what its
-    SharedMemoryWritten messages said so far. Lanes wait here before copying a piece."""
+    """How much of the file the client has written: everything (`counts` None), or what the
+    stream's SharedMemoryWritten `counts` said so far. Lanes wait here before copying a piece."""
 
-    def __init__(self, written_bytes: int, total_bytes: int) -> None:
-        self.bytes = written_bytes
+    def __init__(self, total_bytes: int, counts: Iterator[int] | None) -> None:
+        self.bytes = total_bytes if counts is None else 0
         self._total_bytes = total_bytes
+        self._counts = counts
         self._changed = threading.Condition()
         self._failure: BaseException | None = None
 
@@ -113,13 +114,12 @@ class _Written:
                 self._failure = error
             self._changed.notify_all()
 
-    def follow(self, counts: Iterator[int] | None, until: int | None = None) -> None:
-        """Advance with the stream's SharedMemoryWritten counts (None: not streamed, all is
-        written) until `until` bytes are written, or else to the stream's end, where the last
-        must have said all."""
-        if counts is None or (until is not None and self.bytes >= until):
+    def follow(self, until: int | None = None) -> None:
+        """Advance with the stream's counts until `until` bytes are written, or else to the
+        stream's end, where the last must have said all."""
+        if self._counts is None or (until is not None and self.bytes >= until):
             return
-        for written_bytes in counts:
+        for written_bytes in self._counts:
             self.advance(written_bytes)
             if until is not None and self.bytes >= until:
                 return
@@ -195,21 +195,14 @@ def release_mappings() -> None:
     _MAPPINGS.release()
 
 
-def _copy(
-    stager: UpdateStager,
-    file: np.ndarray,
-    threads: int,
-    written: _Written,
-    requests: Iterator[Request] | None,
-) -> None:
+def _copy(stager: UpdateStager, file: np.ndarray, threads: int, written: _Written) -> None:
     total_bytes = len(file)
-    counts = None if requests is None else iter_shm_written(requests)
     try:
         # Where the data begins, from the length prefix (the lane at 0 validates it).
-        written.follow(counts, until=min(8, total_bytes))
+        written.follow(until=min(8, total_bytes))
         prefix = int.from_bytes(file[:8].tobytes(), "little") if total_bytes >= 8 else 0
         data_start = min(8 + prefix, total_bytes)
-        written.follow(counts, until=data_start)
+        written.follow(until=data_start)
         bounds = _stripes(data_start, total_bytes)
         stripes = [
             stager.lane(begin, end)
@@ -224,10 +217,9 @@ def _copy(
             for _ in range(min(threads, MAX_LANES, len(stripes)))
         ]
         try:
-            written.follow(counts)  # this thread follows the writer while the lanes copy
+            written.follow()  # this thread follows the writer while the lanes copy
         except BaseException as error:
-            written.fail(error)  # wake the lanes waiting for bytes that will not come
-            stager.fail(error)
+            _stop(written, stager, error)  # wake the lanes waiting for bytes that will not come
             raise
         finally:
             errors = [future.exception() for future in futures]
@@ -235,9 +227,14 @@ def _copy(
             if error is not None:
                 raise error
     except BaseException as error:
-        written.fail(error)
-        stager.fail(error)
+        _stop(written, stager, error)
         raise
+
+
+def _stop(written: _Written, stager: UpdateStager, error: BaseException) -> None:
+    """The update failed: every lane stops (waiting for the writer, or at its next piece)."""
+    written.fail(error)
+    stager.fail(error)
 
 
 @functools.cache
@@ -261,8 +258,7 @@ def _copy_stripes(
                 lane.start_in_data(timeout_s=0)  # the head was parsed before this thread started
             _feed_range(lane.feed, file, lane.position, lane.end, written)
     except BaseException as error:
-        written.fail(error)  # the other lanes stop waiting for the writer
-        stager.fail(error)
+        _stop(written, stager, error)
         raise
 
 
