@@ -15,7 +15,9 @@ Each round measures, one after the other:
   Lanes: grpc (one stream, 1 MiB chunks, no CRC), grpc-parallel (--streams streams), shm (the
   client copies the tensors into its memfd while the server copies behind it: two copies),
   shm-shared (`client.share_weights`: the tensors live in the memfd, only the server's copy),
-  dist (a gloo broadcast through a WeightsGroup);
+  dist (a gloo broadcast through a WeightsGroup, from the state dict's own tensors), dist-flat
+  (the same after `WeightsGroup.flatten_weights`: the tensors live in one buffer laid out like
+  the data section, broadcast in plain bucket-sized slices);
 * the grpc client pushing the same file to a drain-only gRPC server (parses each message with
   rollserve's wire parser, client/wire.py, and drops it): the ceiling that the client and gRPC
   allow, which splits the gap to raw TCP into the client's share and the server's.
@@ -35,7 +37,8 @@ the script re-executes itself with it unless --default-malloc is given.
     python bench/bench_update_weights.py                  # ~4 minutes on 2 cores
     python bench/bench_update_weights.py --wait-quiet 1.5 # first wait for a quiet machine
     python bench/bench_update_weights.py --rounds 3 --hidden 256 --layers 4 --vocab 8192
-    python bench/bench_update_weights.py --transports shm,shm-shared,dist
+    python bench/bench_update_weights.py --transports shm,shm-shared,dist,dist-flat
+    python bench/bench_update_weights.py --transports dist --dist-lanes 1   # one gloo lane
 """
 
 from __future__ import annotations
@@ -274,13 +277,16 @@ def _drain_server(port_out: Connection) -> None:
 # ---- the client process -----------------------------------------------------------------------
 
 
-def _update_client(conn: Connection, weights_file: str, chunk_bytes: int, crc32: bool) -> None:
+def _update_client(
+    conn: Connection, weights_file: str, chunk_bytes: int, crc32: bool, bucket_bytes: int | None
+) -> None:
     """Holds the state dict; for each (target, version, lane) received, pushes it and reports.
 
     Lanes: "grpc" (one stream; also against the drain server), "grpc-parallel" (--streams
     streams), "shm" (shared memory: the client copies the tensors into its memfd),
     "shm-shared" (the trainer's tensors live in the memfd: client.share_weights; no client
-    copy), "dist" (a gloo broadcast through a WeightsGroup).
+    copy), "dist" (a gloo broadcast through a WeightsGroup), "dist-flat" (the same, the
+    trainer's tensors flattened into one buffer: WeightsGroup.flatten_weights).
     """
     from rollserve.client.client import RolloutClient
     from rollserve.client.distributed import WeightsGroup
@@ -289,10 +295,10 @@ def _update_client(conn: Connection, weights_file: str, chunk_bytes: int, crc32:
     state_dict = load_file(weights_file)
     clients: dict[str, RolloutClient] = {}
     groups: dict[str, WeightsGroup] = {}
-    shared: dict[str, dict] = {}  # "shm-shared": a state dict that lives in shared memory
+    shared: dict[str, dict] = {}  # "shm-shared", "dist-flat": a state dict that was moved
     conn.send("ready")
     while (order := conn.recv()) is not None:
-        target, version, lane, streams = order
+        target, version, lane, parallel = order  # parallel: grpc streams, or dist lanes
         client = clients.setdefault(target, RolloutClient(target, timeout_s=600.0))
         options: dict = {"chunk_bytes": chunk_bytes, "crc32": crc32}
         if lane == "shm-shared":
@@ -300,16 +306,21 @@ def _update_client(conn: Connection, weights_file: str, chunk_bytes: int, crc32:
                 shared[target] = {name: t.clone() for name, t in state_dict.items()}
                 client.share_weights(shared[target])
             options = {"transport": "shm"}
-        elif lane == "dist":
+        elif lane in ("dist", "dist-flat"):
             if target not in groups:
-                groups[target] = WeightsGroup([client], timeout_s=120.0)
+                groups[target] = WeightsGroup(
+                    [client], timeout_s=120.0, lanes=parallel, bucket_bytes=bucket_bytes
+                )
+            if lane == "dist-flat" and target not in shared:
+                shared[target] = {name: t.clone() for name, t in state_dict.items()}
+                groups[target].flatten_weights(shared[target])
             options = {"transport": "dist", "group": groups[target]}
         elif lane == "grpc-parallel":
-            options.update(transport="grpc", streams=streams)
+            options.update(transport="grpc", streams=parallel)
         else:
             options.update(transport=lane, streams=1 if lane == "grpc" else None)
         cpu_before = resource.getrusage(resource.RUSAGE_SELF)
-        weights = shared.get(target, state_dict) if lane == "shm-shared" else state_dict
+        weights = shared.get(target, state_dict)
         result = client.update_weights(weights, version=version, **options)
         cpu_after = resource.getrusage(resource.RUSAGE_SELF)
         cpu_s = (cpu_after.ru_utime - cpu_before.ru_utime) + (
@@ -339,12 +350,17 @@ class UpdateRound:
 
 
 def run_update(
-    conn: Connection, target: str, server_pid: int, version: int, lane: str, streams: int = 1
+    conn: Connection,
+    target: str,
+    server_pid: int,
+    version: int,
+    lane: str,
+    parallel: int | None = 1,
 ) -> UpdateRound:
     rss_before_kib = _read_status_kib(server_pid, "VmRSS")
     _reset_peak_rss(server_pid)
     server_cpu_before = _cpu_s(server_pid)
-    conn.send((target, version, lane, streams))
+    conn.send((target, version, lane, parallel))
     file_bytes, wall_s, server_s, client_cpu_s = conn.recv()
     server_cpu_s = _cpu_s(server_pid) - server_cpu_before
     # The server probes the new weights on its engine right after the reply (a forward pass,
@@ -383,6 +399,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help=f"comma-separated lanes, each against its own server: {', '.join(LANES)}",
     )
     parser.add_argument("--streams", type=int, default=2, help="streams of grpc-parallel")
+    parser.add_argument(
+        "--dist-lanes", type=int, help="lanes of the dist WeightsGroup (default: its default)"
+    )
+    parser.add_argument(
+        "--dist-bucket-bytes", type=int, help="bytes per broadcast at most (default: the default)"
+    )
     parser.add_argument(
         "--wait-quiet",
         type=float,
@@ -445,11 +467,12 @@ def _machine() -> str:
     )
 
 
-LANES = ("grpc", "grpc-parallel", "shm", "shm-shared", "dist")
+LANES = ("grpc", "grpc-parallel", "shm", "shm-shared", "dist", "dist-flat")
 TARGETS = {
     "shm": 1.5,
     "shm-shared": 1.5,
     "dist": 0.6,
+    "dist-flat": 0.6,
 }  # x raw TCP; grpc: x the drain-only server, 0.8
 
 
@@ -493,13 +516,14 @@ def main(argv: list[str]) -> int:
         weights_file = str(Path(tmp) / "model.safetensors")
         client = ctx.Process(
             target=_update_client,
-            args=(child_conn, weights_file, args.chunk_bytes, args.crc32),
+            args=(child_conn, weights_file, args.chunk_bytes, args.crc32, args.dist_bucket_bytes),
         )
         client.start()
 
         def update(lane: str, version: int) -> UpdateRound:
             proc, _ = servers[lane]
-            return run_update(conn, targets[lane], proc.pid, version, lane, args.streams)
+            parallel = args.dist_lanes if lane.startswith("dist") else args.streams
+            return run_update(conn, targets[lane], proc.pid, version, lane, parallel)
 
         gloo = None
         try:
@@ -517,8 +541,9 @@ def main(argv: list[str]) -> int:
 
             copy_buffers = tuple(np.full(cold[lanes[0]].file_bytes, 1, np.uint8) for _ in range(2))
             memcpy_gbps(copy_buffers)  # warm-up
-            if "dist" in lanes:
-                file_bytes = cold["dist"].file_bytes
+            dist_lanes = [lane for lane in lanes if lane.startswith("dist")]
+            if dist_lanes:
+                file_bytes = cold[dist_lanes[0]].file_bytes
                 gloo = GlooCeiling(file_bytes, GLOO_CEILING_BUCKET_BYTES, args.rounds)
             rows = []
             for index in range(args.rounds):
@@ -595,6 +620,8 @@ def _summary(args, parameters, lanes, rss_loaded_gib, cold, rows, tuned) -> dict
         "file_bytes": rows[0][lanes[0]].file_bytes if rows else 0,
         "chunk_bytes": args.chunk_bytes,
         "streams": args.streams,
+        "dist_lanes": args.dist_lanes,
+        "dist_bucket_bytes": args.dist_bucket_bytes,
         "crc32": args.crc32,
         "median_tcp_gbps": median(row["tcp"] for row in rows),
         "median_memcpy_gbps": median(row["memcpy"] for row in rows),
@@ -607,8 +634,11 @@ def _summary(args, parameters, lanes, rss_loaded_gib, cold, rows, tuned) -> dict
             {k: (v if isinstance(v, float) else asdict(v)) for k, v in row.items()} for row in rows
         ],
     }
-    if "dist" in lanes:
-        summary["median_dist_over_gloo"] = median(row["dist"].gbps / row["gloo"] for row in rows)
+    summary["median_over_gloo"] = {
+        lane: median(row[lane].gbps / row["gloo"] for row in rows)
+        for lane in lanes
+        if lane.startswith("dist")
+    }
     if "grpc" in lanes:
         summary["grpc_over_drain"] = [row["grpc"].gbps / row["drain"].gbps for row in rows]
         summary["median_grpc_over_drain"] = median(summary["grpc_over_drain"])
@@ -645,8 +675,9 @@ def _print_summary(s: dict) -> None:
         print(line)
     if s.get("median_gloo_over_tcp") is not None:
         print(
-            f"gloo broadcast alone (the dist ceiling): {s['median_gloo_over_tcp']:.3f} x raw TCP;"
-            f" dist / gloo: {s['median_dist_over_gloo']:.3f}"
+            f"gloo broadcast alone (one process group, 16 MiB buckets): "
+            f"{s['median_gloo_over_tcp']:.3f} x raw TCP; "
+            + ", ".join(f"{lane} / gloo {r:.3f}" for lane, r in s["median_over_gloo"].items())
         )
     if "median_grpc_over_drain" in s:
         print(

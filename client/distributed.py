@@ -8,7 +8,9 @@ The trainer is rank 0 and hosts the rendezvous (a TCPStore on master_address:mas
 picks a free one); every server joins through InitWeightsGroup (the admin token is needed). An
 update sends each server the header and the file's head over its UpdateWeights stream, then all
 ranks vote (an all-reduce MAX: a server that refuses, e.g. a stale version, votes 1 and nobody
-broadcasts), then rank 0 broadcasts the data section in buckets of bucket_bytes. Each server
+broadcasts), then rank 0 broadcasts the data section in ranges of at most bucket_bytes, taking
+the group's `lanes` (process groups over the one rendezvous, each its own connections) in turn
+so that several broadcasts move at once (gloo runs one per connection). Each server
 verifies what it received and swaps exactly as for any other transport; each reply comes back
 over gRPC. Backends: gloo (CPU tensors; any server) and nccl (CUDA tensors; servers on a GPU).
 
@@ -19,12 +21,14 @@ then broken, every member drops it, and the trainer makes a new one.
 from __future__ import annotations
 
 import bisect
+import collections
 import datetime
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -32,11 +36,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from rollserve.client.errors import FailedPrecondition, InvalidArgument, Unavailable, from_rpc_error
+from rollserve.client.flat_weights import data_section_run, flatten_weights
 from rollserve.client.process_group import (
     BACKENDS,
+    CONTIGUOUS_BUCKET_BYTES,
     DEFAULT_BUCKET_BYTES,
+    MAX_LANES,
     broadcast_spans,
-    new_process_group,
+    default_lanes,
+    new_process_groups,
 )
 from rollserve.client.results import UpdateResult
 from rollserve.client.weights import DEFAULT_CHUNK_BYTES, UpdateFile, WeightSpec, prepare_update
@@ -48,6 +56,8 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_BUCKET_BYTES", "WeightsGroup", "update_through_group"]
 
 _READY = 0
+# Broadcasts in flight per lane while the next is filled (the servers post as many receives).
+_IN_FLIGHT_PER_LANE = 2
 _VOTE_GRACE_S = 5.0  # how long a failed call's vote may still arrive
 _FOLLOWED_VOTE = "another rank of the group refused"
 
@@ -64,18 +74,23 @@ class WeightsGroup:
         master_port: int = 0,
         backend: str = "gloo",
         timeout_s: float = 60.0,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
+        lanes: int | None = None,
     ) -> None:
         if not clients:
             raise InvalidArgument("clients: a group needs at least one server")
         if backend not in BACKENDS:
             raise InvalidArgument(f"backend: one of {', '.join(BACKENDS)}, got {backend!r}")
-        if not 0 < bucket_bytes <= 1024 * 1024 * 1024:
+        if bucket_bytes is not None and not 0 < bucket_bytes <= 1024 * 1024 * 1024:
             raise InvalidArgument(f"bucket_bytes: 1 to 1 GiB, got {bucket_bytes}")
+        lanes = default_lanes(backend) if lanes is None else lanes
+        if not 1 <= lanes <= MAX_LANES:
+            raise InvalidArgument(f"lanes: 1 to {MAX_LANES}, got {lanes}")
         self.name = name or f"rollserve-{uuid.uuid4().hex[:12]}"
         self.clients = tuple(clients)
         self.backend = backend
         self.bucket_bytes = bucket_bytes
+        self.lanes = lanes
         self.device = torch.device("cuda" if backend == "nccl" else "cpu")
         self._timeout_s = timeout_s
         self._broken = False
@@ -89,9 +104,11 @@ class WeightsGroup:
             wait_for_workers=False,
         )
         self._store = store
-        self._group = self._rendezvous(master_address, store)
+        self._process_groups = self._rendezvous(master_address, store)
 
-    def _rendezvous(self, master_address: str, store: dist.TCPStore) -> dist.ProcessGroup:
+    def _rendezvous(
+        self, master_address: str, store: dist.TCPStore
+    ) -> tuple[dist.ProcessGroup, ...]:
         world_size = len(self.clients) + 1
         # Every rank blocks in the rendezvous until all joined: the servers' calls and this
         # process's own join run at once; a server that refuses fails the group at once.
@@ -107,13 +124,14 @@ class WeightsGroup:
                     rank=rank,
                     backend=self.backend,
                     timeout_s=self._timeout_s,
+                    lanes=self.lanes,
                 ),
                 self._timeout_s + 10.0,
             )
             for rank, client in enumerate(self.clients, start=1)
         ]
         own = pool.submit(
-            new_process_group,
+            new_process_groups,
             group=self.name,
             master_address=master_address,
             master_port=store.port,
@@ -121,6 +139,7 @@ class WeightsGroup:
             rank=0,
             backend=self.backend,
             timeout_s=self._timeout_s,
+            lanes=self.lanes,
             store=store,
         )
         pool.shutdown(wait=False)
@@ -162,10 +181,11 @@ class WeightsGroup:
             if self._broken:
                 raise FailedPrecondition(f"weights group {self.name!r} is broken; make a new one")
             started_s = time.monotonic()
-            calls = self._start_calls(update, timeout_s, request_id)
+            plan = _BroadcastPlan.of(update, self.device, self.bucket_bytes)
+            calls = self._start_calls(update, plan, timeout_s, request_id)
             try:
                 if self._vote(calls):
-                    self._broadcast(update, progress)
+                    self._broadcast(plan, progress)
             except Exception as error:
                 self._broken = True
                 for call in calls:
@@ -176,15 +196,21 @@ class WeightsGroup:
         return [UpdateResult.from_proto(reply, wall_s=wall_s) for reply in replies]
 
     def _start_calls(
-        self, update: UpdateFile, timeout_s: float | None, request_id: str | None
+        self,
+        update: UpdateFile,
+        plan: _BroadcastPlan,
+        timeout_s: float | None,
+        request_id: str | None,
     ) -> list[grpc.Future]:
         header = pb.WeightsHeader()
         header.CopyFrom(update.header)
         header.distributed.group = self.name
-        header.distributed.bucket_bytes = self.bucket_bytes
-        head_bytes = len(update.layout()[0])
+        header.distributed.bucket_bytes = plan.bucket_bytes
+        header.distributed.contiguous = plan.run is not None
         return [
-            client._start_update(update.messages(header, 0, head_bytes), timeout_s, request_id)
+            client._start_update(
+                update.messages(header, 0, plan.head_bytes), timeout_s, request_id
+            )  # fmt: skip
             for client in self.clients
         ]
 
@@ -193,7 +219,7 @@ class WeightsGroup:
         flag = torch.tensor([_READY], dtype=torch.int64, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MAX
-        work = self._group.allreduce([flag], options)
+        work = self._process_groups[0].allreduce([flag], options)
         deadline = time.monotonic() + self._timeout_s
         while not work.is_completed():
             # A server that refuses votes first and then fails its call, so a failed call may
@@ -209,30 +235,40 @@ class WeightsGroup:
         work.wait()
         return int(flag.item()) == _READY
 
-    def _broadcast(self, update: UpdateFile, progress: Callable[[int, int], None] | None) -> None:
-        """The data section in broadcasts of at most bucket_bytes, each sent while the next is
-        filled (broadcast_spans: the servers post their receives with the same ranges).
+    def _broadcast(self, plan: _BroadcastPlan, progress: Callable[[int, int], None] | None) -> None:
+        """The data section in broadcasts of at most bucket_bytes (broadcast_spans: the servers
+        post their receives with the same ranges), broadcast i over lane i % lanes, with up to
+        two per lane in flight while the next is filled.
 
-        A range that lies inside one host tensor is sent from the tensor's own memory; a pack
-        of small tensors (or a GPU tensor's bytes under gloo) is filled into one of two
-        alternating buffers first.
+        A slice of a flattened data section (plan.run), or a range that lies inside one host
+        tensor, is sent from the trainer's own memory; a pack of small tensors (or a GPU
+        tensor's bytes under gloo) is filled into one of the fill buffers first (one per
+        broadcast in flight, and the one being filled).
         """
-        head, specs = update.layout()
-        data_bytes = specs[-1].end if specs else 0
-        sources = [_as_bytes(update.state_dict[spec.name], self.device) for spec in specs]
+        specs, sources = plan.specs, plan.sources
         ends = [spec.end for spec in specs]
-        buffers = _Buffers(self.bucket_bytes, self.device)
-        in_flight: tuple[dist.Work, int] | None = None
-        tensors = [(spec.begin, spec.end) for spec in specs]
-        spans = broadcast_spans(tensors, data_bytes, self.bucket_bytes)
-        for index, (begin, end) in enumerate(spans):
-            bucket = _bucket(specs, sources, ends, begin, end, buffers.buffer(index), self.device)
-            work = self._group.broadcast(bucket, 0)
-            if in_flight is not None:
-                _finish(in_flight, progress, len(head), update.total_bytes)
-            in_flight = (work, end)
-        if in_flight is not None:
-            _finish(in_flight, progress, len(head), update.total_bytes)
+        lanes = self._process_groups
+        most_in_flight = _IN_FLIGHT_PER_LANE * len(lanes)
+        buffers = _Buffers(plan.bucket_bytes, self.device, count=most_in_flight + 1)
+        in_flight: collections.deque[tuple[dist.Work, int]] = collections.deque()
+        for index, (begin, end) in enumerate(plan.spans):
+            if plan.run is not None:
+                bucket = plan.run[begin:end]
+            else:
+                fill = buffers.buffer(index)
+                bucket = _bucket(specs, sources, ends, begin, end, fill, self.device)
+            in_flight.append((lanes[index % len(lanes)].broadcast(bucket, 0), end))
+            if len(in_flight) > most_in_flight:
+                _finish(in_flight.popleft(), progress, plan.head_bytes, plan.total_bytes)
+        while in_flight:
+            _finish(in_flight.popleft(), progress, plan.head_bytes, plan.total_bytes)
+
+    def flatten_weights(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module) -> None:
+        """Make the weights live in one buffer laid out like the update's data section
+        (flat_weights.py): later updates of them broadcast plain slices of it, with no copy and
+        the fewest broadcasts. Call once, before training; see flatten_weights for tied
+        weights."""
+        flatten_weights(weights)
 
     def close(self) -> None:
         """Every server leaves the group (errors ignored: a dead server left already)."""
@@ -241,10 +277,11 @@ class WeightsGroup:
                 client._destroy_weights_group(self.name, 10.0)
             except Exception:
                 pass
-        try:
-            self._group.shutdown()
-        except Exception:
-            pass
+        for process_group in self._process_groups:
+            try:
+                process_group.shutdown()
+            except Exception:
+                pass
 
     def __enter__(self) -> WeightsGroup:
         return self
@@ -253,21 +290,51 @@ class WeightsGroup:
         self.close()
 
 
-class _Buffers:
-    """Two fill buffers, allocated on first use, alternating between broadcasts in flight."""
+@dataclass(frozen=True)
+class _BroadcastPlan:
+    """What one update broadcasts: the tensors' bytes in file order and the ranges (spans)."""
 
-    def __init__(self, bucket_bytes: int, device: torch.device) -> None:
+    head_bytes: int
+    total_bytes: int
+    bucket_bytes: int
+    specs: list[WeightSpec]
+    sources: list[torch.Tensor]  # each tensor's bytes, flat uint8, on the group's device if GPU
+    run: torch.Tensor | None  # the whole data section as one run of the trainer's memory
+    spans: list[tuple[int, int]]
+
+    @classmethod
+    def of(
+        cls, update: UpdateFile, device: torch.device, bucket_bytes: int | None
+    ) -> _BroadcastPlan:
+        head, specs = update.layout()
+        data_bytes = specs[-1].end if specs else 0
+        sources = [_as_bytes(update.state_dict[spec.name], device) for spec in specs]
+        run = data_section_run(sources, specs, data_bytes)
+        if run is not None and run.device != device:
+            run = None  # a GPU trainer's weights under gloo: copied to the host in buckets
+        if bucket_bytes is None:
+            bucket_bytes = DEFAULT_BUCKET_BYTES if run is None else CONTIGUOUS_BUCKET_BYTES
+        tensors = [(spec.begin, spec.end) for spec in specs]
+        spans = broadcast_spans(tensors, data_bytes, bucket_bytes, contiguous=run is not None)
+        return cls(len(head), update.total_bytes, bucket_bytes, specs, sources, run, spans)
+
+
+class _Buffers:
+    """`count` fill buffers, allocated on first use, taken in turn by the broadcasts."""
+
+    def __init__(self, bucket_bytes: int, device: torch.device, *, count: int) -> None:
         self._bucket_bytes = bucket_bytes
         self._device = device
+        self._count = count
         self._buffers: list[torch.Tensor] = []
 
     def buffer(self, index: int) -> Callable[[], torch.Tensor]:
         def get() -> torch.Tensor:
-            while len(self._buffers) < 2:
+            while len(self._buffers) < self._count:
                 self._buffers.append(
                     torch.empty(self._bucket_bytes, dtype=torch.uint8, device=self._device)
                 )
-            return self._buffers[index % 2]
+            return self._buffers[index % self._count]
 
         return get
 

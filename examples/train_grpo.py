@@ -130,9 +130,14 @@ class WeightPusher:
         self._group = WeightsGroup([client]) if config.transport == "dist" else None
         if self._group is not None:
             self._options = {"transport": "dist", "group": self._group}
+        self._flattened: torch.nn.Module | None = None
 
     def push(self, policy: torch.nn.Module, version: int) -> int:
         """Send the policy as `version`; the version the server now serves."""
+        if self._group is not None and self._flattened is not policy:
+            # One buffer laid out like the update file: each broadcast is a plain slice of it.
+            self._group.flatten_weights(policy)
+            self._flattened = policy
         return self._client.update_weights(
             policy.state_dict(), version=version, **self._options
         ).version

@@ -65,3 +65,11 @@ def test_random_layouts_tile_and_never_mix_a_large_tensor(seed: int) -> None:
         for tensor_begin, tensor_end in large:
             if begin < tensor_end and tensor_begin < end:  # overlaps a large tensor: inside it
                 assert tensor_begin <= begin and end <= tensor_end
+
+
+def test_a_contiguous_sender_broadcasts_plain_bucket_slices_across_tensors() -> None:
+    tensors = [(0, 100), (100, 300 + 9 * MIB), (300 + 9 * MIB, 400 + 9 * MIB)]
+    spans = broadcast_spans(tensors, 400 + 9 * MIB, 4 * MIB, contiguous=True)
+    assert spans == [(0, 4 * MIB), (4 * MIB, 8 * MIB), (8 * MIB, 400 + 9 * MIB)]
+    _check_tiling(spans, 400 + 9 * MIB, 4 * MIB)
+    assert broadcast_spans([], 0, MIB, contiguous=True) == []

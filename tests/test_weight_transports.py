@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import itertools
 import mmap
 import os
 import threading
@@ -47,7 +48,9 @@ PROMPTS = [[1, 72, 101, 108, 108], [1, 50, 51]]
 EXPERIENCE = dict(max_new_tokens=6, temperature=1.0, seed=3, rewards=["exact_match"],
                   gt_answers=["a", "b"], algorithm={"whitening": "none"})  # fmt: skip
 WAIT_S = 30.0
-TRANSPORTS = ["grpc", "grpc-parallel", "shm", "dist"]
+# "dist-flat": a WeightsGroup of 3 lanes broadcasting weights flattened into one run (contiguous
+# spans); "dist": 2 lanes (the default), ranges that follow the tensors.
+TRANSPORTS = ["grpc", "grpc-parallel", "shm", "dist", "dist-flat"]
 LORA_MODULE = "model.layers.0.self_attn.q_proj"
 
 Send = Callable[..., object]
@@ -82,12 +85,18 @@ def client(server: RolloutServer) -> Iterator[RolloutClient]:
 
 @contextmanager
 def sender(client: RolloutClient, transport: str) -> Iterator[Send]:
-    """client.update_weights bound to one transport (a WeightsGroup for "dist")."""
-    if transport == "dist":
-        with WeightsGroup([client], timeout_s=WAIT_S, bucket_bytes=256 * KIB) as group:
-            yield lambda weights, **options: client.update_weights(
-                weights, transport="dist", group=group, **options
-            )
+    """client.update_weights bound to one transport (a WeightsGroup for "dist", "dist-flat")."""
+    if transport in ("dist", "dist-flat"):
+        flat = transport == "dist-flat"
+        lanes = 3 if flat else None
+        with WeightsGroup([client], timeout_s=WAIT_S, bucket_bytes=256 * KIB, lanes=lanes) as group:
+
+            def send(weights: dict[str, torch.Tensor], **options: object) -> object:
+                if flat:
+                    group.flatten_weights(weights)
+                return client.update_weights(weights, transport="dist", group=group, **options)
+
+            yield send
         return
     if transport == "grpc-parallel":
         yield lambda weights, **options: client.update_weights(
@@ -129,7 +138,7 @@ def test_an_update_lands_bit_exact_versioned_and_scores_like_the_trainer(
             assert (result.version, result.tensors) == (version, len(weights))
             assert state_hash(actor) == state_hash(trainer)
             assert progress[-1] == (result.bytes, result.bytes)
-    assert result.transport == transport
+    assert result.transport == transport.removesuffix("-flat")
     experience = client.make_experience(PROMPTS, **EXPERIENCE)
     assert experience.policy_version.tolist() == [2, 2]
     assert_logprobs_match(experience, trainer)
@@ -442,3 +451,43 @@ def test_shared_weights_are_sent_without_a_copy_and_stay_trainable(
         result = client.update_weights(trainer, version=version, transport="shm")
         assert (result.version, result.transport) == (version, "shm")
         assert state_hash(actor) == state_hash(trainer)
+
+
+def test_flattened_weights_are_broadcast_in_plain_slices_over_every_lane(
+    models: ModelSet, client: RolloutClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer that flattened its weights (WeightsGroup.flatten_weights) sends the header with
+    DistributedSource.contiguous, and the server cuts the data section the same way; a
+    trainer that did not sends the ranges that follow the tensors. Both land bit for bit."""
+    actor = models.actor.module
+    sent_headers: list[pb.WeightsHeader] = []
+    start_update = client._start_update
+
+    def recording(messages, timeout_s, request_id):  # type: ignore[no-untyped-def]
+        messages = iter(messages)
+        first = next(messages)
+        sent_headers.append(pb.UpdateWeightsRequest.FromString(first).header)
+        return start_update(itertools.chain([first], messages), timeout_s, request_id)
+
+    monkeypatch.setattr(client, "_start_update", recording)
+    trainer = copy.deepcopy(actor).requires_grad_(True)
+    with WeightsGroup([client], timeout_s=WAIT_S, bucket_bytes=64 * KIB, lanes=4) as group:
+        assert group.lanes == 4
+        client.update_weights(perturbed(actor, seed=1), version=1, group=group)
+        group.flatten_weights(trainer)
+        optimizer = torch.optim.SGD(trainer.parameters(), lr=0.1)
+        for version in (2, 3):
+            optimizer.zero_grad()
+            trainer(torch.tensor([[1, 5, 9, 13]])).logits.square().mean().backward()
+            optimizer.step()  # trains in the flat buffer
+            result = client.update_weights(trainer, version=version, group=group)
+            assert (result.version, result.transport) == (version, "dist")
+            assert state_hash(actor) == state_hash(trainer)
+    assert [h.distributed.contiguous for h in sent_headers] == [False, True, True]
+    assert {h.distributed.bucket_bytes for h in sent_headers} == {64 * KIB}
+
+
+def test_weights_group_lanes_are_checked(client: RolloutClient) -> None:
+    for lanes in (0, 9):
+        with pytest.raises(InvalidArgument, match="lanes"):
+            WeightsGroup([client], timeout_s=WAIT_S, lanes=lanes)

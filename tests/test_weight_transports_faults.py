@@ -170,6 +170,8 @@ def test_weights_group_settings_are_checked(server: RolloutServer) -> None:
             ({"backend": "mpi"}, grpc.StatusCode.INVALID_ARGUMENT, "backend"),
             ({"backend": "nccl"}, grpc.StatusCode.FAILED_PRECONDITION, "nccl"),
             ({"timeout_s": -1.0}, grpc.StatusCode.INVALID_ARGUMENT, "timeout_s"),
+            ({"lanes": 9}, grpc.StatusCode.INVALID_ARGUMENT, "lanes"),
+            ({"lanes": -1}, grpc.StatusCode.INVALID_ARGUMENT, "lanes"),
             ({}, grpc.StatusCode.UNAVAILABLE, "rendezvous"),  # nobody listens at the master
         ]
         for change, code, word in cases:

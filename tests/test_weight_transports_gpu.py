@@ -66,7 +66,12 @@ def test_nccl_broadcast_from_the_trainers_gpu(actor_dir: Path) -> None:
             torch.cuda.set_device(0)
             with WeightsGroup([client], backend="nccl") as group:
                 result = client.update_weights(weights, version=1, group=group)
-        assert (result.version, result.transport) == (1, "dist")
+                assert (result.version, result.transport) == (1, "dist")
+                # Flattened on the GPU (like FSDP's flat parameters): plain slices of one run.
+                weights = {name: tensor * 2 for name, tensor in weights.items()}
+                group.flatten_weights(weights)
+                result = client.update_weights(weights, version=2, group=group)
+        assert (result.version, result.transport) == (2, "dist")
         served = server.state.models.actor.module.state_dict()
         for name, tensor in weights.items():
             assert torch.equal(served[name].cpu(), tensor.cpu()), name

@@ -325,3 +325,26 @@ def test_a_good_header_parses_in_data_order() -> None:
         ("first", torch.int64, ()),
         ("w", torch.float32, (2, 2)),
     ]
+
+
+def test_a_lane_that_took_exactly_the_head_receives_the_data_in_place() -> None:
+    """A broadcast posts receives for the data section right after the head arrived: from then
+    on `destination` hands out arena memory (no bounce buffer, no copy), and `commit` checks."""
+    state_dict = {"a": torch.randn(64), "b": torch.randn(8, 4)}
+    blob = safetensors.torch.save(state_dict)
+    checks = Collect()
+    stager = SafetensorsStager(len(blob), checks, max_header_bytes=1 << 20)
+    lane = stager.lane(0, len(blob))
+    data_start = 8 + int.from_bytes(blob[:8], "little")
+    assert lane.destination(data_start, 16) is None  # nothing known before the head
+    lane.feed(0, blob[:data_start])
+    data_bytes = len(blob) - data_start
+    first = lane.destination(data_start, data_bytes // 2)
+    second = lane.destination(data_start + data_bytes // 2, data_bytes - data_bytes // 2)
+    assert first is not None and second is not None  # both posted before the first commit
+    for target, begin in ((first, data_start), (second, data_start + data_bytes // 2)):
+        target.copy_(torch.frombuffer(bytearray(blob[begin : begin + target.numel()]),
+                                      dtype=torch.uint8))  # fmt: skip
+        lane.commit(target.numel())
+    assert_same(dict(stager.finish().tensors), state_dict)
+    assert sorted(checks.names) == ["a", "b"]

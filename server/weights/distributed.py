@@ -4,9 +4,10 @@ InitWeightsGroup joins this server to a trainer's process group (client/process_
 UpdateWeights stream naming a DistributedSource carries the header and the file's head (the JSON
 header) as chunks; the server checks the version and the head against its model, then every
 rank votes (an all-reduce MAX of 0 = ready, 1 = refused) so that nobody starts a broadcast a
-server will not take; then rank 0 broadcasts the data section in buckets, each received into
-one bucket buffer here and copied into the staging arena as a lane of the same stager as every
-other transport (verified as it lands). One broadcast updates every server of the group.
+server will not take; then rank 0 broadcasts the data section in ranges that follow the tensors
+(broadcast_spans), each received straight into the staging arena (a lane of the same stager as
+every other transport; verified as it lands) and taking the group's lanes (process groups over
+one rendezvous) in turn. One broadcast updates every server of the group.
 
 A failure after the vote (a member died, a timeout) leaves the group's collectives out of step,
 so the group is dropped: the next update naming it gets FAILED_PRECONDITION until the trainer
@@ -34,9 +35,10 @@ from rollserve.client.errors import (
 from rollserve.client.process_group import (
     BACKENDS,
     DEFAULT_BUCKET_BYTES,
+    MAX_LANES,
     all_max,
     broadcast_spans,
-    new_process_group,
+    new_process_groups,
 )
 from rollserve.server.weights.staging import Request, UpdateStager, iter_chunks
 from rollserve.server.weights.stream import Lane
@@ -46,8 +48,9 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "WeightsGroup", "WeightsGroups"]
 
 _LOG = logging.getLogger(__name__)
 MAX_BUCKET_BYTES = 1024 * 1024 * 1024
-# Receives posted ahead of the one being checked (each a bucket of the arena, or a bounce buffer).
-_POSTED_RECEIVES = 2
+# Receives posted ahead of the one being checked, per lane (each a range of the arena, or a
+# bounce buffer).
+_POSTED_PER_LANE = 2
 _GROUP_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _ADDRESS = re.compile(r"[A-Za-z0-9._:\[\]-]{1,255}")  # host names, IPv4, IPv6 (bracketed or not)
 MAX_WORLD_SIZE = 4096  # a trainer and its servers; far above any real deployment
@@ -56,14 +59,20 @@ _READY, _REFUSED = 0, 1
 
 @dataclass
 class WeightsGroup:
-    """A process group this server joined, as rank `rank` of `world_size`."""
+    """A process group this server joined, as rank `rank` of `world_size`, in `lanes` process
+    groups (client/process_group.py: new_process_groups)."""
 
     name: str
     backend: str
     device: torch.device
-    process_group: dist.ProcessGroup
+    process_groups: tuple[dist.ProcessGroup, ...]  # the lanes
     rank: int
     world_size: int
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """Lane 0: the vote's."""
+        return self.process_groups[0]
 
 
 class WeightsGroups:
@@ -76,13 +85,13 @@ class WeightsGroups:
 
     def init(self, request: pb.InitWeightsGroupRequest) -> pb.InitWeightsGroupResponse:
         """Join the trainer's group; blocks until every rank joined (or the timeout)."""
-        name, backend, timeout_s = _check_init(request, self._device)
+        name, backend, timeout_s, lanes = _check_init(request, self._device)
         with self._lock:
             if name in self._groups:
                 raise FailedPrecondition(f"group: {name!r} exists; DestroyWeightsGroup it first")
             self._groups[name] = None  # type: ignore[assignment]  # reserved while joining
         try:
-            process_group = new_process_group(
+            process_groups = new_process_groups(
                 group=name,
                 master_address=request.master_address,
                 master_port=request.master_port,
@@ -90,18 +99,21 @@ class WeightsGroups:
                 rank=request.rank,
                 backend=backend,
                 timeout_s=timeout_s,
+                lanes=lanes,
             )
         except Exception as error:
             with self._lock:
                 del self._groups[name]
             raise Unavailable(f"group {name!r}: rendezvous failed: {error}") from None
         device = self._device if backend == "nccl" else torch.device("cpu")
-        group = WeightsGroup(name, backend, device, process_group, request.rank, request.world_size)
+        group = WeightsGroup(
+            name, backend, device, process_groups, request.rank, request.world_size
+        )
         with self._lock:
             self._groups[name] = group
-        _LOG.info("joined weights group %s (%s, rank %d of %d)", name, backend, group.rank,
-                  group.world_size)  # fmt: skip
-        return pb.InitWeightsGroupResponse(backend=backend, device=str(device))
+        _LOG.info("joined weights group %s (%s, rank %d of %d, %d lanes)", name, backend,
+                  group.rank, group.world_size, lanes)  # fmt: skip
+        return pb.InitWeightsGroupResponse(backend=backend, device=str(device), lanes=lanes)
 
     def destroy(self, name: str) -> None:
         with self._lock:
@@ -142,7 +154,7 @@ class _NotFound(RolloutError):
 
 def _check_init(
     request: pb.InitWeightsGroupRequest, device: torch.device
-) -> tuple[str, str, float]:
+) -> tuple[str, str, float, int]:
     if not _GROUP_NAME.fullmatch(request.group):
         raise InvalidArgument("group: 1 to 64 characters of [A-Za-z0-9._-]")
     if not _ADDRESS.fullmatch(request.master_address):
@@ -163,7 +175,10 @@ def _check_init(
     timeout_s = request.timeout_s or 60.0
     if not 0 < timeout_s <= 3600:
         raise InvalidArgument(f"timeout_s: 0 (60 s) or up to 3600, got {request.timeout_s}")
-    return request.group, backend, timeout_s
+    lanes = request.lanes or 1
+    if not 1 <= lanes <= MAX_LANES:
+        raise InvalidArgument(f"lanes: 0 (1) or 1 to {MAX_LANES}, got {request.lanes}")
+    return request.group, backend, timeout_s, lanes
 
 
 class _Bounce:
@@ -184,10 +199,11 @@ class _Bounce:
 
 
 def _shutdown(group: WeightsGroup) -> None:
-    try:
-        group.process_group.shutdown()
-    except Exception:  # a group whose peer died may refuse even this; it is dropped anyway
-        _LOG.debug("shutting down weights group %s failed", group.name, exc_info=True)
+    for process_group in group.process_groups:
+        try:
+            process_group.shutdown()
+        except Exception:  # a group whose peer died may refuse even this; it is dropped anyway
+            _LOG.debug("shutting down weights group %s failed", group.name, exc_info=True)
 
 
 class GroupUpdate:
@@ -207,6 +223,7 @@ class GroupUpdate:
                 f"header.distributed.bucket_bytes: up to {MAX_BUCKET_BYTES}, got {bucket_bytes}"
             )
         self._bucket_bytes = bucket_bytes
+        self._contiguous = source.contiguous
         self._voted = False
 
     def __enter__(self) -> GroupUpdate:
@@ -236,9 +253,10 @@ class GroupUpdate:
             raise refusal
 
     def _receive_buckets(self, lane: Lane) -> RolloutError | None:
-        """Every broadcast of the data section (broadcast_spans), each checked while the next
-        _POSTED_RECEIVES are being received (gloo runs posted receives in its own threads,
-        and the trainer keeps two broadcasts in flight). Returns the first value error:
+        """Every broadcast of the data section (broadcast_spans; broadcast i over lane
+        i % lanes), each checked while the next _POSTED_PER_LANE x lanes are being received
+        (gloo runs posted receives in its own threads, and the trainer keeps as many
+        broadcasts in flight). Returns the first value error:
         after one, the rest of the broadcast is still taken (rank 0 and the other servers must
         not hang on a rank that stopped listening), but not kept."""
         group = self._group
@@ -247,9 +265,13 @@ class GroupUpdate:
         data_bytes = lane.end - data.data_start
         spans = [
             (data.data_start + begin, end - begin)
-            for begin, end in broadcast_spans(tensors, data_bytes, self._bucket_bytes)
+            for begin, end in broadcast_spans(
+                tensors, data_bytes, self._bucket_bytes, contiguous=self._contiguous
+            )
         ]
-        bounce = _Bounce(self._bucket_bytes, group.device, count=_POSTED_RECEIVES + 1)
+        lanes = group.process_groups
+        ahead = _POSTED_PER_LANE * len(lanes)
+        bounce = _Bounce(self._bucket_bytes, group.device, count=ahead + 1)
         refusal: RolloutError | None = None
 
         def post(index: int) -> tuple[dist.Work, torch.Tensor, bool]:
@@ -260,14 +282,15 @@ class GroupUpdate:
             if group.device.type == "cpu" and refusal is None:
                 direct = lane.destination(position, size)
             target = direct if direct is not None else bounce.buffer(index, size)
-            return group.process_group.broadcast(target, 0), target, direct is not None
+            work = lanes[index % len(lanes)].broadcast(target, 0)
+            return work, target, direct is not None
 
-        posted = collections.deque(post(i) for i in range(min(_POSTED_RECEIVES, len(spans))))
+        posted = collections.deque(post(i) for i in range(min(ahead, len(spans))))
         for index, (position, size) in enumerate(spans):
             work, received, direct = posted.popleft()
             work.wait()
-            if index + _POSTED_RECEIVES < len(spans):
-                posted.append(post(index + _POSTED_RECEIVES))
+            if index + ahead < len(spans):
+                posted.append(post(index + ahead))
             if refusal is not None:
                 continue
             try:

@@ -239,6 +239,11 @@ class Lane:
         self.position += size
         if self._cursor is None:  # the head is not parsed yet: only the lane at 0 is here
             source = self._stager.take_head(source)
+            if self._stager.head_parsed:
+                # Now, not with the first data byte: a broadcast receives the data section
+                # through `destination`, which needs the cursor (else every receive posted
+                # before the first commit took a bounce buffer and a copy).
+                self._cursor = self._stager.cursor(self)
             if not len(source):
                 if self.complete and self._stager.total_bytes != self.end:
                     error = InvalidArgument(
@@ -248,7 +253,7 @@ class Lane:
                     self._stager.fail(error)
                     raise error
                 return
-            self._cursor = self._stager.cursor(self)
+        assert self._cursor is not None  # bytes past the head: the head was parsed
         data_state = self._stager.data
         position = self.position - len(source) - data_state.data_start
         data_state.route(position, source)

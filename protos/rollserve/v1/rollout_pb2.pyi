@@ -333,12 +333,14 @@ class SharedMemoryWritten(_message.Message):
     def __init__(self, bytes: _Optional[int] = ...) -> None: ...
 
 class DistributedSource(_message.Message):
-    __slots__ = ("group", "bucket_bytes")
+    __slots__ = ("group", "bucket_bytes", "contiguous")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONTIGUOUS_FIELD_NUMBER: _ClassVar[int]
     group: str
     bucket_bytes: int
-    def __init__(self, group: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+    contiguous: bool
+    def __init__(self, group: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., contiguous: _Optional[bool] = ...) -> None: ...
 
 class ParallelPart(_message.Message):
     __slots__ = ("update_id", "streams", "index", "begin", "end")
@@ -391,7 +393,7 @@ class UpdateWeightsResponse(_message.Message):
     def __init__(self, target: _Optional[_Union[ModelRole, str]] = ..., version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class InitWeightsGroupRequest(_message.Message):
-    __slots__ = ("group", "master_address", "master_port", "world_size", "rank", "backend", "timeout_s")
+    __slots__ = ("group", "master_address", "master_port", "world_size", "rank", "backend", "timeout_s", "lanes")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +401,7 @@ class InitWeightsGroupRequest(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
     group: str
     master_address: str
     master_port: int
@@ -406,15 +409,18 @@ class InitWeightsGroupRequest(_message.Message):
     rank: int
     backend: str
     timeout_s: float
-    def __init__(self, group: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    lanes: int
+    def __init__(self, group: _Optional[str] = ..., master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., lanes: _Optional[int] = ...) -> None: ...
 
 class InitWeightsGroupResponse(_message.Message):
-    __slots__ = ("backend", "device")
+    __slots__ = ("backend", "device", "lanes")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
     backend: str
     device: str
-    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    lanes: int
+    def __init__(self, backend: _Optional[str] = ..., device: _Optional[str] = ..., lanes: _Optional[int] = ...) -> None: ...
 
 class DestroyWeightsGroupRequest(_message.Message):
     __slots__ = ("group",)

@@ -1,0 +1,68 @@
+"""flatten_weights / data_section_run: a trainer's weights as one run laid out like the data
+section, which WeightsGroup broadcasts in plain slices (DistributedSource.contiguous)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollserve.client.errors import InvalidArgument
+from rollserve.client.flat_weights import data_section_run, flatten_weights
+from rollserve.client.weights import safetensors_header
+
+
+def _module() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(50, 16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32)
+    ).to(torch.float32)
+
+
+def _run(state_dict: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    _, specs = safetensors_header(state_dict)
+    sources = [state_dict[spec.name].detach().reshape(-1).view(torch.uint8) for spec in specs]
+    return data_section_run(sources, specs, specs[-1].end)
+
+
+def test_a_flattened_module_is_one_run_and_keeps_training() -> None:
+    module = _module()
+    before = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    parameters = list(module.parameters())
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    assert _run(module.state_dict()) is None  # separate allocations
+    flatten_weights(module)
+    state_dict = module.state_dict()
+    for name, tensor in state_dict.items():
+        assert torch.equal(tensor, before[name])
+    assert list(module.parameters()) == parameters  # the same Parameters, moved
+    run = _run(state_dict)
+    assert run is not None
+    _, specs = safetensors_header(state_dict)
+    for spec in specs:  # the run is the data section of the update file, byte for byte
+        expected = state_dict[spec.name].reshape(-1).view(torch.uint8)
+        assert torch.equal(run[spec.begin : spec.end], expected)
+    # The optimizer writes into the run: the next update sends the new values without a copy.
+    module(torch.tensor([1, 2])).sum().backward()
+    optimizer.step()
+    weight = module[1].weight
+    assert not torch.equal(weight, before["1.weight"])
+    spec = next(spec for spec in specs if spec.name == "1.weight")
+    assert torch.equal(run[spec.begin : spec.end], weight.detach().reshape(-1).view(torch.uint8))
+
+
+def test_a_tensor_moved_out_or_tied_breaks_the_run() -> None:
+    module = _module()
+    flatten_weights(module)
+    assert _run(module.state_dict()) is not None
+    module[1].bias.data = module[1].bias.data.clone()  # lives elsewhere now
+    assert _run(module.state_dict()) is None
+    shared = torch.ones(8)
+    tied = {"a": shared, "b": shared, "c": torch.zeros(4)}
+    flatten_weights(tied)  # one tensor cannot sit at two offsets
+    assert _run(tied) is None
+    assert torch.equal(tied["a"], torch.ones(8)) and torch.equal(tied["c"], torch.zeros(4))
+
+
+def test_tensors_on_two_devices_are_refused() -> None:
+    with pytest.raises(InvalidArgument, match="devices"):
+        flatten_weights({"a": torch.ones(2), "b": torch.ones(2, device="meta")})
+    flatten_weights({})  # nothing to do
