@@ -144,7 +144,13 @@ def test_parallel_parts_that_go_wrong_fail_every_part_and_change_nothing(
     assert state_hash(actor) == before
     with RolloutClient(server.address, timeout_s=WAIT_S) as client:
         assert client.health().policy_version == 0
-    good = _send_parts(server.address, _parts(weights, 1, ranges, "good"))
+    head_bytes = len(prepare_update(weights, target="actor", version=1, mode="full").layout()[0])
+    inside_head = [(0, head_bytes - 8), (head_bytes - 8, ranges[1][1]), ranges[2]]
+    cut_head = _send_parts(server.address, _parts(weights, 1, inside_head, "inside-head"))
+    assert _codes(cut_head) == {grpc.StatusCode.INVALID_ARGUMENT}, cut_head
+    # Part 0 must hold at least the head: exactly the head is enough.
+    just_head = [(0, head_bytes), (head_bytes, ranges[1][1]), ranges[2]]
+    good = _send_parts(server.address, _parts(weights, 1, just_head, "good"))
     assert _codes(good) == {grpc.StatusCode.OK} and {r.version for r in good} == {1}
     assert {r.transport for r in good} == {"grpc-parallel"}
     expected = copy.deepcopy(actor)

@@ -245,7 +245,7 @@ class Lane:
                 # before the first commit took a bounce buffer and a copy).
                 self._cursor = self._stager.cursor(self)
             if not len(source):
-                if self.complete and self._stager.total_bytes != self.end:
+                if self.complete and not self._stager.head_parsed:
                     error = InvalidArgument(
                         f"part 0 ends at {self.end}, inside the file's head: it must hold the "
                         "whole head (the 8-byte length and the JSON header)"
