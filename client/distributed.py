@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import collections
 import datetime
+import functools
 import threading
 import time
 import uuid
@@ -42,6 +43,7 @@ from rollserve.client.process_group import (
     CONTIGUOUS_BUCKET_BYTES,
     DEFAULT_BUCKET_BYTES,
     MAX_LANES,
+    BucketBuffers,
     broadcast_spans,
     default_lanes,
     new_process_groups,
@@ -249,13 +251,13 @@ class WeightsGroup:
         ends = [spec.end for spec in specs]
         lanes = self._process_groups
         most_in_flight = _IN_FLIGHT_PER_LANE * len(lanes)
-        buffers = _Buffers(plan.bucket_bytes, self.device, count=most_in_flight + 1)
+        buffers = BucketBuffers(plan.bucket_bytes, self.device, count=most_in_flight + 1)
         in_flight: collections.deque[tuple[dist.Work, int]] = collections.deque()
         for index, (begin, end) in enumerate(plan.spans):
             if plan.run is not None:
                 bucket = plan.run[begin:end]
             else:
-                fill = buffers.buffer(index)
+                fill = functools.partial(buffers.take, index)  # only a pack fills one
                 bucket = _bucket(specs, sources, ends, begin, end, fill, self.device)
             in_flight.append((lanes[index % len(lanes)].broadcast(bucket, 0), end))
             if len(in_flight) > most_in_flight:
@@ -317,26 +319,6 @@ class _BroadcastPlan:
         tensors = [(spec.begin, spec.end) for spec in specs]
         spans = broadcast_spans(tensors, data_bytes, bucket_bytes, contiguous=run is not None)
         return cls(len(head), update.total_bytes, bucket_bytes, specs, sources, run, spans)
-
-
-class _Buffers:
-    """`count` fill buffers, allocated on first use, taken in turn by the broadcasts."""
-
-    def __init__(self, bucket_bytes: int, device: torch.device, *, count: int) -> None:
-        self._bucket_bytes = bucket_bytes
-        self._device = device
-        self._count = count
-        self._buffers: list[torch.Tensor] = []
-
-    def buffer(self, index: int) -> Callable[[], torch.Tensor]:
-        def get() -> torch.Tensor:
-            while len(self._buffers) < self._count:
-                self._buffers.append(
-                    torch.empty(self._bucket_bytes, dtype=torch.uint8, device=self._device)
-                )
-            return self._buffers[index % self._count]
-
-        return get
 
 
 def _bucket(

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 __all__ = [
     "BACKENDS",
+    "BucketBuffers",
     "CONTIGUOUS_BUCKET_BYTES",
     "DEFAULT_BUCKET_BYTES",
     "MAX_LANES",
@@ -215,3 +216,22 @@ def broadcast_spans(
         small(position, data_bytes)
     flush()
     return spans
+
+
+class BucketBuffers:
+    """`count` buffers of bucket_bytes taken in turn by the broadcasts in flight (index i gets
+    buffer i % count), each allocated when first taken: the trainer's fill buffers for packed
+    ranges, a server's bounce buffers for receives that cannot land in its arena."""
+
+    def __init__(self, bucket_bytes: int, device: torch.device, *, count: int) -> None:
+        self._bucket_bytes = bucket_bytes
+        self._device = device
+        self._buffers: list[torch.Tensor | None] = [None] * count
+
+    def take(self, index: int) -> torch.Tensor:
+        slot = index % len(self._buffers)
+        buffer = self._buffers[slot]
+        if buffer is None:
+            buffer = torch.empty(self._bucket_bytes, dtype=torch.uint8, device=self._device)
+            self._buffers[slot] = buffer
+        return buffer

@@ -327,13 +327,16 @@ def test_a_good_header_parses_in_data_order() -> None:
     ]
 
 
-def test_a_lane_that_took_exactly_the_head_receives_the_data_in_place() -> None:
+@pytest.mark.parametrize("sha256", ["none", "right", "wrong"])
+def test_a_lane_that_took_exactly_the_head_receives_the_data_in_place(sha256: str) -> None:
     """A broadcast posts receives for the data section right after the head arrived: from then
-    on `destination` hands out arena memory (no bounce buffer, no copy), and `commit` checks."""
+    on `destination` hands out arena memory (no bounce buffer, no copy), and `commit` checks
+    the values and hashes what landed."""
     state_dict = {"a": torch.randn(64), "b": torch.randn(8, 4)}
     blob = safetensors.torch.save(state_dict)
     checks = Collect()
-    stager = SafetensorsStager(len(blob), checks, max_header_bytes=1 << 20)
+    digest = {"none": None, "right": hashlib.sha256(blob).hexdigest(), "wrong": "0" * 64}[sha256]
+    stager = SafetensorsStager(len(blob), checks, max_header_bytes=1 << 20, sha256_hex=digest)
     lane = stager.lane(0, len(blob))
     data_start = 8 + int.from_bytes(blob[:8], "little")
     assert lane.destination(data_start, 16) is None  # nothing known before the head
@@ -346,5 +349,9 @@ def test_a_lane_that_took_exactly_the_head_receives_the_data_in_place() -> None:
         target.copy_(torch.frombuffer(bytearray(blob[begin : begin + target.numel()]),
                                       dtype=torch.uint8))  # fmt: skip
         lane.commit(target.numel())
-    assert_same(dict(stager.finish().tensors), state_dict)
     assert sorted(checks.names) == ["a", "b"]
+    if sha256 == "wrong":
+        with pytest.raises(InvalidArgument, match="sha256"):
+            stager.finish()
+        return
+    assert_same(dict(stager.finish().tensors), state_dict)

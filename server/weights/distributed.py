@@ -36,6 +36,7 @@ from rollserve.client.process_group import (
     BACKENDS,
     DEFAULT_BUCKET_BYTES,
     MAX_LANES,
+    BucketBuffers,
     all_max,
     broadcast_spans,
     new_process_groups,
@@ -181,23 +182,6 @@ def _check_init(
     return request.group, backend, timeout_s, lanes
 
 
-class _Bounce:
-    """`count` bucket buffers, allocated on first use, taken in turn by posted receives."""
-
-    def __init__(self, bucket_bytes: int, device: torch.device, *, count: int) -> None:
-        self._bucket_bytes = bucket_bytes
-        self._device = device
-        self._count = count
-        self._buffers: list[torch.Tensor] = []
-
-    def buffer(self, index: int, size: int) -> torch.Tensor:
-        while len(self._buffers) < self._count:
-            self._buffers.append(
-                torch.empty(self._bucket_bytes, dtype=torch.uint8, device=self._device)
-            )
-        return self._buffers[index % self._count][:size]
-
-
 def _shutdown(group: WeightsGroup) -> None:
     for process_group in group.process_groups:
         try:
@@ -271,7 +255,7 @@ class GroupUpdate:
         ]
         lanes = group.process_groups
         ahead = _POSTED_PER_LANE * len(lanes)
-        bounce = _Bounce(self._bucket_bytes, group.device, count=ahead + 1)
+        bounce = BucketBuffers(self._bucket_bytes, group.device, count=ahead + 1)
         refusal: RolloutError | None = None
 
         def post(index: int) -> tuple[dist.Work, torch.Tensor, bool]:
@@ -281,7 +265,7 @@ class GroupUpdate:
             direct = None
             if group.device.type == "cpu" and refusal is None:
                 direct = lane.destination(position, size)
-            target = direct if direct is not None else bounce.buffer(index, size)
+            target = direct if direct is not None else bounce.take(index)[:size]
             work = lanes[index % len(lanes)].broadcast(target, 0)
             return work, target, direct is not None
 

@@ -273,7 +273,7 @@ class Lane:
         For data planes that can receive straight into memory (a broadcast): write the bytes
         there, then `commit(size)` in order; that skips the copy `feed` makes.
         """
-        if self._cursor is None or self._digest is not None or size <= 0:
+        if self._cursor is None or size <= 0:
             return None
         if offset < self.position or offset + size > self.end:
             return None
@@ -281,11 +281,17 @@ class Lane:
         return data.run(offset - data.data_start, size)
 
     def commit(self, size: int) -> None:
-        """The `size` bytes at `destination(size)` were written: check them and move on."""
+        """The `size` bytes at `destination(position, size)` were written: hash them (when the
+        SHA-256 is checked: the digest covers what landed), check them, move on."""
         self._stager.check_open()
+        data = self._stager.data
+        if self._digest is not None:
+            landed = data.run(self.position - data.data_start, size)
+            assert landed is not None, "commit only what destination handed out"
+            self._digest.update(landed.numpy())
         self.position += size
         assert self._cursor is not None
-        self._cursor.advance(self.position - self._stager.data.data_start)
+        self._cursor.advance(self.position - data.data_start)
 
     def start_in_data(self, timeout_s: float | None) -> None:
         """For a lane that does not begin at 0: wait for the head, check the range's place."""
