@@ -1,6 +1,7 @@
 """WeightsGroup: one torch.distributed broadcast updates every rollout server of the group.
 
     group = WeightsGroup([client_a, client_b], master_address="10.0.0.5")  # this host's address
+    group.flatten_weights(policy)  # optional, once: one buffer, broadcast in plain 32 MiB slices
     group.update_weights(policy.state_dict(), version=step)                 # one broadcast
     group.close()
 
