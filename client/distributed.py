@@ -313,7 +313,7 @@ class _BroadcastPlan:
         data_bytes = specs[-1].end if specs else 0
         sources = [_as_bytes(update.state_dict[spec.name], device) for spec in specs]
         run = data_section_run(sources, specs, data_bytes)
-        if run is not None and run.device != device:
+        if run is not None and run.device.type != device.type:
             run = None  # a GPU trainer's weights under gloo: copied to the host in buckets
         if bucket_bytes is None:
             bucket_bytes = DEFAULT_BUCKET_BYTES if run is None else CONTIGUOUS_BUCKET_BYTES
@@ -336,7 +336,7 @@ def _bucket(
     first = bisect.bisect_right(ends, begin)
     spec = specs[first]
     inside = spec.begin <= begin and end <= spec.end
-    if inside and sources[first].device == device:
+    if inside and sources[first].device.type == device.type:
         return sources[first][begin - spec.begin : end - spec.begin]  # the tensor's own memory
     bucket = fill_buffer()[: end - begin]
     index, position = first, begin
