@@ -66,7 +66,12 @@ _FOLLOWED_VOTE = "another rank of the group refused"
 
 
 class WeightsGroup:
-    """This trainer (rank 0) and the servers of `clients` (ranks 1..N) in one process group."""
+    """This trainer (rank 0) and the servers of `clients` (ranks 1..N) in one process group.
+
+    bucket_bytes: bytes per broadcast at most (default 8 MiB for ranges that follow the tensors,
+    32 MiB for flattened weights); lanes: process groups the broadcasts take in turn (default 2
+    for gloo, 1 for NCCL; up to MAX_LANES).
+    """
 
     def __init__(
         self,
