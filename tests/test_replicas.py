@@ -155,8 +155,10 @@ def test_update_fans_out_to_every_replica(servers: list[str]) -> None:
 def test_one_broadcast_updates_every_replica(servers: list[str]) -> None:
     version = _next_version(servers)
     with ReplicatedRolloutClient(servers, timeout_s=WAIT_S) as replicas:
-        with replicas.weights_group(timeout_s=WAIT_S) as group:
+        # 64-byte broadcasts: the 256-byte tensor takes both lanes (the default for gloo) twice.
+        with replicas.weights_group(timeout_s=WAIT_S, bucket_bytes=64) as group:
             assert len(group.clients) == len(servers)  # ranks 1 and 2; the trainer is rank 0
+            assert group.lanes == 2
             results = replicas.update_weights(
                 _norm(0.25), version=version, mode="partial", group=group
             )
