@@ -62,6 +62,11 @@ _READY = 0
 # Broadcasts in flight per lane while the next is filled (the servers post as many receives).
 _IN_FLIGHT_PER_LANE = 2
 _VOTE_GRACE_S = 5.0  # how long a failed call's vote may still arrive
+_REPLY_POLL_S = 0.05
+_LOST_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS,
+})  # fmt: skip
 _FOLLOWED_VOTE = "another rank of the group refused"
 
 
@@ -191,17 +196,31 @@ class WeightsGroup:
             started_s = time.monotonic()
             plan = _BroadcastPlan.of(update, self.device, self.bucket_bytes)
             calls = self._start_calls(update, plan, timeout_s, request_id)
-            try:
-                if self._vote(calls):
-                    self._broadcast(plan, progress)
-            except Exception as error:
-                self._broken = True
+            failure = self._vote_and_broadcast(calls, plan, progress)
+            if failure is not None:
+                # Outside the except block: its traceback no longer holds the broadcast's
+                # frames, so _break can drop the last references to the lanes.
                 for call in calls:
                     call.cancel()
-                raise Unavailable(f"weights group {self.name!r}: {error}") from None
-            replies = _replies(calls)
+                self._break()
+                raise Unavailable(f"weights group {self.name!r}: {failure}")
+            replies = self._replies(calls)
         wall_s = time.monotonic() - started_s
         return [UpdateResult.from_proto(reply, wall_s=wall_s) for reply in replies]
+
+    def _vote_and_broadcast(
+        self,
+        calls: list[grpc.Future],
+        plan: _BroadcastPlan,
+        progress: Callable[[int, int], None] | None,
+    ) -> str | None:
+        """The vote, then the broadcast if every rank is ready; why they failed, else None."""
+        try:
+            if self._vote(calls):
+                self._broadcast(plan, progress)
+        except Exception as error:
+            return str(error)
+        return None
 
     def _start_calls(
         self,
@@ -285,11 +304,55 @@ class WeightsGroup:
                 client._destroy_weights_group(self.name, 10.0)
             except Exception:
                 pass
-        for process_group in self._process_groups:
+        self._close_lanes()
+
+    def _break(self) -> None:
+        """The collectives are out of step: no more updates through this group, and its lanes
+        closed now, so that a server still waiting in a broadcast fails at once (its peer's
+        connection closed) instead of at the group's timeout, holding its update lock."""
+        self._broken = True
+        self._close_lanes()
+
+    def _close_lanes(self) -> None:
+        # Gloo closes its connections only when a process group is destroyed (shutdown and
+        # abort leave them open: a peer waiting in a broadcast then waits for its timeout),
+        # so drop the references too.
+        lanes, self._process_groups = self._process_groups, ()
+        for process_group in lanes:
             try:
                 process_group.shutdown()
             except Exception:
                 pass
+
+    def _replies(self, calls: list[grpc.Future]) -> list[pb.UpdateWeightsResponse]:
+        """Every server's reply; else the error of the server that refused or failed first (not
+        the "another rank refused" of the servers that only followed the vote).
+
+        A server that died or dropped the group (its call ends UNAVAILABLE, or in another
+        transport-level status) can leave the others waiting in a broadcast that will never
+        complete (gloo's broadcast is a tree: ranks forward to ranks): the group is broken at
+        once (`_break`), not after the others time out.
+        """
+        finished = threading.Event()
+        for call in calls:
+            call.add_done_callback(lambda _: finished.set())
+        while not all(call.done() for call in calls):
+            finished.wait(_REPLY_POLL_S)
+            finished.clear()
+            if not self._broken and any(_member_lost(call) for call in calls if call.done()):
+                self._break()
+        replies, errors = [], []
+        for call in calls:
+            try:
+                replies.append(call.result())
+            except grpc.RpcError as error:
+                errors.append(from_rpc_error(error))
+        if errors:
+            if any(_member_lost(call) for call in calls) and not self._broken:
+                self._break()
+            errors.sort(key=lambda error: _FOLLOWED_VOTE in str(error))
+            raise errors[0]
+        return replies
 
     def __enter__(self) -> WeightsGroup:
         return self
@@ -386,19 +449,12 @@ def _copy_bytes(destination: torch.Tensor, source: torch.Tensor) -> None:
         destination.copy_(source)
 
 
-def _replies(calls: list[grpc.Future]) -> list[pb.UpdateWeightsResponse]:
-    """Every server's reply; else the error of the server that refused or failed first (not
-    the "another rank refused" of the servers that only followed the vote)."""
-    replies, errors = [], []
-    for call in calls:
-        try:
-            replies.append(call.result())
-        except grpc.RpcError as error:
-            errors.append(from_rpc_error(error))
-    if errors:
-        errors.sort(key=lambda error: _FOLLOWED_VOTE in str(error))
-        raise errors[0]
-    return replies
+def _member_lost(call: grpc.Future) -> bool:
+    """Whether a finished call says its server left the group's collectives (died, timed out,
+    dropped the group), as opposed to a deliberate refusal that kept it in step (a stale
+    version before the vote, a bad value after the whole broadcast was taken)."""
+    error = call.exception()
+    return isinstance(error, grpc.RpcError) and error.code() in _LOST_CODES
 
 
 def update_through_group(

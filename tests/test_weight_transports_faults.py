@@ -23,7 +23,7 @@ from helpers_server import start_server_process
 from helpers_weights import perturbed, state_hash
 from rollserve.client import RolloutClient
 from rollserve.client.distributed import WeightsGroup
-from rollserve.client.errors import FailedPrecondition
+from rollserve.client.errors import FailedPrecondition, Unavailable
 from rollserve.client.weights import prepare_update
 from rollserve.client.wire import update_weights_callable
 from rollserve.server.app import RolloutServer
@@ -286,6 +286,47 @@ def test_processes_shared_memory_and_a_trainer_killed_mid_broadcast(actor_dir: P
             assert torch.equal(_greedy_log_probs(client), before)  # the original weights again
     finally:
         assert proc.terminate_and_wait() == 0, proc.log_text()
+
+
+def test_a_server_killed_mid_broadcast_frees_the_other_servers_at_once(actor_dir: Path) -> None:
+    """One broadcast to two server processes; one is killed midway. The trainer's update fails
+    (UNAVAILABLE) and it closes its lanes, so the other server's receives fail at once instead
+    of after the group's 60 s timeout: it keeps its old weights and takes the next update."""
+    from safetensors.torch import load_file
+
+    weights_file = actor_dir / "model.safetensors"
+    survivor, survivor_port = start_server_process("--device", "cpu", "--actor", str(actor_dir))
+    victim, victim_port = start_server_process("--device", "cpu", "--actor", str(actor_dir))
+    try:
+        with (
+            RolloutClient(f"127.0.0.1:{survivor_port}", timeout_s=WAIT_S) as kept,
+            RolloutClient(f"127.0.0.1:{victim_port}", timeout_s=WAIT_S) as lost,
+        ):
+            before = _greedy_log_probs(kept)
+            weights = {name: tensor + 0.5 for name, tensor in load_file(weights_file).items()}
+            group = WeightsGroup([kept, lost], timeout_s=60, bucket_bytes=64 * 1024)
+
+            def progress(sent: int, total: int) -> None:
+                if sent > total // 3 and victim.poll() is None:
+                    victim.send_signal(signal.SIGKILL)
+                    victim.wait(timeout=WAIT_S)
+
+            started = time.monotonic()
+            with pytest.raises(Unavailable, match="broken|failed|closed|reset|Connection"):
+                group.update_weights(weights, version=1, progress=progress)
+            assert kept.health().policy_version == 0
+            assert torch.equal(_greedy_log_probs(kept), before)
+            result = kept.update_weights(weights, version=1, transport="grpc")
+            assert time.monotonic() - started < 30.0  # not the group's 60 s timeout
+            assert result.version == 1
+            assert not torch.equal(_greedy_log_probs(kept), before)
+            with pytest.raises(FailedPrecondition, match="broken"):
+                group.update_weights(weights, version=2)
+            group.close()
+    finally:
+        victim.kill()
+        victim.wait()
+        assert survivor.terminate_and_wait() == 0, survivor.log_text()
 
 
 _UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM"]

@@ -183,7 +183,10 @@ def _check_init(
 
 
 def _shutdown(group: WeightsGroup) -> None:
-    for process_group in group.process_groups:
+    # Gloo closes its connections only when a process group is destroyed (shutdown and abort
+    # leave them open), so the group lets go of its lanes too.
+    lanes, group.process_groups = group.process_groups, ()
+    for process_group in lanes:
         try:
             process_group.shutdown()
         except Exception:  # a group whose peer died may refuse even this; it is dropped anyway
@@ -229,10 +232,13 @@ class GroupUpdate:
             )
         if not self._vote(_READY):
             raise FailedPrecondition("another rank of the group refused this update")
+        failure, refusal = None, None
         try:
             refusal = self._receive_buckets(lane)
         except Exception as error:
-            raise self._out_of_step("the broadcast", error) from None
+            failure = str(error)
+        if failure is not None:  # outside the except block: see _out_of_step
+            raise self._out_of_step("the broadcast", failure)
         if refusal is not None:
             raise refusal
 
@@ -288,13 +294,20 @@ class GroupUpdate:
 
     def _vote(self, vote: int) -> bool:
         self._voted = True
+        failure = None
         try:
             return all_max(self._group.process_group, vote, self._group.device) == _READY
         except Exception as error:
-            raise self._out_of_step("the vote before the broadcast", error) from None
+            failure = str(error)
+        raise self._out_of_step("the vote before the broadcast", failure)
 
-    def _out_of_step(self, what: str, error: Exception) -> Unavailable:
-        """A failed collective (a rank died, a timeout): drop the group; the status to raise."""
+    def _out_of_step(self, what: str, error: str) -> Unavailable:
+        """A failed collective (a rank died, a timeout): drop the group; the status to raise.
+
+        Called outside the except block of the failure, whose traceback would keep the
+        receiving frames, and with them the lanes, alive: dropping the group destroys its
+        process groups, and only that closes gloo's connections, so the other ranks fail at
+        once instead of waiting for their timeout."""
         self._groups.drop(self._group)
         return Unavailable(
             f"group {self._group.name!r}: {what} failed ({error}); the group is dropped, make a "
