@@ -386,7 +386,10 @@ class _BroadcastPlan:
         if bucket_bytes is None:
             bucket_bytes = DEFAULT_BUCKET_BYTES if run is None else CONTIGUOUS_BUCKET_BYTES
         tensors = [(spec.begin, spec.end) for spec in specs]
-        spans = broadcast_spans(tensors, data_bytes, bucket_bytes, contiguous=run is not None)
+        try:
+            spans = broadcast_spans(tensors, data_bytes, bucket_bytes, contiguous=run is not None)
+        except ValueError as error:
+            raise InvalidArgument(f"bucket_bytes: {error}") from None
         return cls(len(head), update.total_bytes, bucket_bytes, specs, sources, run, spans)
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "BucketBuffers",
     "CONTIGUOUS_BUCKET_BYTES",
     "DEFAULT_BUCKET_BYTES",
+    "MAX_BROADCASTS",
     "MAX_LANES",
     "PACK_BELOW_BYTES",
     "all_max",
@@ -149,6 +150,10 @@ def all_max(group: dist.ProcessGroup, value: int, device: torch.device | str = "
 DEFAULT_BUCKET_BYTES = 8 * 1024 * 1024
 # Bytes per broadcast at most when the sender's data section is one run (contiguous spans).
 CONTIGUOUS_BUCKET_BYTES = 32 * 1024 * 1024
+# Broadcasts per update at most: each costs a fixed ~0.1 ms or more, and both sides list them
+# first, so a tiny bucket_bytes for a large file (1 byte: 5e8 broadcasts for 0.5 GB) is refused
+# rather than taken for minutes and GBs. 140 GB in 1 MiB buckets is 1.3e5.
+MAX_BROADCASTS = 1 << 18
 # Tensors smaller than this share a broadcast with their neighbours (one fill copy on the
 # sender); larger ones go alone, from their own memory.
 PACK_BELOW_BYTES = 1 << 20
@@ -177,6 +182,11 @@ def broadcast_spans(
     the ranges are plain bucket_bytes slices of it: no copy on either side, and the fewest,
     largest broadcasts (gloo pays a fixed cost per broadcast).
     """
+    if data_bytes // bucket_bytes > MAX_BROADCASTS:  # at least that many ranges, either way
+        raise ValueError(
+            f"{bucket_bytes} bytes per broadcast make over {MAX_BROADCASTS} broadcasts of "
+            f"{data_bytes} bytes; use larger buckets"
+        )
     if contiguous:
         return [
             (begin, min(begin + bucket_bytes, data_bytes))

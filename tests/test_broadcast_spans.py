@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from rollserve.client.process_group import PACK_BELOW_BYTES, broadcast_spans
+from rollserve.client.process_group import MAX_BROADCASTS, PACK_BELOW_BYTES, broadcast_spans
 
 MIB = 1 << 20
 
@@ -73,3 +73,12 @@ def test_a_contiguous_sender_broadcasts_plain_bucket_slices_across_tensors() -> 
     assert spans == [(0, 4 * MIB), (4 * MIB, 8 * MIB), (8 * MIB, 400 + 9 * MIB)]
     _check_tiling(spans, 400 + 9 * MIB, 4 * MIB)
     assert broadcast_spans([], 0, MIB, contiguous=True) == []
+
+
+def test_buckets_too_small_for_the_file_are_refused() -> None:
+    with pytest.raises(ValueError, match="larger buckets"):
+        broadcast_spans([(0, MAX_BROADCASTS * 2 + 1)], MAX_BROADCASTS * 2 + 1, 1)
+    with pytest.raises(ValueError, match="larger buckets"):
+        broadcast_spans([], MAX_BROADCASTS * 8 + 8, 4, contiguous=True)
+    spans = broadcast_spans([], MAX_BROADCASTS * 4, 4, contiguous=True)  # exactly the most
+    assert len(spans) == MAX_BROADCASTS

@@ -491,3 +491,26 @@ def test_weights_group_lanes_are_checked(client: RolloutClient) -> None:
     for lanes in (0, 9):
         with pytest.raises(InvalidArgument, match="lanes"):
             WeightsGroup([client], timeout_s=WAIT_S, lanes=lanes)
+
+
+def test_buckets_too_small_for_the_file_are_refused_on_both_sides(
+    models: ModelSet, client: RolloutClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1-byte broadcasts of a 0.4 MB file would be 4e5 broadcasts (MAX_BROADCASTS): the trainer
+    refuses before sending anything; a trainer that does not check is refused by the server
+    before the vote, so nobody broadcasts, and the group stays usable."""
+    import rollserve.client.distributed as distributed
+
+    actor = models.actor.module
+    weights = perturbed(actor, seed=3)
+    before = state_hash(actor)
+    with WeightsGroup([client], timeout_s=WAIT_S, bucket_bytes=1) as group:
+        with pytest.raises(InvalidArgument, match="larger buckets"):
+            client.update_weights(weights, version=1, group=group)
+        monkeypatch.setattr(distributed, "broadcast_spans", lambda *args, **kwargs: [])
+        with pytest.raises(InvalidArgument, match="header.distributed.bucket_bytes"):
+            client.update_weights(weights, version=1, group=group)
+        monkeypatch.undo()
+        assert state_hash(actor) == before and client.health().policy_version == 0
+        group.bucket_bytes = None  # the default again: the same group still works
+        assert client.update_weights(weights, version=1, group=group).version == 1

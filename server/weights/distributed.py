@@ -230,11 +230,12 @@ class GroupUpdate:
                 "the stream of a distributed update must carry the file's head and nothing "
                 f"else (it carried {lane.position} bytes)"
             )
+        spans = self._spans(lane)  # a refusal here still votes (no broadcast starts)
         if not self._vote(_READY):
             raise FailedPrecondition("another rank of the group refused this update")
         failure, refusal = None, None
         try:
-            refusal = self._receive_buckets(lane)
+            refusal = self._receive_buckets(lane, spans)
         except Exception as error:
             failure = str(error)
         if failure is not None:  # outside the except block: see _out_of_step
@@ -242,7 +243,20 @@ class GroupUpdate:
         if refusal is not None:
             raise refusal
 
-    def _receive_buckets(self, lane: Lane) -> RolloutError | None:
+    def _spans(self, lane: Lane) -> list[tuple[int, int]]:
+        """(file offset, size) of every broadcast of the data section, as rank 0 cuts it."""
+        data = lane.file_data
+        tensors = [(entry.begin, entry.end) for entry in data.entries]
+        data_bytes = lane.end - data.data_start
+        try:
+            spans = broadcast_spans(
+                tensors, data_bytes, self._bucket_bytes, contiguous=self._contiguous
+            )
+        except ValueError as error:
+            raise InvalidArgument(f"header.distributed.bucket_bytes: {error}") from None
+        return [(data.data_start + begin, end - begin) for begin, end in spans]
+
+    def _receive_buckets(self, lane: Lane, spans: list[tuple[int, int]]) -> RolloutError | None:
         """Every broadcast of the data section (broadcast_spans; broadcast i over lane
         i % lanes), each checked while the next _POSTED_PER_LANE x lanes are being received
         (gloo runs posted receives in its own threads, and the trainer keeps as many
@@ -250,15 +264,6 @@ class GroupUpdate:
         after one, the rest of the broadcast is still taken (rank 0 and the other servers must
         not hang on a rank that stopped listening), but not kept."""
         group = self._group
-        data = lane.file_data
-        tensors = [(entry.begin, entry.end) for entry in data.entries]
-        data_bytes = lane.end - data.data_start
-        spans = [
-            (data.data_start + begin, end - begin)
-            for begin, end in broadcast_spans(
-                tensors, data_bytes, self._bucket_bytes, contiguous=self._contiguous
-            )
-        ]
         lanes = group.process_groups
         ahead = _POSTED_PER_LANE * len(lanes)
         bounce = BucketBuffers(self._bucket_bytes, group.device, count=ahead + 1)
