@@ -48,6 +48,7 @@ from rollserve.client.process_group import (
     broadcast_spans,
     default_lanes,
     new_process_groups,
+    shut_down,
 )
 from rollserve.client.results import UpdateResult
 from rollserve.client.weights import DEFAULT_CHUNK_BYTES, UpdateFile, WeightSpec, prepare_update
@@ -314,15 +315,8 @@ class WeightsGroup:
         self._close_lanes()
 
     def _close_lanes(self) -> None:
-        # Gloo closes its connections only when a process group is destroyed (shutdown and
-        # abort leave them open: a peer waiting in a broadcast then waits for its timeout),
-        # so drop the references too.
-        lanes, self._process_groups = self._process_groups, ()
-        for process_group in lanes:
-            try:
-                process_group.shutdown()
-            except Exception:
-                pass
+        lanes, self._process_groups = self._process_groups, ()  # see shut_down
+        shut_down(lanes)
 
     def _replies(self, calls: list[grpc.Future]) -> list[pb.UpdateWeightsResponse]:
         """Every server's reply; else the error of the server that refused or failed first (not
@@ -336,11 +330,13 @@ class WeightsGroup:
         finished = threading.Event()
         for call in calls:
             call.add_done_callback(lambda _: finished.set())
-        while not all(call.done() for call in calls):
-            finished.wait(_REPLY_POLL_S)
-            finished.clear()
+        while True:
             if not self._broken and any(_member_lost(call) for call in calls if call.done()):
                 self._break()
+            if all(call.done() for call in calls):
+                break
+            finished.wait(_REPLY_POLL_S)
+            finished.clear()
         replies, errors = [], []
         for call in calls:
             try:
@@ -348,8 +344,6 @@ class WeightsGroup:
             except grpc.RpcError as error:
                 errors.append(from_rpc_error(error))
         if errors:
-            if any(_member_lost(call) for call in calls) and not self._broken:
-                self._break()
             errors.sort(key=lambda error: _FOLLOWED_VOTE in str(error))
             raise errors[0]
         return replies

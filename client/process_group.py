@@ -9,6 +9,7 @@ so a trainer that already runs its own torch.distributed job keeps it.
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 from collections.abc import Sequence
 
@@ -27,10 +28,11 @@ __all__ = [
     "broadcast",
     "broadcast_spans",
     "default_lanes",
-    "new_process_group",
     "new_process_groups",
+    "shut_down",
 ]
 
+_LOG = logging.getLogger(__name__)
 BACKENDS = ("gloo", "nccl")
 # Lanes: process groups over one rendezvous that the broadcasts of an update take in turn.
 # Gloo runs one broadcast at a time per pair connection and pays a fixed cost per broadcast;
@@ -44,41 +46,6 @@ def default_lanes(backend: str) -> int:
     return 2 if backend == "gloo" else 1
 
 
-def new_process_group(
-    *,
-    group: str,
-    master_address: str,
-    master_port: int,
-    world_size: int,
-    rank: int,
-    backend: str,
-    timeout_s: float,
-    store: dist.Store | None = None,
-) -> dist.ProcessGroup:
-    """Join (rank > 0) or host (rank 0, pass the master `store`) a group; blocks until all join."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if store is None:
-        store = dist.TCPStore(
-            master_address, master_port, world_size, is_master=False, timeout=timeout
-        )
-    prefixed = dist.PrefixStore(f"rollserve/{group}", store)
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        # Bind to the address that reaches the master, not whatever the hostname resolves to.
-        options._devices = [
-            dist.ProcessGroupGloo.create_device(hostname=_local_address(master_address))
-        ]
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
-    if backend == "nccl":
-        if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
-            raise RuntimeError("the nccl backend needs CUDA and a torch built with NCCL")
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-
-
 def new_process_groups(
     *,
     group: str,
@@ -88,34 +55,70 @@ def new_process_groups(
     rank: int,
     backend: str,
     timeout_s: float,
-    lanes: int,
+    lanes: int = 1,
     store: dist.Store | None = None,
 ) -> tuple[dist.ProcessGroup, ...]:
-    """`lanes` process groups over one rendezvous (lane 0 is new_process_group's group; lane k
-    is the group "{group}/lane{k}"); blocks until every rank joined all of them."""
+    """Join (rank > 0) or host (rank 0, pass the master `store`) a group as `lanes` process
+    groups over one rendezvous (lane 0 is the group "{group}", lane k "{group}/lane{k}");
+    blocks until every rank joined all of them."""
     if not 1 <= lanes <= MAX_LANES:
         raise ValueError(f"lanes must be 1 to {MAX_LANES}, got {lanes}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "nccl" and (
+        not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL")
+    ):
+        raise RuntimeError("the nccl backend needs CUDA and a torch built with NCCL")
+    timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(
-            master_address,
-            master_port,
-            world_size,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            master_address, master_port, world_size, is_master=False, timeout=timeout
         )
+    names = [group] + [f"{group}/lane{lane}" for lane in range(1, lanes)]
     return tuple(
-        new_process_group(
-            group=group if lane == 0 else f"{group}/lane{lane}",
-            master_address=master_address,
-            master_port=master_port,
-            world_size=world_size,
-            rank=rank,
-            backend=backend,
-            timeout_s=timeout_s,
-            store=store,
-        )
-        for lane in range(lanes)
+        _process_group(
+            dist.PrefixStore(f"rollserve/{name}", store),
+            rank,
+            world_size,
+            backend,
+            timeout,
+            master_address,
+        )  # fmt: skip
+        for name in names
     )
+
+
+def _process_group(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout: datetime.timedelta,
+    master_address: str,
+) -> dist.ProcessGroup:
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        # Bind to the address that reaches the master, not whatever the hostname resolves to.
+        options._devices = [
+            dist.ProcessGroupGloo.create_device(hostname=_local_address(master_address))
+        ]
+        return dist.ProcessGroupGloo(store, rank, world_size, options)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, options)
+
+
+def shut_down(process_groups: tuple[dist.ProcessGroup, ...]) -> None:
+    """Shut the lanes of a group down, errors ignored (a group whose peer died may refuse even
+    this). Gloo closes its connections only when a process group is destroyed (shutdown and
+    abort leave them open: measured, a peer waiting in a broadcast then waits out its timeout),
+    so the caller must also drop its references, as both sides do."""
+    for process_group in process_groups:
+        try:
+            process_group.shutdown()
+        except Exception:
+            _LOG.debug("shutting down a weights process group failed", exc_info=True)
 
 
 def _local_address(master_address: str) -> str:

@@ -40,6 +40,7 @@ from rollserve.client.process_group import (
     all_max,
     broadcast_spans,
     new_process_groups,
+    shut_down,
 )
 from rollserve.server.weights.staging import Request, UpdateStager, iter_chunks
 from rollserve.server.weights.stream import Lane
@@ -183,14 +184,8 @@ def _check_init(
 
 
 def _shutdown(group: WeightsGroup) -> None:
-    # Gloo closes its connections only when a process group is destroyed (shutdown and abort
-    # leave them open), so the group lets go of its lanes too.
-    lanes, group.process_groups = group.process_groups, ()
-    for process_group in lanes:
-        try:
-            process_group.shutdown()
-        except Exception:  # a group whose peer died may refuse even this; it is dropped anyway
-            _LOG.debug("shutting down weights group %s failed", group.name, exc_info=True)
+    lanes, group.process_groups = group.process_groups, ()  # see shut_down
+    shut_down(lanes)
 
 
 class GroupUpdate:
