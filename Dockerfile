@@ -40,7 +40,8 @@ WORKDIR /app
 # setuptools build the project without its sources; the placeholder is uninstalled right after.
 # The constraint pins the base image's torch, so a resolver change can never swap it out.
 COPY pyproject.toml README.md ./
-RUN mkdir -p client/experience server/algorithms server/continuous server/experience \
+RUN mkdir -p client/protocol/experience client/weights server/algorithms server/config \
+        server/continuous server/engine server/experience server/models server/serving \
         server/weights protos/rollserve/v1 \
     && python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch.txt \
     && pip install --no-cache-dir --constraint /tmp/torch.txt ".[${EXTRAS}]" \

@@ -78,12 +78,12 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], dict]:
 
 def codec_overhead_s(maker, prompts, options) -> dict[str, float]:
     """Thread CPU seconds of each wire step for this request's micro-batches (best of 3)."""
-    from rollserve.client.experience import (
+    from rollserve.client.protocol.experience import (
         concat_experiences,
         experience_from_proto,
         experience_to_proto,
     )
-    from rollserve.client.requests import build_make_experience_request
+    from rollserve.client.protocol.requests import build_make_experience_request
     from rollserve.v1 import rollout_pb2 as pb
 
     spec = maker.decode(build_make_experience_request(prompts, **options))
@@ -173,9 +173,9 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from rollserve.server.app import RolloutServer
     from rollserve.server.config import ServerConfig
     from rollserve.server.models import load_models
+    from rollserve.server.serving.app import RolloutServer
 
     with tempfile.TemporaryDirectory(prefix="bench-me-") as tmp:
         model_dir = save_model(Path(tmp), args.vocab, args.hidden, args.layers)

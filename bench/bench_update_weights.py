@@ -138,7 +138,7 @@ def memcpy_gbps(buffers: tuple, threads: int = 2) -> float:
 
 def _gloo_receiver(port: int, total_bytes: int, shape: tuple[int, int, int], rounds: int) -> None:
     import torch
-    from rollserve.client.process_group import new_process_groups
+    from rollserve.client.protocol.process_group import new_process_groups
 
     lanes, bucket_bytes, in_flight = shape
     groups = new_process_groups(group="ceiling", master_address="127.0.0.1", master_port=port,
@@ -173,7 +173,7 @@ class GlooCeiling:
 
         import torch
         import torch.distributed as dist
-        from rollserve.client.process_group import new_process_groups
+        from rollserve.client.protocol.process_group import new_process_groups
 
         store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=120))  # fmt: skip
@@ -223,7 +223,7 @@ def raw_tcp_gbps(total_bytes: int) -> float:
 def save_actor(directory: Path, args: argparse.Namespace) -> int:
     """A random Llama actor + the byte tokenizer saved to `directory`; returns its parameters."""
     import torch
-    from rollserve.server.default_model import build_byte_tokenizer
+    from rollserve.server.models.default_model import build_byte_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -265,7 +265,7 @@ def _drain_server(port_out: Connection) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
-    from rollserve.client.wire import WireChunk, parse_update_request
+    from rollserve.client.protocol.wire import WireChunk, parse_update_request
     from rollserve.v1 import rollout_pb2 as pb
 
     def update_weights(requests, context) -> pb.UpdateWeightsResponse:
@@ -310,7 +310,7 @@ def _update_client(
     trainer's tensors flattened into one buffer: WeightsGroup.flatten_weights).
     """
     from rollserve.client.client import RolloutClient
-    from rollserve.client.distributed import WeightsGroup
+    from rollserve.client.weights.distributed import WeightsGroup
     from safetensors.torch import load_file
 
     state_dict = load_file(weights_file)
@@ -459,9 +459,9 @@ def _ensure_tuned_malloc(args: argparse.Namespace) -> None:
 
 def _wire_path() -> str:
     """Whether the client and the server use the wire fast path (client/wire.py), or protobuf."""
-    import rollserve.client.weights as weights_module
-    import rollserve.server.app as app_module
-    from rollserve.client.wire import CRC32_IMPLEMENTATION
+    from rollserve.client.protocol.wire import CRC32_IMPLEMENTATION
+    from rollserve.client.weights import update_file as weights_module
+    from rollserve.server.serving import app as app_module
 
     client = "wire" if hasattr(weights_module, "encode_chunk") else "protobuf"
     server = "wire" if hasattr(app_module, "add_rollout_servicer") else "protobuf"

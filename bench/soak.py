@@ -52,11 +52,11 @@ from helpers_server import (  # noqa: E402
     start_server_process,
 )
 from rollserve.client.client import RolloutClient  # noqa: E402
-from rollserve.client.weights import update_weights_messages  # noqa: E402
-from rollserve.client.wire import update_weights_callable  # noqa: E402
+from rollserve.client.protocol.wire import update_weights_callable  # noqa: E402
+from rollserve.client.weights.update_file import update_weights_messages  # noqa: E402
 from rollserve.server.config import ServerConfig  # noqa: E402
-from rollserve.server.default_model import TinyModelSpec, save_tiny_causal_lm  # noqa: E402
 from rollserve.server.models import load_models  # noqa: E402
+from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm  # noqa: E402
 
 CALL_TIMEOUT_S = 60.0  # a call that reaches it counts as a hang
 MIB = 1 << 20
@@ -140,8 +140,8 @@ _UPLOADER = """
 import sys, time, pathlib
 import grpc
 from safetensors.torch import load_file
-from rollserve.client.weights import update_weights_messages
-from rollserve.client.wire import update_weights_callable
+from rollserve.client.weights.update_file import update_weights_messages
+from rollserve.client.protocol.wire import update_weights_callable
 target, weights_file, version, ready = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 encoded = list(update_weights_messages(load_file(weights_file), target="actor", version=version,
                                        mode="full", chunk_bytes=1 << 20))

@@ -13,13 +13,13 @@ AsyncRolloutClient is the same surface for asyncio; ReplicatedRolloutClient spre
 calls over several servers and fans weight updates out to all of them.
 """
 
-from rollserve.client.aio import AsyncRolloutClient
-from rollserve.client.buffer import ExperienceBuffer
-from rollserve.client.calls import SubscribedBatch
-from rollserve.client.client import RolloutClient
-from rollserve.client.codec import decode_tensor, encode_tensor
-from rollserve.client.distributed import WeightsGroup
-from rollserve.client.errors import (
+from .aio import AsyncRolloutClient
+from .buffer import ExperienceBuffer
+from .calls import SubscribedBatch
+from .client import RolloutClient
+from .kl_controller import AdaptiveKLController, FixedKLController, mean_kl
+from .protocol.codec import decode_tensor, encode_tensor
+from .protocol.errors import (
     Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
@@ -33,22 +33,22 @@ from rollserve.client.errors import (
     Unavailable,
     Unimplemented,
 )
-from rollserve.client.experience import (
+from .protocol.experience import (
     BufferItem,
     Experience,
     concat_experiences,
     make_experience_batch,
     split_experience_batch,
 )
-from rollserve.client.kl_controller import AdaptiveKLController, FixedKLController, mean_kl
-from rollserve.client.replicas import (
+from .protocol.requests import build_make_experience_request
+from .replicas import (
     ReplicaHealth,
     ReplicatedRolloutClient,
     ReplicaUpdateError,
     resolve_targets,
 )
-from rollserve.client.requests import build_make_experience_request
-from rollserve.client.results import HealthStatus, ModelStatus, UpdateResult
+from .results import HealthStatus, ModelStatus, UpdateResult
+from .weights.distributed import WeightsGroup
 
 __all__ = [
     "RolloutClient",

@@ -23,7 +23,8 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 import torch
-from rollserve.client.calls import (
+
+from .calls import (
     BaseClient,
     SubscribedBatch,
     join_micro_batches,
@@ -31,14 +32,14 @@ from rollserve.client.calls import (
     subscribed_batch,
     typed_errors,
 )
-from rollserve.client.channel import open_aio_channel, open_channel
-from rollserve.client.client import POLL_CALL_S
-from rollserve.client.distributed import WeightsGroup
-from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable
-from rollserve.client.experience import Experience, experience_from_proto
-from rollserve.client.requests import Prompts
-from rollserve.client.results import HealthStatus, UpdateResult
-from rollserve.client.weights import DEFAULT_CHUNK_BYTES
+from .channel import open_aio_channel, open_channel
+from .client import POLL_CALL_S
+from .protocol.errors import DeadlineExceeded, RolloutError, Unavailable
+from .protocol.experience import Experience, experience_from_proto
+from .protocol.requests import Prompts
+from .results import HealthStatus, UpdateResult
+from .weights.distributed import WeightsGroup
+from .weights.update_file import DEFAULT_CHUNK_BYTES
 
 __all__ = ["AsyncRolloutClient"]
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from rollserve.client.errors import InvalidArgument
-from rollserve.client.experience import (
+
+from .protocol.errors import InvalidArgument
+from .protocol.experience import (
     BufferItem,
     Experience,
     make_experience_batch,

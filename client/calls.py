@@ -18,17 +18,18 @@ from typing import Any, ClassVar
 
 import grpc
 import torch
-from rollserve.client.channel import DEFAULT_MAX_MESSAGE_BYTES, channel_credentials, open_channel
-from rollserve.client.distributed import WeightsGroup, update_through_group
-from rollserve.client.errors import from_rpc_error
-from rollserve.client.experience import Experience, concat_experiences, experience_from_proto
-from rollserve.client.requests import Prompts, build_make_experience_request
-from rollserve.client.results import UpdateResult
-from rollserve.client.upload import CallOptions, Uploads
-from rollserve.client.weights import UpdateFile, prepare_update
-from rollserve.client.wire import update_weights_callable
-from rollserve.v1 import rollout_pb2 as pb
-from rollserve.v1 import rollout_pb2_grpc
+
+from ..v1 import rollout_pb2 as pb
+from ..v1 import rollout_pb2_grpc
+from .channel import DEFAULT_MAX_MESSAGE_BYTES, channel_credentials, open_channel
+from .protocol.errors import from_rpc_error
+from .protocol.experience import Experience, concat_experiences, experience_from_proto
+from .protocol.requests import Prompts, build_make_experience_request
+from .protocol.wire import update_weights_callable
+from .results import UpdateResult
+from .weights.distributed import WeightsGroup, update_through_group
+from .weights.update_file import UpdateFile, prepare_update
+from .weights.upload import CallOptions, Uploads
 
 __all__ = [
     "join_micro_batches",
@@ -319,7 +320,7 @@ class BaseClient:
 
 @contextmanager
 def typed_errors() -> Iterator[None]:
-    """Turn grpc.RpcError (grpc.aio.AioRpcError included) into rollserve.client.errors types."""
+    """Turn grpc.RpcError (grpc.aio.AioRpcError included) into the types of protocol/errors.py."""
     try:
         yield
     except grpc.RpcError as error:

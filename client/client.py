@@ -7,7 +7,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
-from rollserve.client.calls import (
+
+from .calls import (
     BaseClient,
     SubscribedBatch,
     join_micro_batches,
@@ -15,13 +16,13 @@ from rollserve.client.calls import (
     subscribed_batch,
     typed_errors,
 )
-from rollserve.client.channel import open_channel
-from rollserve.client.distributed import WeightsGroup
-from rollserve.client.errors import DeadlineExceeded, RolloutError, Unavailable
-from rollserve.client.experience import Experience, experience_from_proto
-from rollserve.client.requests import Prompts
-from rollserve.client.results import HealthStatus, UpdateResult
-from rollserve.client.weights import DEFAULT_CHUNK_BYTES
+from .channel import open_channel
+from .protocol.errors import DeadlineExceeded, RolloutError, Unavailable
+from .protocol.experience import Experience, experience_from_proto
+from .protocol.requests import Prompts
+from .results import HealthStatus, UpdateResult
+from .weights.distributed import WeightsGroup
+from .weights.update_file import DEFAULT_CHUNK_BYTES
 
 __all__ = ["RolloutClient"]
 
@@ -36,7 +37,7 @@ class RolloutClient(BaseClient):
     metadata: `token` as "authorization: Bearer <token>" plus any `metadata` pairs. TLS comes
     from `credentials`, or from PEM bytes (`root_certificates`; `private_key` and
     `certificate_chain` for mutual TLS). Without TLS the token travels in clear text.
-    Errors are raised as the typed exceptions of `rollserve.client.errors`, carrying the gRPC
+    Errors are raised as the typed exceptions of `rollserve.client`, carrying the gRPC
     status in `.code`. Health and MakeExperience are retried by gRPC on UNAVAILABLE (see
     `rollserve.client.channel`); UpdateWeights never is.
     """
@@ -98,7 +99,7 @@ class RolloutClient(BaseClient):
         """All rows of one request as one Experience, pinned when CUDA is present.
 
         `prompts` are token-id lists or strings; `options` are the keyword arguments of
-        `rollserve.client.requests.build_make_experience_request` (samples_per_prompt,
+        `rollserve.client.protocol.requests.build_make_experience_request` (samples_per_prompt,
         max_new_tokens, temperature, seed, preset, algorithm={...}, rewards={...},
         request_id, ...). A `request_id` also travels as x-request-id call metadata.
         """

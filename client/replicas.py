@@ -20,21 +20,21 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
-from rollserve.client.client import RolloutClient
-from rollserve.client.distributed import WeightsGroup
-from rollserve.client.errors import (
+
+from .client import RolloutClient
+from .protocol.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     RolloutError,
     Unavailable,
 )
-from rollserve.client.experience import Experience
-from rollserve.client.requests import Prompts
-from rollserve.client.results import HealthStatus, UpdateResult
-from rollserve.client.weights import DEFAULT_CHUNK_BYTES, prepare_update
-
+from .protocol.experience import Experience
+from .protocol.requests import Prompts
+from .results import HealthStatus, UpdateResult
 from .targets import ReplicaAddress, as_target_list, resolve_addresses, resolve_targets
+from .weights.distributed import WeightsGroup
+from .weights.update_file import DEFAULT_CHUNK_BYTES, prepare_update
 
 __all__ = [
     "POLICIES",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollserve.v1 import rollout_pb2 as pb
+from ..v1 import rollout_pb2 as pb
 
 __all__ = ["ModelStatus", "HealthStatus", "UpdateResult"]
 

@@ -11,7 +11,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import Unavailable
+from .protocol.errors import Unavailable
 
 __all__ = ["ReplicaAddress", "as_target_list", "resolve_addresses", "resolve_targets"]
 

@@ -96,7 +96,7 @@ def load_policy(config: TrainConfig) -> torch.nn.Module:
     hf_logging.disable_progress_bar()  # keep the per-step log readable
     actor_dir = config.actor
     if actor_dir is None:
-        from rollserve.server.default_model import save_tiny_causal_lm
+        from rollserve.server.models.default_model import save_tiny_causal_lm
 
         actor_dir = str(save_tiny_causal_lm(config.out_dir / "initial_actor"))
     model = AutoModelForCausalLM.from_pretrained(actor_dir, dtype=torch.float32)

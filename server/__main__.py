@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from rollserve.server.cli import main
+from .serving.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(default_command="serve", prog="python -m rollserve.server"))

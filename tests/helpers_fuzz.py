@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from rollserve.client.weights import update_weights_messages
-from rollserve.client.wire import crc32, encode_chunk
+from rollserve.client.protocol.wire import crc32, encode_chunk
+from rollserve.client.weights.update_file import update_weights_messages
 from rollserve.v1 import rollout_pb2 as pb
 
 __all__ = [

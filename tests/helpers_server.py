@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from rollserve.server.cli import check_health
+from rollserve.server.serving.cli import check_health
 
 __all__ = ["ServerProcess", "free_port", "greedy_snapshot", "rss_bytes", "start_server_process"]
 

@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Iterator, Mapping
 
 import torch
-from rollserve.client.weights import update_weights_messages
+from rollserve.client.weights.update_file import update_weights_messages
 from rollserve.v1 import rollout_pb2 as pb
 
 __all__ = ["perturbed", "state_hash", "update_weights_requests"]

@@ -24,17 +24,20 @@ from helpers_server import free_port
 from rollserve.client.aio import AsyncRolloutClient
 from rollserve.client.channel import SERVICE_NAME
 from rollserve.client.client import RolloutClient
-from rollserve.client.errors import (
+from rollserve.client.protocol.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     Unavailable,
 )
-from rollserve.client.experience import Experience, concat_experiences
-from rollserve.client.weights import MIN_CHUNK_BYTES, update_weights_messages
-from rollserve.server.app import RolloutServer
+from rollserve.client.protocol.experience import Experience, concat_experiences
+from rollserve.client.weights.update_file import (
+    MIN_CHUNK_BYTES,
+    update_weights_messages,
+)
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, load_models
+from rollserve.server.serving.app import RolloutServer
 from rollserve.v1 import rollout_pb2 as pb
 from test_client import HANG, ONE_THEN_HANG, SCRIPTED_VERSION, TOKEN, WAIT_S, Pki
 from test_update_weights_rpc import assert_logprobs_match, perturbed, state_hash

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from rollserve.client.errors import InvalidArgument
+from rollserve.client.protocol.errors import InvalidArgument
 from rollserve.server.algorithms import (
     check_group_size,
     clip_advantages,

@@ -5,7 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from rollserve.client.process_group import MAX_BROADCASTS, PACK_BELOW_BYTES, broadcast_spans
+from rollserve.client.protocol.process_group import (
+    MAX_BROADCASTS,
+    PACK_BELOW_BYTES,
+    broadcast_spans,
+)
 
 MIB = 1 << 20
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from rollserve.client.buffer import ExperienceBuffer
-from rollserve.client.errors import InvalidArgument
-from rollserve.client.experience import Experience, split_experience_batch
+from rollserve.client.protocol.errors import InvalidArgument
+from rollserve.client.protocol.experience import Experience, split_experience_batch
 
 PAD = 0
 

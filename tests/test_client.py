@@ -22,14 +22,14 @@ import torch
 from helpers_server import free_port
 from rollserve.client.channel import RETRIED_METHODS, SERVICE_CONFIG, SERVICE_NAME, channel_options
 from rollserve.client.client import RolloutClient
-from rollserve.client.errors import (
+from rollserve.client.protocol.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
     Unavailable,
 )
-from rollserve.client.experience import Experience, experience_to_proto
+from rollserve.client.protocol.experience import Experience, experience_to_proto
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
@@ -433,9 +433,9 @@ def test_tls_failures_are_unavailable(tls_server, pki: Pki, kind: str) -> None:
 
 
 def test_wait_until_ready_rides_out_a_server_that_starts_late(tiny_actor_dir) -> None:
-    from rollserve.server.app import RolloutServer
     from rollserve.server.config import ServerConfig
     from rollserve.server.models import load_models
+    from rollserve.server.serving.app import RolloutServer
 
     models = load_models(ServerConfig(device="cpu", actor=str(tiny_actor_dir)))
     port = free_port()

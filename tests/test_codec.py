@@ -15,8 +15,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rollserve.client import codec
-from rollserve.client.codec import (
+from rollserve.client.protocol import codec
+from rollserve.client.protocol.codec import (
     ITEMSIZES,
     TORCH_DTYPES,
     WIRE_DTYPES,
@@ -27,7 +27,7 @@ from rollserve.client.codec import (
     torch_dtype,
     wire_dtype,
 )
-from rollserve.client.errors import InvalidArgument, TensorCodecError
+from rollserve.client.protocol.errors import InvalidArgument, TensorCodecError
 from rollserve.v1 import rollout_pb2 as pb
 
 ALL_DTYPES = list(WIRE_DTYPES)
@@ -306,7 +306,7 @@ def test_decode_emits_no_warning() -> None:
     # torch warns once per process about read-only buffers; a fresh interpreter with warnings
     # turned into errors shows that the codec absorbs it.
     code = (
-        "import torch; from rollserve.client.codec import encode_tensor, decode_tensor\n"
+        "import torch; from rollserve.client.protocol.codec import encode_tensor, decode_tensor\n"
         "t = decode_tensor(encode_tensor(torch.arange(100)))\n"
         "assert int(t.sum()) == 4950\n"
     )
@@ -317,7 +317,7 @@ def test_writes_never_reach_the_message_under_the_pure_python_protobuf() -> None
     # That backend returns the message's own bytes object on every read, so the codec must
     # copy there; under upb (the default) each read is a fresh private object.
     code = (
-        "import torch; from rollserve.client.codec import encode_tensor, decode_tensor\n"
+        "import torch; from rollserve.client.protocol.codec import encode_tensor, decode_tensor\n"
         "from google.protobuf.internal import api_implementation\n"
         "assert api_implementation.Type() == 'python'\n"
         "msg = encode_tensor(torch.arange(10))\n"

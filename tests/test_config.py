@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from rollserve.server.cli import main
 from rollserve.server.config import ConfigError, ServerConfig, build_parser, env_name, flag_name
+from rollserve.server.serving.cli import main
 
 MIB = 1 << 20
 
@@ -238,7 +238,7 @@ def test_cli_environment_error_exits_2_naming_the_variable(
 def test_config_and_cli_import_neither_torch_nor_transformers() -> None:
     # `rollserve health` runs as a container HEALTHCHECK every few seconds: it must stay light.
     code = (
-        "import sys; import rollserve.server.config, rollserve.server.cli; "
+        "import sys; import rollserve.server.config, rollserve.server.serving.cli; "
         "heavy = {'torch', 'transformers'} & set(sys.modules); assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -296,6 +296,6 @@ def test_cli_conflicting_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> 
 def test_flag_table_has_one_row_per_field() -> None:
     from dataclasses import fields
 
-    from rollserve.server.config_flags import FLAGS
+    from rollserve.server.config.flags import FLAGS
 
     assert list(FLAGS) == [field.name for field in fields(ServerConfig)]

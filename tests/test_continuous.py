@@ -29,8 +29,7 @@ from helpers_server import ServerProcess
 from prometheus_client import generate_latest
 from rollserve.client import AsyncRolloutClient, FailedPrecondition, RolloutClient
 from rollserve.client.calls import SubscribedBatch
-from rollserve.client.experience import experience_from_proto
-from rollserve.server.app import RolloutServer
+from rollserve.client.protocol.experience import experience_from_proto
 from rollserve.server.config import ConfigError, ServerConfig
 from rollserve.server.continuous import (
     Dealer,
@@ -43,6 +42,7 @@ from rollserve.server.continuous import (
     plan_batches,
 )
 from rollserve.server.models import ModelSet, load_models
+from rollserve.server.serving.app import RolloutServer
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 

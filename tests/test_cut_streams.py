@@ -24,11 +24,11 @@ import pytest
 import torch
 from helpers_server import ServerProcess, greedy_snapshot, rss_bytes, start_server_process
 from rollserve.client.client import RolloutClient
-from rollserve.client.weights import update_weights_messages
-from rollserve.client.wire import update_weights_callable
+from rollserve.client.protocol.wire import update_weights_callable
+from rollserve.client.weights.update_file import update_weights_messages
 from rollserve.server.config import ServerConfig
-from rollserve.server.default_model import TinyModelSpec, save_tiny_causal_lm
 from rollserve.server.models import load_models
+from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm
 
 SPEC = TinyModelSpec(hidden_size=512, intermediate_size=4096)  # ~15M parameters, ~60 MB fp32
 CHUNK_BYTES = 1 << 20
@@ -186,8 +186,8 @@ _UPLOADER = textwrap.dedent(
     import sys, time, pathlib
     import grpc
     from safetensors.torch import load_file
-    from rollserve.client.weights import update_weights_messages
-    from rollserve.client.wire import update_weights_callable
+    from rollserve.client.weights.update_file import update_weights_messages
+    from rollserve.client.protocol.wire import update_weights_callable
 
     target, weights_file, version, ready = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     encoded = list(update_weights_messages(

@@ -24,8 +24,8 @@ import pytest
 import tomllib
 import yaml
 from helpers_server import free_port
-from rollserve.server import cli
 from rollserve.server.config import ConfigError, ServerConfig, build_parser
+from rollserve.server.serving import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S_DIR = ROOT / "deploy" / "k8s"
@@ -248,7 +248,7 @@ def test_entrypoint_and_cmd_name_the_console_script_and_a_subcommand(
 ) -> None:
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert dockerfile.exec_form("ENTRYPOINT") == ["rollserve"]
-    assert scripts["rollserve"] == "rollserve.server.cli:main"
+    assert scripts["rollserve"] == "rollserve.server.serving.cli:main"
     command = dockerfile.exec_form("CMD")
     assert command[0] in cli.COMMANDS and command == ["serve"]
 

@@ -6,8 +6,8 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from rollserve.client.errors import FailedPrecondition, ResourceExhausted, Unavailable
-from rollserve.server.engine import Engine
+from rollserve.client.protocol.errors import FailedPrecondition, ResourceExhausted, Unavailable
+from rollserve.server.engine.worker import Engine
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rollserve.client.codec import encode_tensor_into
-from rollserve.client.errors import InvalidArgument, TensorCodecError
-from rollserve.client.experience import (
+from rollserve.client.protocol.codec import encode_tensor_into
+from rollserve.client.protocol.errors import InvalidArgument, TensorCodecError
+from rollserve.client.protocol.experience import (
     EXPERIENCE_ACTION_FIELDS,
     EXPERIENCE_SEQUENCE_FIELDS,
     EXPERIENCE_TENSOR_FIELDS,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollserve.client.errors import InvalidArgument
-from rollserve.client.flat_weights import data_section_run, flatten_weights
-from rollserve.client.weights import safetensors_header
+from rollserve.client.protocol.errors import InvalidArgument
+from rollserve.client.weights.flat_weights import data_section_run, flatten_weights
+from rollserve.client.weights.update_file import safetensors_header
 
 
 def _module() -> torch.nn.Module:

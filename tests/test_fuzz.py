@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from helpers_fuzz import FuzzReport, WeightsStreams, base_experience_request, fuzz_cases, run_case
 from helpers_server import ServerProcess, greedy_snapshot, start_server_process
 from rollserve.client.client import RolloutClient
-from rollserve.client.errors import InvalidArgument
+from rollserve.client.protocol.errors import InvalidArgument
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, load_models
 from rollserve.v1 import rollout_pb2 as pb
@@ -171,8 +171,8 @@ def test_legal_counts_whose_product_is_huge_are_refused_naming_the_field(
 
 
 def test_token_budgets_of_a_request(models: ModelSet) -> None:
-    from rollserve.server.experience_request import RequestDefaults, decode_experience_request
-    from rollserve.server.rewards import RewardRegistry
+    from rollserve.server.experience.request import RequestDefaults, decode_experience_request
+    from rollserve.server.experience.rewards import RewardRegistry
 
     def decode(request: pb.MakeExperienceRequest, **budgets: int):
         defaults = RequestDefaults("openrlhf", 64, 64, 16, 16, 4096, **budgets)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollserve.client.errors import InvalidArgument
+from rollserve.client.protocol.errors import InvalidArgument
 from rollserve.server.experience.generation import (
     GenerationOutput,
     SamplingParams,

@@ -22,8 +22,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers_server import ServerProcess, free_port, start_server_process
 from prometheus_client.parser import text_string_to_metric_families
-from rollserve.client.errors import InvalidArgument
-from rollserve.server.security import RequestLimits, check_request_limits
+from rollserve.client.protocol.errors import InvalidArgument
+from rollserve.server.serving.security import RequestLimits, check_request_limits
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
@@ -263,8 +263,8 @@ def _norm_update(version: int, fill: float) -> list[pb.UpdateWeightsRequest]:
 
 
 def test_a_model_that_fails_its_forward_pass_never_serves(tiny_models) -> None:
-    from rollserve.server.app import RolloutServer
-    from rollserve.server.readiness import ReadinessError
+    from rollserve.server.engine.readiness import ReadinessError
+    from rollserve.server.serving.app import RolloutServer
 
     broken = copy.deepcopy(tiny_models.actor.module)
     broken.model.norm.weight.fill_(float("nan"))
@@ -282,7 +282,7 @@ def test_a_model_that_fails_its_forward_pass_never_serves(tiny_models) -> None:
 
 
 def test_weights_that_fail_the_probe_stop_serving_until_good_ones_arrive(tiny_models) -> None:
-    from rollserve.server.app import RolloutServer
+    from rollserve.server.serving.app import RolloutServer
 
     serving = health_pb2.HealthCheckResponse.SERVING
     original = tiny_models.actor.module.model.norm.weight.clone()

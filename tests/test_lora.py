@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_weights import update_weights_requests
-from rollserve.client.errors import InvalidArgument
+from rollserve.client.protocol.errors import InvalidArgument
 from rollserve.server.weights import LoraState, stage_update
 from rollserve.server.weights.lora import merged_weight
 from rollserve.v1 import rollout_pb2 as pb

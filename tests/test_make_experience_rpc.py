@@ -16,14 +16,18 @@ import grpc
 import pytest
 import torch
 from rollserve.client.client import RolloutClient
-from rollserve.client.errors import FailedPrecondition, InvalidArgument, RolloutError
-from rollserve.client.experience import Experience, concat_experiences, experience_from_proto
-from rollserve.client.requests import build_make_experience_request
-from rollserve.server.app import RolloutServer
+from rollserve.client.protocol.errors import FailedPrecondition, InvalidArgument, RolloutError
+from rollserve.client.protocol.experience import (
+    Experience,
+    concat_experiences,
+    experience_from_proto,
+)
+from rollserve.client.protocol.requests import build_make_experience_request
 from rollserve.server.config import ServerConfig
-from rollserve.server.default_model import TinyModelSpec, save_tiny_causal_lm
 from rollserve.server.experience.maker import NaiveExperienceMaker
 from rollserve.server.models import ModelSet, load_models
+from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm
+from rollserve.server.serving.app import RolloutServer
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 

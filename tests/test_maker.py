@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollserve.client.errors import FailedPrecondition, InvalidArgument
-from rollserve.client.experience import Experience, concat_experiences
-from rollserve.client.requests import build_make_experience_request
+from rollserve.client.protocol.errors import FailedPrecondition, InvalidArgument
+from rollserve.client.protocol.experience import Experience, concat_experiences
+from rollserve.client.protocol.requests import build_make_experience_request
 from rollserve.server.algorithms import resolve_algorithm, shape_experience
 from rollserve.server.config import ServerConfig
-from rollserve.server.default_model import TinyModelSpec, save_tiny_causal_lm
 from rollserve.server.experience.maker import NaiveExperienceMaker
+from rollserve.server.experience.request import RequestDefaults
+from rollserve.server.experience.rewards import RewardRegistry
 from rollserve.server.experience.scoring import action_log_probs, reward_scores
-from rollserve.server.experience_request import RequestDefaults
 from rollserve.server.models import ModelSet, load_models
-from rollserve.server.rewards import RewardRegistry
+from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm
 from rollserve.v1 import rollout_pb2 as pb
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [40], [70, 71]]

@@ -19,7 +19,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers_server import ServerProcess, free_port, start_server_process
 from prometheus_client.parser import text_string_to_metric_families
-from rollserve.client.codec import decode_tensor
+from rollserve.client.protocol.codec import decode_tensor
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
@@ -232,9 +232,9 @@ def test_standard_health_checks_are_not_logged_at_info(server) -> None:
 def test_each_server_has_its_own_registry_and_a_busy_metrics_port_is_not_fatal(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from rollserve.server.app import RolloutServer
     from rollserve.server.config import ServerConfig
     from rollserve.server.models import load_models
+    from rollserve.server.serving.app import RolloutServer
 
     metrics_port = free_port()
     config = ServerConfig(host="127.0.0.1", port=0, device="cpu", metrics_port=metrics_port)

@@ -107,7 +107,7 @@ def test_wheel_contains_every_module(tmp_path: Path) -> None:
     assert not any(n.startswith("tests/") for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "rollserve = rollserve.server.cli:main" in scripts
+    assert "rollserve = rollserve.server.serving.cli:main" in scripts
 
 
 def test_client_imports_without_transformers() -> None:

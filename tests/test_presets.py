@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from rollserve.client.errors import FailedPrecondition, InvalidArgument
+from rollserve.client.protocol.errors import FailedPrecondition, InvalidArgument
 from rollserve.server.algorithms import (
     DEFAULT_PRESET,
     PRESET_NAMES,

@@ -20,7 +20,7 @@ import test_client
 import torch
 from helpers_server import ServerProcess, free_port, start_server_process
 from rollserve.client.client import RolloutClient
-from rollserve.client.errors import (
+from rollserve.client.protocol.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,

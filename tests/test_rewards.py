@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from rollserve.client.errors import FailedPrecondition, InvalidArgument, Unavailable
-from rollserve.server.rewards import (
+from rollserve.client.protocol.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rollserve.server.experience.rewards import (
     RewardRegistry,
     exact_match,
     last_number,

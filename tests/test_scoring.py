@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rollserve.client.errors import FailedPrecondition, InvalidArgument
+from rollserve.client.protocol.errors import FailedPrecondition, InvalidArgument
 from rollserve.server.experience.scoring import (
     action_log_probs,
     critic_values,

@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 from helpers_server import ServerProcess
 from rollserve.server.config import ServerConfig
-from rollserve.server.security import (
+from rollserve.server.serving.security import (
     AuthTokens,
     Role,
     SecurityConfigError,
@@ -332,7 +332,7 @@ def test_refusals_say_why_without_echoing_tokens(secure_channel: grpc.Channel) -
 
 def test_the_rollout_client_speaks_tokens_and_mutual_tls(certs: Certs, secure_server) -> None:
     from rollserve.client.client import RolloutClient
-    from rollserve.client.errors import PermissionDenied, Unauthenticated
+    from rollserve.client.protocol.errors import PermissionDenied, Unauthenticated
 
     pem = {
         "root_certificates": certs.ca,
@@ -386,8 +386,8 @@ def _config(**overrides) -> ServerConfig:
 
 
 def test_tls_server_accepts_any_client_that_trusts_it(certs: Certs) -> None:
-    from rollserve.server.app import RolloutServer
     from rollserve.server.models import load_models
+    from rollserve.server.serving.app import RolloutServer
 
     config = _config(
         tls_cert=str(certs.files["server.pem"]), tls_key=str(certs.files["server.key"])
@@ -514,7 +514,7 @@ def test_security_warnings() -> None:
 def test_binding_a_public_host_without_auth_logs_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from rollserve.server.app import RolloutServer
+    from rollserve.server.serving.app import RolloutServer
 
     # Bound but never loaded: nothing can be served, so exposing 0.0.0.0 briefly is harmless.
     server = RolloutServer(_config(host="0.0.0.0"))

@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 from helpers_server import ServerProcess, free_port, start_server_process
-from rollserve.server import security
+from rollserve.server.serving import security
 from rollserve.v1 import rollout_pb2 as pb
 
 DATA_TOKEN = "data-Secr3t-7f1c"

@@ -21,11 +21,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 from helpers_server import ServerProcess, free_port, start_server_process
-from rollserve.client.errors import FailedPrecondition, InvalidArgument
-from rollserve.server.app import BindError, RolloutServer
+from rollserve.client.protocol.errors import FailedPrecondition, InvalidArgument
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelLoadError, ModelSet, load_models
-from rollserve.server.status import INTERNAL_MESSAGE, handles_errors
+from rollserve.server.serving.app import BindError, RolloutServer
+from rollserve.server.serving.status import INTERNAL_MESSAGE, handles_errors
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
@@ -125,7 +125,7 @@ def test_rollout_health_reports_the_builtin_actor(server) -> None:
 def _health_command(target: str) -> subprocess.CompletedProcess[str]:
     # The probe must not pay for torch/transformers: assert it never imported them.
     code = (
-        "import sys; from rollserve.server.cli import main; rc = main(sys.argv[1:]); "
+        "import sys; from rollserve.server.serving.cli import main; rc = main(sys.argv[1:]); "
         "heavy = {'torch', 'transformers'} & set(sys.modules); assert not heavy, heavy; "
         "sys.exit(rc)"
     )

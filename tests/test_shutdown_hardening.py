@@ -20,8 +20,8 @@ import grpc
 import pytest
 import torch
 from helpers_server import ServerProcess, start_server_process
-from rollserve.client.weights import update_weights_messages
-from rollserve.client.wire import update_weights_callable
+from rollserve.client.protocol.wire import update_weights_callable
+from rollserve.client.weights.update_file import update_weights_messages
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import load_models
 from rollserve.v1 import rollout_pb2 as pb

@@ -26,12 +26,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers_weights import perturbed, state_hash, update_weights_requests
 from rollserve.client.channel import open_channel
 from rollserve.client.client import RolloutClient
-from rollserve.client.errors import FailedPrecondition
-from rollserve.server.app import RolloutServer
+from rollserve.client.protocol.errors import FailedPrecondition
 from rollserve.server.config import ServerConfig
-from rollserve.server.default_model import TinyModelSpec, build_byte_tokenizer, save_tiny_causal_lm
 from rollserve.server.experience.scoring import action_log_probs
 from rollserve.server.models import LoadedModel, ModelSet, load_models
+from rollserve.server.models.default_model import (
+    TinyModelSpec,
+    build_byte_tokenizer,
+    save_tiny_causal_lm,
+)
+from rollserve.server.serving.app import RolloutServer
 from rollserve.server.weights import staging_arena
 from rollserve.server.weights.checksum import crc32
 from rollserve.v1 import rollout_pb2 as pb

@@ -26,19 +26,19 @@ import pytest
 import torch
 from helpers_weights import perturbed, state_hash
 from rollserve.client import RolloutClient
-from rollserve.client.distributed import WeightsGroup
-from rollserve.client.errors import (
+from rollserve.client.protocol.errors import (
     FailedPrecondition,
     InvalidArgument,
 )
-from rollserve.client.shared_memory import SharedMemoryFile
-from rollserve.client.weights import iter_safetensors_bytes, prepare_update
-from rollserve.client.wire import update_weights_callable
-from rollserve.server.app import RolloutServer
+from rollserve.client.protocol.wire import update_weights_callable
+from rollserve.client.weights.distributed import WeightsGroup
+from rollserve.client.weights.shared_memory import SharedMemoryFile
+from rollserve.client.weights.update_file import iter_safetensors_bytes, prepare_update
 from rollserve.server.config import ServerConfig
-from rollserve.server.default_model import TinyModelSpec, save_tiny_causal_lm
 from rollserve.server.experience.scoring import action_log_probs
 from rollserve.server.models import ModelSet, load_models
+from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm
+from rollserve.server.serving.app import RolloutServer
 from rollserve.server.weights import staging_arena
 from rollserve.v1 import rollout_pb2 as pb
 
@@ -499,7 +499,7 @@ def test_buckets_too_small_for_the_file_are_refused_on_both_sides(
     """1-byte broadcasts of a 0.4 MB file would be 4e5 broadcasts (MAX_BROADCASTS): the trainer
     refuses before sending anything; a trainer that does not check is refused by the server
     before the vote, so nobody broadcasts, and the group stays usable."""
-    import rollserve.client.distributed as distributed
+    from rollserve.client.weights import distributed
 
     actor = models.actor.module
     weights = perturbed(actor, seed=3)

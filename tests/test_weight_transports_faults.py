@@ -22,14 +22,14 @@ import torch
 from helpers_server import start_server_process
 from helpers_weights import perturbed, state_hash
 from rollserve.client import RolloutClient
-from rollserve.client.distributed import WeightsGroup
-from rollserve.client.errors import FailedPrecondition, Unavailable
-from rollserve.client.weights import prepare_update
-from rollserve.client.wire import update_weights_callable
-from rollserve.server.app import RolloutServer
+from rollserve.client.protocol.errors import FailedPrecondition, Unavailable
+from rollserve.client.protocol.wire import update_weights_callable
+from rollserve.client.weights.distributed import WeightsGroup
+from rollserve.client.weights.update_file import prepare_update
 from rollserve.server.config import ServerConfig
-from rollserve.server.default_model import TinyModelSpec, save_tiny_causal_lm
 from rollserve.server.models import ModelSet, load_models
+from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm
+from rollserve.server.serving.app import RolloutServer
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
@@ -224,7 +224,7 @@ _TRAINER = textwrap.dedent(
     import sys, time
     from safetensors.torch import load_file
     from rollserve.client import RolloutClient
-    from rollserve.client.distributed import WeightsGroup
+    from rollserve.client.weights.distributed import WeightsGroup
 
     target, weights_file = sys.argv[1], sys.argv[2]
     weights = {name: tensor + 0.5 for name, tensor in load_file(weights_file).items()}
@@ -346,7 +346,7 @@ def test_auto_falls_back_to_grpc_when_the_server_cannot_open_the_memfd(
     """A server in another PID namespace cannot open /proc/<client pid>/fd/N. Even if the
     client wrongly believes it shares the host (forced here), "shm" fails with a clear status
     and "auto" logs a warning and sends the update over gRPC."""
-    import rollserve.client.upload as upload
+    from rollserve.client.weights import upload
 
     proc, port = start_server_process("--device", "cpu", "--actor", str(actor_dir), prefix=_UNSHARE)
     target = f"127.0.0.1:{port}"
@@ -357,7 +357,7 @@ def test_auto_falls_back_to_grpc_when_the_server_cannot_open_the_memfd(
             weights = {"model.norm.weight": torch.full((SPEC.hidden_size,), 0.5)}
             with pytest.raises(FailedPrecondition, match="does not exist on the server's host"):
                 client.update_weights(weights, version=1, mode="partial", transport="shm")
-            with caplog.at_level("WARNING", logger="rollserve.client.upload"):
+            with caplog.at_level("WARNING", logger="rollserve.client.weights.upload"):
                 result = client.update_weights(weights, version=1, mode="partial")
             assert (result.version, result.transport) == (1, "grpc")
             assert "sending this update over gRPC" in caplog.text

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from rollserve.client import RolloutClient, WeightsGroup
-from rollserve.server.app import RolloutServer
 from rollserve.server.config import ServerConfig
-from rollserve.server.default_model import TinyModelSpec, save_tiny_causal_lm
 from rollserve.server.models import load_models
+from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm
+from rollserve.server.serving.app import RolloutServer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 WAIT_S = 60.0

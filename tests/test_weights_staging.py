@@ -14,8 +14,8 @@ import pytest
 import safetensors.torch
 import torch
 from helpers_weights import update_weights_requests
-from rollserve.client.errors import FailedPrecondition, InvalidArgument
-from rollserve.client.weights import (
+from rollserve.client.protocol.errors import FailedPrecondition, InvalidArgument
+from rollserve.client.weights.update_file import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
     iter_safetensors_bytes,
@@ -500,7 +500,7 @@ def test_cuda_sender_and_cuda_bfloat16_receiver(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_value_checks_take_large_finite_values_and_refuse_nan_and_infinity(dtype) -> None:
-    from rollserve.client.errors import InvalidArgument
+    from rollserve.client.protocol.errors import InvalidArgument
     from rollserve.server.weights.verify import ValueRule, check_values
 
     rule = ValueRule(check_finite=True)

@@ -13,8 +13,8 @@ import pytest
 import safetensors.torch
 import torch
 from helpers_weights import update_weights_requests
-from rollserve.client.errors import InvalidArgument
-from rollserve.client.weights import (
+from rollserve.client.protocol.errors import InvalidArgument
+from rollserve.client.weights.update_file import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
     iter_safetensors_bytes,

@@ -15,14 +15,8 @@ import torch
 from helpers_weights import update_weights_requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rollserve.client.errors import InvalidArgument
-from rollserve.client.weights import (
-    MIN_CHUNK_BYTES,
-    iter_chunk_pieces,
-    iter_safetensors_bytes,
-    update_weights_messages,
-)
-from rollserve.client.wire import (
+from rollserve.client.protocol.errors import InvalidArgument
+from rollserve.client.protocol.wire import (
     MalformedRequest,
     WireChunk,
     crc32,
@@ -32,8 +26,18 @@ from rollserve.client.wire import (
     parse_update_request,
     update_weights_callable,
 )
-from rollserve.server.handlers import ROLLOUT_SERVICE, add_rollout_servicer, rollout_method_handlers
-from rollserve.server.status import handles_errors
+from rollserve.client.weights.update_file import (
+    MIN_CHUNK_BYTES,
+    iter_chunk_pieces,
+    iter_safetensors_bytes,
+    update_weights_messages,
+)
+from rollserve.server.serving.handlers import (
+    ROLLOUT_SERVICE,
+    add_rollout_servicer,
+    rollout_method_handlers,
+)
+from rollserve.server.serving.status import handles_errors
 from rollserve.server.weights import LoraState, read_header, stage_chunks, stage_update
 from rollserve.server.weights.staging import UpdateStager
 from rollserve.v1 import rollout_pb2 as pb

@@ -7,40 +7,40 @@ the default preset are documented in presets.py (the one place).
 
 from __future__ import annotations
 
-from rollserve.server.algorithms.advantages import (
+from .advantages import (
     WHITENINGS,
     clip_advantages,
     cumulative_returns,
     gae,
     whiten,
 )
-from rollserve.server.algorithms.filters import (
+from .filters import (
     clip_filter_weights,
     dynamic_sampling_mask,
     high_entropy_mask,
 )
-from rollserve.server.algorithms.groups import (
+from .groups import (
     ESTIMATORS,
     GROUP_ESTIMATORS,
     check_group_size,
     group_shaped_reward,
 )
-from rollserve.server.algorithms.kl import (
+from .kl import (
     KL_ESTIMATORS,
     coati_logged_kl,
     kl_estimate,
     sequence_kl_reward,
 )
-from rollserve.server.algorithms.masking import last_valid_column, masked_row_mean
-from rollserve.server.algorithms.presets import (
+from .masking import last_valid_column, masked_row_mean
+from .presets import (
     DEFAULT_PRESET,
     PRESET_NAMES,
     PRESETS,
     AlgorithmConfig,
     preset_config,
 )
-from rollserve.server.algorithms.resolve import KL_MODES, resolve_algorithm
-from rollserve.server.algorithms.rewards import (
+from .resolve import KL_MODES, resolve_algorithm
+from .rewards import (
     OVERLONG_VARIANTS,
     REWARD_PLACEMENTS,
     clip_reward,
@@ -48,7 +48,7 @@ from rollserve.server.algorithms.rewards import (
     place_reward,
     token_rewards,
 )
-from rollserve.server.algorithms.shaping import ShapedExperience, shape_experience
+from .shaping import ShapedExperience, shape_experience
 
 __all__ = [
     "AlgorithmConfig",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from rollserve.server.algorithms.groups import group_view
+
+from .groups import group_view
 
 __all__ = ["high_entropy_mask", "dynamic_sampling_mask", "clip_filter_weights"]
 

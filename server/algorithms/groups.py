@@ -16,7 +16,8 @@ group mean is the reward itself.
 from __future__ import annotations
 
 import torch
-from rollserve.client.errors import InvalidArgument
+
+from ...client.protocol.errors import InvalidArgument
 
 __all__ = [
     "ESTIMATORS",

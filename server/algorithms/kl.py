@@ -16,7 +16,8 @@ its own function, `coati_logged_kl`, used only for the returned `kl` of the coat
 from __future__ import annotations
 
 import torch
-from rollserve.server.algorithms.masking import float_dtype, masked_row_mean
+
+from .masking import float_dtype, masked_row_mean
 
 __all__ = ["KL_ESTIMATORS", "kl_estimate", "coati_logged_kl", "sequence_kl_reward"]
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
-from rollserve.server.algorithms.groups import ESTIMATORS, GROUP_ESTIMATORS
+from .groups import ESTIMATORS, GROUP_ESTIMATORS
 
 __all__ = [
     "AlgorithmConfig",

@@ -10,13 +10,13 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from rollserve.client.errors import FailedPrecondition, InvalidArgument
-from rollserve.server.algorithms.advantages import WHITENINGS
-from rollserve.server.algorithms.groups import ESTIMATORS
-from rollserve.server.algorithms.kl import KL_ESTIMATORS
-from rollserve.server.algorithms.presets import PRESET_NAMES, AlgorithmConfig, preset_config
-from rollserve.server.algorithms.rewards import REWARD_PLACEMENTS
-from rollserve.v1 import rollout_pb2
+from ...client.protocol.errors import FailedPrecondition, InvalidArgument
+from ...v1 import rollout_pb2
+from .advantages import WHITENINGS
+from .groups import ESTIMATORS
+from .kl import KL_ESTIMATORS
+from .presets import PRESET_NAMES, AlgorithmConfig, preset_config
+from .rewards import REWARD_PLACEMENTS
 
 __all__ = ["KL_MODES", "resolve_algorithm"]
 

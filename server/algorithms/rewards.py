@@ -13,7 +13,8 @@ result, then the token reward (B, A) = -beta * kl + R placed on the action colum
 from __future__ import annotations
 
 import torch
-from rollserve.server.algorithms.masking import last_valid_column
+
+from .masking import last_valid_column
 
 __all__ = [
     "REWARD_PLACEMENTS",

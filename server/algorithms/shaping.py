@@ -21,17 +21,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from rollserve.server.algorithms.advantages import clip_advantages, cumulative_returns, gae, whiten
-from rollserve.server.algorithms.filters import (
+
+from .advantages import clip_advantages, cumulative_returns, gae, whiten
+from .filters import (
     clip_filter_weights,
     dynamic_sampling_mask,
     high_entropy_mask,
 )
-from rollserve.server.algorithms.groups import check_group_size, group_shaped_reward
-from rollserve.server.algorithms.kl import coati_logged_kl, kl_estimate, sequence_kl_reward
-from rollserve.server.algorithms.masking import float_dtype, masked_row_mean
-from rollserve.server.algorithms.presets import AlgorithmConfig
-from rollserve.server.algorithms.rewards import clip_reward, overlong_penalty, token_rewards
+from .groups import check_group_size, group_shaped_reward
+from .kl import coati_logged_kl, kl_estimate, sequence_kl_reward
+from .masking import float_dtype, masked_row_mean
+from .presets import AlgorithmConfig
+from .rewards import clip_reward, overlong_penalty, token_rewards
 
 __all__ = ["ShapedExperience", "shape_experience"]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from google.protobuf import json_format
-from rollserve.v1 import rollout_pb2 as pb
 
+from ...v1 import rollout_pb2 as pb
 from .source import PlannedBatch, PromptSource, RolloutSetupError, mix_seed
 
 __all__ = ["build_batch_request", "load_request_template"]

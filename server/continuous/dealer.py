@@ -29,9 +29,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rollserve.client.errors import Unavailable
-from rollserve.v1 import rollout_pb2 as pb
-
+from ...client.protocol.errors import Unavailable
+from ...v1 import rollout_pb2 as pb
 from .subscribe import Subscription
 
 __all__ = ["Dealer", "MadeBatch"]

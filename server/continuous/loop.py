@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from rollserve.client.errors import ResourceExhausted, RolloutError, Unavailable
-from rollserve.client.experience import Experience, concat_experiences, experience_to_proto
-from rollserve.v1 import rollout_pb2 as pb
 
+from ...client.protocol.errors import ResourceExhausted, RolloutError, Unavailable
+from ...client.protocol.experience import Experience, concat_experiences, experience_to_proto
+from ...v1 import rollout_pb2 as pb
 from ..config import ServerConfig
 from ..models import Phase, ServerState
 from .batch_request import build_batch_request, load_request_template
@@ -29,8 +29,8 @@ from .source import PlannedBatch, PromptSource, RolloutSetupError, load_prompt_s
 from .subscribe import Subscription
 
 if TYPE_CHECKING:
-    from ..experience_request import ExperienceSpec
-    from ..runtime import Runtime
+    from ..engine.runtime import Runtime
+    from ..experience.request import ExperienceSpec
 
 __all__ = ["ContinuousRollout", "RolloutSettings", "RolloutStats"]
 

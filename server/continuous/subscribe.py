@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from rollserve.client.errors import FailedPrecondition, InvalidArgument
-from rollserve.v1 import rollout_pb2 as pb
+from ...client.protocol.errors import FailedPrecondition, InvalidArgument
+from ...v1 import rollout_pb2 as pb
 
 if TYPE_CHECKING:
     import grpc

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from rollserve.client.experience import Experience
 
+from ...client.protocol.experience import Experience
 from ..algorithms import ShapedExperience
 from .generation import GenerationOutput
 

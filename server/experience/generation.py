@@ -35,7 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from rollserve.client.errors import InvalidArgument
+
+from ...client.protocol.errors import InvalidArgument
 
 __all__ = ["SamplingParams", "GenerationOutput", "generate", "left_pad"]
 

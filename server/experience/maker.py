@@ -33,15 +33,15 @@ import threading
 from collections.abc import Iterator
 
 import torch
-from rollserve.client.errors import FailedPrecondition
-from rollserve.client.experience import Experience, concat_experiences
-from rollserve.client.requests import Prompts, build_make_experience_request
 
-from ..experience_request import ExperienceSpec, RequestDefaults, decode_experience_request
+from ...client.protocol.errors import FailedPrecondition
+from ...client.protocol.experience import Experience, concat_experiences
+from ...client.protocol.requests import Prompts, build_make_experience_request
 from ..models import ModelSet
-from ..rewards import RewardRegistry
 from .batches import ScoredBatch, merge_batches
 from .micro_batches import MicroBatcher
+from .request import ExperienceSpec, RequestDefaults, decode_experience_request
+from .rewards import RewardRegistry
 from .steps import (
     batch_seed,
     decode_responses,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
-from rollserve.client.experience import (
+from ...client.protocol.experience import (
     EXPERIENCE_ACTION_FIELDS,
     EXPERIENCE_SEQUENCE_FIELDS,
     EXPERIENCE_TENSOR_FIELDS,

@@ -22,7 +22,8 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from rollserve.client.errors import FailedPrecondition, InvalidArgument
+
+from ...client.protocol.errors import FailedPrecondition, InvalidArgument
 
 __all__ = [
     "DEFAULT_POSITIONS_PER_CHUNK",

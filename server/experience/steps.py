@@ -11,14 +11,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from rollserve.client.experience import Experience
 
+from ...client.protocol.experience import Experience
 from ..algorithms import shape_experience
-from ..experience_request import ExperienceSpec
 from ..models import ModelSet
-from ..rewards import REWARD_MODEL_SOURCE, RewardRegistry
 from .batches import ScoredBatch, to_experience
 from .generation import GenerationOutput, generate
+from .request import ExperienceSpec
+from .rewards import REWARD_MODEL_SOURCE, RewardRegistry
 from .scoring import action_log_probs, critic_values, reward_scores
 
 __all__ = [

@@ -12,10 +12,10 @@ broadcast after InitWeightsGroup).
 
 from __future__ import annotations
 
-from rollserve.server.weights.arena import StagingArena, staging_arena
-from rollserve.server.weights.header import DEFAULT_MAX_HEADER_BYTES
-from rollserve.server.weights.lora import LoraState
-from rollserve.server.weights.staging import (
+from .arena import StagingArena, staging_arena
+from .header import DEFAULT_MAX_HEADER_BYTES
+from .lora import LoraState
+from .staging import (
     AppliedUpdate,
     StagedUpdate,
     UpdateStager,

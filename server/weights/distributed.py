@@ -26,13 +26,14 @@ from dataclasses import dataclass
 import grpc
 import torch
 import torch.distributed as dist
-from rollserve.client.errors import (
+
+from ...client.protocol.errors import (
     FailedPrecondition,
     InvalidArgument,
     RolloutError,
     Unavailable,
 )
-from rollserve.client.process_group import (
+from ...client.protocol.process_group import (
     BACKENDS,
     DEFAULT_BUCKET_BYTES,
     MAX_LANES,
@@ -42,9 +43,9 @@ from rollserve.client.process_group import (
     new_process_groups,
     shut_down,
 )
-from rollserve.server.weights.staging import Request, UpdateStager, iter_chunks
-from rollserve.server.weights.stream import Lane
-from rollserve.v1 import rollout_pb2 as pb
+from ...v1 import rollout_pb2 as pb
+from .staging import Request, UpdateStager, iter_chunks
+from .stream import Lane
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "WeightsGroup", "WeightsGroups"]
 

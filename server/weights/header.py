@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from rollserve.client.errors import InvalidArgument
-from rollserve.client.weights import PROTO_DTYPES, SAFETENSORS_DTYPES
-from rollserve.v1 import rollout_pb2 as pb
+
+from ...client.protocol.errors import InvalidArgument
+from ...client.weights.update_file import PROTO_DTYPES, SAFETENSORS_DTYPES
+from ...v1 import rollout_pb2 as pb
 
 __all__ = [
     "DEFAULT_MAX_HEADER_BYTES",

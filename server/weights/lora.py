@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from rollserve.client.errors import InvalidArgument
-from rollserve.server.weights.header import StreamEntry, preview
-from rollserve.server.weights.options import LoraParams
+
+from ...client.protocol.errors import InvalidArgument
+from .header import StreamEntry, preview
+from .options import LoraParams
 
 if TYPE_CHECKING:
-    from rollserve.server.weights.verify import ModelSpec, TargetTensor
+    from .verify import ModelSpec, TargetTensor
 
 __all__ = ["PEFT_PREFIX", "LoraState", "LoraTarget", "apply_lora", "merged_weight", "plan_lora"]
 

@@ -10,9 +10,9 @@ import math
 import re
 from dataclasses import dataclass
 
-from rollserve.client.errors import InvalidArgument
-from rollserve.server.weights.header import PREFIX_BYTES
-from rollserve.v1 import rollout_pb2 as pb
+from ...client.protocol.errors import InvalidArgument
+from ...v1 import rollout_pb2 as pb
+from .header import PREFIX_BYTES
 
 __all__ = ["LoraParams", "UpdateOptions", "update_options"]
 

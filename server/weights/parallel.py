@@ -18,10 +18,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from rollserve.client.errors import DeadlineExceeded, InvalidArgument, RolloutError
-from rollserve.server.weights.staging import Request, UpdateStager, iter_chunks
-from rollserve.server.weights.stream import Lane
-from rollserve.v1 import rollout_pb2 as pb
+from ...client.protocol.errors import DeadlineExceeded, InvalidArgument, RolloutError
+from ...v1 import rollout_pb2 as pb
+from .staging import Request, UpdateStager, iter_chunks
+from .stream import Lane
 
 __all__ = ["MAX_STREAMS", "Assembly", "ParallelUpdates", "check_part", "feed_part"]
 

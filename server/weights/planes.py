@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Protocol
 
-from rollserve.client.errors import InvalidArgument
-from rollserve.server.weights.distributed import GroupUpdate, WeightsGroups
-from rollserve.server.weights.parallel import Assembly, ParallelUpdates, feed_part
-from rollserve.server.weights.shared_memory import receive_shared_memory
-from rollserve.server.weights.staging import Request, UpdateStager, iter_chunks
-from rollserve.v1 import rollout_pb2 as pb
+from ...client.protocol.errors import InvalidArgument
+from ...v1 import rollout_pb2 as pb
+from .distributed import GroupUpdate, WeightsGroups
+from .parallel import Assembly, ParallelUpdates, feed_part
+from .shared_memory import receive_shared_memory
+from .staging import Request, UpdateStager, iter_chunks
 
 __all__ = ["DataPlane", "data_plane"]
 

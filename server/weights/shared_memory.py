@@ -28,11 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from queue import Empty, SimpleQueue
 
 import numpy as np
-from rollserve.client.errors import FailedPrecondition, InvalidArgument
-from rollserve.client.shared_memory import REQUIRED_SEALS
-from rollserve.server.weights.staging import Request, UpdateStager, iter_chunks, iter_shm_written
-from rollserve.server.weights.stream import Lane
-from rollserve.v1 import rollout_pb2 as pb
+
+from ...client.protocol.errors import FailedPrecondition, InvalidArgument
+from ...client.weights.shared_memory import REQUIRED_SEALS
+from ...v1 import rollout_pb2 as pb
+from .staging import Request, UpdateStager, iter_chunks, iter_shm_written
+from .stream import Lane
 
 __all__ = ["PIECE_BYTES", "default_lanes", "receive_shared_memory", "release_mappings"]
 

@@ -13,15 +13,16 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
-from rollserve.client.errors import FailedPrecondition, InvalidArgument
-from rollserve.client.wire import MalformedRequest, WireChunk
-from rollserve.server.weights.arena import StagingArena
-from rollserve.server.weights.header import DEFAULT_MAX_HEADER_BYTES
-from rollserve.server.weights.lora import LoraState, apply_lora
-from rollserve.server.weights.options import UpdateOptions, update_options
-from rollserve.server.weights.stream import Lane, SafetensorsStager
-from rollserve.server.weights.verify import TargetTensor, UpdateChecks, UpdatePlan, model_spec
-from rollserve.v1 import rollout_pb2 as pb
+
+from ...client.protocol.errors import FailedPrecondition, InvalidArgument
+from ...client.protocol.wire import MalformedRequest, WireChunk
+from ...v1 import rollout_pb2 as pb
+from .arena import StagingArena
+from .header import DEFAULT_MAX_HEADER_BYTES
+from .lora import LoraState, apply_lora
+from .options import UpdateOptions, update_options
+from .stream import Lane, SafetensorsStager
+from .verify import TargetTensor, UpdateChecks, UpdatePlan, model_spec
 
 __all__ = [
     "AppliedUpdate",

@@ -33,10 +33,11 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from rollserve.client.errors import InvalidArgument
-from rollserve.server.weights.arena import StagingArena
-from rollserve.server.weights.checksum import crc32 as crc32_of
-from rollserve.server.weights.header import PREFIX_BYTES, StreamEntry, parse_header
+
+from ...client.protocol.errors import InvalidArgument
+from .arena import StagingArena
+from .checksum import crc32 as crc32_of
+from .header import PREFIX_BYTES, StreamEntry, parse_header
 
 __all__ = [
     "ArenaLayout",

@@ -27,11 +27,12 @@ from types import MappingProxyType
 
 import numpy as np
 import torch
-from rollserve.client.errors import InvalidArgument
-from rollserve.server.weights.header import StreamEntry, check_manifest, preview
-from rollserve.server.weights.lora import LoraTarget, plan_lora
-from rollserve.server.weights.options import UpdateOptions
-from rollserve.v1 import rollout_pb2 as pb
+
+from ...client.protocol.errors import InvalidArgument
+from ...v1 import rollout_pb2 as pb
+from .header import StreamEntry, check_manifest, preview
+from .lora import LoraTarget, plan_lora
+from .options import UpdateOptions
 
 __all__ = [
     "ModelSpec",

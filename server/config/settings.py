@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NoReturn
 
-from .config_flags import ENV_PREFIX, FLAGS, Flag, env_name, flag_name
-from .config_values import DTYPES, LOG_LEVELS, MIB
+from .flags import ENV_PREFIX, FLAGS, Flag, env_name, flag_name
+from .values import DTYPES, LOG_LEVELS, MIB
 
 __all__ = [
     "ConfigError",

@@ -27,10 +27,11 @@ from typing import Any
 
 import grpc
 import torch
-from rollserve.client.errors import FailedPrecondition, InvalidArgument
-from rollserve.client.shared_memory import SharedMemoryFile, shm_host_id
-from rollserve.client.weights import UpdateFile, prepare_update
-from rollserve.v1 import rollout_pb2 as pb
+
+from ...v1 import rollout_pb2 as pb
+from ..protocol.errors import FailedPrecondition, InvalidArgument
+from .shared_memory import SharedMemoryFile, shm_host_id
+from .update_file import UpdateFile, prepare_update
 
 __all__ = ["TRANSPORTS", "CallOptions", "Uploads", "default_streams"]
 

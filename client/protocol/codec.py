@@ -15,8 +15,9 @@ from types import MappingProxyType
 
 import torch
 from google.protobuf.message import Message
-from rollserve.client.errors import TensorCodecError
-from rollserve.v1 import rollout_pb2 as pb
+
+from ...v1 import rollout_pb2 as pb
+from .errors import TensorCodecError
 
 __all__ = [
     "MAX_ELEMENTS",

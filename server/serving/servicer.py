@@ -14,17 +14,18 @@ import threading
 from collections.abc import Iterator
 
 import grpc
-from rollserve.client.errors import FailedPrecondition, Unavailable
-from rollserve.client.shared_memory import shm_host_id
-from rollserve.server.continuous import ContinuousRollout, RolloutStats, serve_subscribe
-from rollserve.server.idle_deadline import IdleDeadline
-from rollserve.server.metrics import ServerMetrics
-from rollserve.server.models import Phase, ServerState
-from rollserve.server.runtime import Runtime
-from rollserve.server.security import RequestLimits, check_request_limits
-from rollserve.server.status import handles_errors
-from rollserve.v1 import rollout_pb2 as pb
-from rollserve.v1 import rollout_pb2_grpc
+
+from ...client.protocol.errors import FailedPrecondition, Unavailable
+from ...client.weights.shared_memory import shm_host_id
+from ...v1 import rollout_pb2 as pb
+from ...v1 import rollout_pb2_grpc
+from ..continuous import ContinuousRollout, RolloutStats, serve_subscribe
+from ..engine.runtime import Runtime
+from ..models import Phase, ServerState
+from .idle_deadline import IdleDeadline
+from .metrics import ServerMetrics
+from .security import RequestLimits, check_request_limits
+from .status import handles_errors
 
 __all__ = ["RolloutServicer", "health_response", "rollout_progress", "server_version"]
 

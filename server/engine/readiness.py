@@ -22,7 +22,8 @@ import logging
 import threading
 
 import torch
-from rollserve.server.models import LoadedModel, ModelSet, Phase, ServerState
+
+from ..models import LoadedModel, ModelSet, Phase, ServerState
 
 __all__ = ["Readiness", "ReadinessError", "probe_model"]
 

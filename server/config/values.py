@@ -130,7 +130,7 @@ def non_empty(raw: str) -> str:
 
 def preset(raw: str) -> str:
     # Imported here, not at module import: the preset table pulls in torch.
-    from rollserve.server.algorithms.presets import PRESET_NAMES
+    from ..algorithms.presets import PRESET_NAMES
 
     value = raw.strip().lower()
     if value not in PRESET_NAMES:

@@ -11,17 +11,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from rollserve.client.errors import (
+from ...client.protocol.errors import (
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
     Unavailable,
 )
-from rollserve.client.experience import experience_to_proto
-from rollserve.server.engine import Engine
-from rollserve.server.experience.maker import NaiveExperienceMaker
-from rollserve.server.models import LoadedModel, ModelSet, Phase, ServerState
-from rollserve.server.weights import (
+from ...client.protocol.experience import experience_to_proto
+from ...v1 import rollout_pb2 as pb
+from ..experience.maker import NaiveExperienceMaker
+from ..models import LoadedModel, ModelSet, Phase, ServerState
+from ..weights import (
     AppliedUpdate,
     LoraState,
     StagedUpdate,
@@ -29,12 +29,12 @@ from rollserve.server.weights import (
     read_header,
     staging_arena,
 )
-from rollserve.server.weights.distributed import WeightsGroups
-from rollserve.server.weights.parallel import ParallelUpdates, check_part, feed_part
-from rollserve.server.weights.planes import DataPlane, data_plane
-from rollserve.server.weights.shared_memory import default_lanes, release_mappings
-from rollserve.server.weights.staging import Request
-from rollserve.v1 import rollout_pb2 as pb
+from ..weights.distributed import WeightsGroups
+from ..weights.parallel import ParallelUpdates, check_part, feed_part
+from ..weights.planes import DataPlane, data_plane
+from ..weights.shared_memory import default_lanes, release_mappings
+from ..weights.staging import Request
+from .worker import Engine
 
 __all__ = ["Runtime"]
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TypeVar
 
-from rollserve.client.errors import Cancelled, ResourceExhausted, Unavailable
+from ...client.protocol.errors import Cancelled, ResourceExhausted, Unavailable
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -30,29 +30,30 @@ from types import FrameType
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from rollserve.server.config import ServerConfig
-from rollserve.server.continuous import ContinuousRollout
-from rollserve.server.experience.maker import NaiveExperienceMaker
-from rollserve.server.experience_request import RequestDefaults
-from rollserve.server.handlers import add_rollout_servicer
-from rollserve.server.interceptors import (
+
+from ...v1 import rollout_pb2 as pb
+from ..config import ServerConfig
+from ..continuous import ContinuousRollout
+from ..engine.readiness import Readiness
+from ..engine.runtime import Runtime
+from ..experience.maker import NaiveExperienceMaker
+from ..experience.request import RequestDefaults
+from ..experience.rewards import RewardRegistry
+from ..models import ModelSet, Phase, ServerState, check_model_dirs, load_models
+from .handlers import add_rollout_servicer
+from .interceptors import (
     AuthInterceptor,
     MalformedRequestInterceptor,
     TelemetryInterceptor,
 )
-from rollserve.server.metrics import MetricsHttpServer, ServerMetrics, start_metrics_http
-from rollserve.server.models import ModelSet, Phase, ServerState, check_model_dirs, load_models
-from rollserve.server.readiness import Readiness
-from rollserve.server.rewards import RewardRegistry
-from rollserve.server.runtime import Runtime
-from rollserve.server.security import (
+from .metrics import MetricsHttpServer, ServerMetrics, start_metrics_http
+from .security import (
     AuthTokens,
     load_tokens,
     security_warnings,
     server_credentials,
 )
-from rollserve.server.servicer import RolloutServicer
-from rollserve.v1 import rollout_pb2 as pb
+from .servicer import RolloutServicer
 
 __all__ = ["BindError", "RolloutServer", "ROLLOUT_SERVICE", "grpc_server_options", "serve"]
 

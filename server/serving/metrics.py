@@ -34,12 +34,13 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from rollserve.client.codec import decode_tensor
-from rollserve.server.models import Phase, ServerState
-from rollserve.v1 import rollout_pb2 as pb
+
+from ...client.protocol.codec import decode_tensor
+from ...v1 import rollout_pb2 as pb
+from ..models import Phase, ServerState
 
 if TYPE_CHECKING:
-    from rollserve.server.continuous import RolloutStats
+    from ..continuous import RolloutStats
 
 __all__ = ["MetricsHttpServer", "ServerMetrics", "role_name", "start_metrics_http"]
 

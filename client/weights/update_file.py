@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
-from rollserve.client.errors import InvalidArgument
-from rollserve.client.wire import crc32_of_pieces, encode_chunk
-from rollserve.v1 import rollout_pb2 as pb
+
+from ...v1 import rollout_pb2 as pb
+from ..protocol.errors import InvalidArgument
+from ..protocol.wire import crc32_of_pieces, encode_chunk
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

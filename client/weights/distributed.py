@@ -37,9 +37,10 @@ import grpc
 import numpy as np
 import torch
 import torch.distributed as dist
-from rollserve.client.errors import FailedPrecondition, InvalidArgument, Unavailable, from_rpc_error
-from rollserve.client.flat_weights import data_section_run, flatten_weights
-from rollserve.client.process_group import (
+
+from ...v1 import rollout_pb2 as pb
+from ..protocol.errors import FailedPrecondition, InvalidArgument, Unavailable, from_rpc_error
+from ..protocol.process_group import (
     BACKENDS,
     CONTIGUOUS_BUCKET_BYTES,
     DEFAULT_BUCKET_BYTES,
@@ -50,12 +51,12 @@ from rollserve.client.process_group import (
     new_process_groups,
     shut_down,
 )
-from rollserve.client.results import UpdateResult
-from rollserve.client.weights import DEFAULT_CHUNK_BYTES, UpdateFile, WeightSpec, prepare_update
-from rollserve.v1 import rollout_pb2 as pb
+from ..results import UpdateResult
+from .flat_weights import data_section_run, flatten_weights
+from .update_file import DEFAULT_CHUNK_BYTES, UpdateFile, WeightSpec, prepare_update
 
 if TYPE_CHECKING:
-    from rollserve.client.calls import BaseClient
+    from ..calls import BaseClient
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "WeightsGroup", "update_through_group"]
 

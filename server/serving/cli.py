@@ -36,7 +36,7 @@ def main(
 
 
 def _serve(args: list[str], prog: str) -> int:
-    from rollserve.server.config import ConfigError, ServerConfig
+    from ..config import ConfigError, ServerConfig
 
     try:
         config = ServerConfig.from_args(args, os.environ, prog=prog)
@@ -45,10 +45,10 @@ def _serve(args: list[str], prog: str) -> int:
         sys.stderr.write(exc.usage)
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    from rollserve.server.app import BindError, serve
-    from rollserve.server.models import ModelLoadError
-    from rollserve.server.readiness import ReadinessError
-    from rollserve.server.security import SecurityConfigError
+    from ..engine.readiness import ReadinessError
+    from ..models import ModelLoadError
+    from .app import BindError, serve
+    from .security import SecurityConfigError
 
     try:
         return serve(config)

@@ -28,7 +28,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from rollserve.client.errors import (
+from ...client.protocol.errors import (
     FailedPrecondition,
     InvalidArgument,
     RolloutError,

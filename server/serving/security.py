@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from rollserve.client.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from rollserve.server.config import ServerConfig
-from rollserve.v1 import rollout_pb2 as pb
+
+from ...client.protocol.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from ...v1 import rollout_pb2 as pb
+from ..config import ServerConfig
 
 __all__ = [
     "OPEN_SERVICES",

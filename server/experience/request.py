@@ -13,12 +13,12 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rollserve.client.errors import FailedPrecondition, InvalidArgument
-from rollserve.server.algorithms import AlgorithmConfig, check_group_size, resolve_algorithm
-from rollserve.server.experience.generation import SamplingParams
-from rollserve.server.models import ModelSet
-from rollserve.server.rewards import BUILTIN_RULES, REWARD_MODEL_SOURCE, RewardRegistry
-from rollserve.v1 import rollout_pb2 as pb
+from ...client.protocol.errors import FailedPrecondition, InvalidArgument
+from ...v1 import rollout_pb2 as pb
+from ..algorithms import AlgorithmConfig, check_group_size, resolve_algorithm
+from ..models import ModelSet
+from .generation import SamplingParams
+from .rewards import BUILTIN_RULES, REWARD_MODEL_SOURCE, RewardRegistry
 
 __all__ = ["ExperienceSpec", "RequestDefaults", "decode_experience_request"]
 

@@ -26,9 +26,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from rollserve.client.errors import InvalidArgument
-from rollserve.server.metrics import ServerMetrics, split_method
-from rollserve.server.security import OPEN_SERVICES, AuthTokens, authorize
+
+from ...client.protocol.errors import InvalidArgument
+from .metrics import ServerMetrics, split_method
+from .security import OPEN_SERVICES, AuthTokens, authorize
 
 __all__ = [
     "REQUEST_ID_KEY",

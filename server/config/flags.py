@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import config_values as parse
+from . import values as parse
 
 ENV_PREFIX = "ROLLSERVE_"
 

@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
-from rollserve.v1 import rollout_pb2 as pb
+
+from ...v1 import rollout_pb2 as pb
 
 __all__ = [
     "CRC32_IMPLEMENTATION",

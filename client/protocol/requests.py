@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from rollserve.v1 import rollout_pb2 as pb
+from ...v1 import rollout_pb2 as pb
 
 __all__ = ["build_make_experience_request", "Prompts", "RewardRecipe"]
 

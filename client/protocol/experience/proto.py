@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from rollserve.v1 import rollout_pb2 as pb
 
+from ....v1 import rollout_pb2 as pb
 from ..codec import decode_optional, decode_tensor, encode_tensor_into
 from ..errors import InvalidArgument
 from .fields import EXPERIENCE_SPECS

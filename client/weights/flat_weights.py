@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-from rollserve.client.errors import InvalidArgument
-from rollserve.client.weights import WeightSpec, safetensors_header
+
+from ..protocol.errors import InvalidArgument
+from .update_file import WeightSpec, safetensors_header
 
 __all__ = ["data_section_run", "flatten_weights"]
 

@@ -15,7 +15,8 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import grpc
-from rollserve.client.errors import Cancelled, Internal, RolloutError
+
+from ...client.protocol.errors import Cancelled, Internal, RolloutError
 
 __all__ = [
     "INTERNAL_MESSAGE",

@@ -2,7 +2,7 @@
 
 Like the generated `rollout_pb2_grpc.add_RolloutServicer_to_server`, for every method of the
 rollserve.v1.Rollout service in the descriptor, except that UpdateWeights requests are parsed
-by `rollserve.client.wire.parse_update_request`: a chunk's data stays a view into the bytes gRPC
+by `protocol.wire.parse_update_request`: a chunk's data stays a view into the bytes gRPC
 received instead of being copied into a protobuf message and copied out again on `.data`
 (reference/transport.md). The stream consumer (server/weights/staging.py) takes both forms.
 """
@@ -15,8 +15,9 @@ from typing import Any
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor
-from rollserve.client.wire import parse_update_request
-from rollserve.v1 import rollout_pb2 as pb
+
+from ...client.protocol.wire import parse_update_request
+from ...v1 import rollout_pb2 as pb
 
 __all__ = ["ROLLOUT_SERVICE", "add_rollout_servicer", "rollout_method_handlers"]
 

@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from rollserve.server.config import ServerConfig
-from rollserve.server.default_model import BUILTIN_SOURCE, save_tiny_causal_lm
+
+from ..config import ServerConfig
+from .default_model import BUILTIN_SOURCE, save_tiny_causal_lm
 
 if TYPE_CHECKING:
-    from rollserve.server.runtime import Runtime
+    from ..engine.runtime import Runtime
 
 __all__ = [
     "ROLES",
@@ -227,7 +228,7 @@ def _own_memory(module: torch.nn.Module) -> None:
     Tensors outside the state dict (non-persistent buffers, which no update rewrites) get
     copies of their own, never a place in the shared buffer.
     """
-    from rollserve.server.weights import staging_arena
+    from ..weights import staging_arena
 
     with torch.no_grad():
         in_state = {id(t): t for t in module.state_dict(keep_vars=True).values()}  # shared: once
@@ -370,6 +371,6 @@ class ServerState:
     @property
     def default_preset(self) -> str:
         """The preset of requests that name none: the flag, else the algorithms' default."""
-        from rollserve.server.algorithms import DEFAULT_PRESET
+        from ..algorithms import DEFAULT_PRESET
 
         return self.config.default_preset or DEFAULT_PRESET

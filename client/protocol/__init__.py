@@ -1,0 +1,1 @@
+"""The wire vocabulary client and server share: errors, tensors, framing, Experience."""

@@ -1,0 +1,1 @@
+"""The trainer side of UpdateWeights: the update file, its data planes and weights groups."""

@@ -1,0 +1,1 @@
+"""The gRPC face: server, servicer, interceptors, auth, metrics, command line."""
