@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import os
 import struct
 import subprocess
@@ -12,20 +13,28 @@ import tracemalloc
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rollserve.client.protocol import codec
 from rollserve.client.protocol.codec import (
-    ITEMSIZES,
-    TORCH_DTYPES,
-    WIRE_DTYPES,
     decode_optional,
     decode_tensor,
     encode_tensor,
     encode_tensor_into,
     torch_dtype,
     wire_dtype,
+)
+from rollserve.client.protocol.dtypes import (
+    DTYPES,
+    ITEMSIZES,
+    PROTO_DTYPES,
+    SAFETENSORS_DTYPES,
+    SAFETENSORS_NAMES,
+    TORCH_DTYPES,
+    TORCH_NAMES,
+    WIRE_DTYPES,
 )
 from rollserve.client.protocol.errors import InvalidArgument, TensorCodecError
 from rollserve.v1 import rollout_pb2 as pb
@@ -77,6 +86,18 @@ def test_dtype_table_covers_every_proto_dtype_with_its_itemsize() -> None:
         assert ITEMSIZES[wire] == size == TORCH_DTYPES[wire].itemsize
         assert wire_dtype(TORCH_DTYPES[wire]) == wire
         assert torch_dtype(wire) == TORCH_DTYPES[wire]
+
+
+def test_every_dtype_view_reads_the_one_table_and_safetensors_agrees() -> None:
+    for dtype in DTYPES:
+        # safetensors' own writer names each dtype as the table does.
+        header = safetensors.torch.save({"t": torch.zeros(1, dtype=dtype.torch)})
+        length = int.from_bytes(header[:8], "little")
+        assert json.loads(header[8 : 8 + length])["t"]["dtype"] == dtype.safetensors
+        assert SAFETENSORS_DTYPES[dtype.safetensors] is dtype.torch
+        assert SAFETENSORS_NAMES[dtype.torch] == dtype.safetensors
+        assert PROTO_DTYPES[dtype.safetensors] == dtype.wire == WIRE_DTYPES[dtype.torch]
+        assert TORCH_NAMES[dtype.name] is dtype.torch is getattr(torch, dtype.name)
 
 
 @pytest.mark.parametrize(

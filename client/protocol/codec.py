@@ -10,21 +10,18 @@ import math
 import sys
 import threading
 import warnings
-from collections.abc import Iterable, Mapping
-from types import MappingProxyType
+from collections.abc import Iterable
 
 import torch
 from google.protobuf.message import Message
 
 from ...v1 import rollout_pb2 as pb
+from .dtypes import TORCH_DTYPES, WIRE_DTYPES
 from .errors import TensorCodecError
 
 __all__ = [
     "MAX_ELEMENTS",
     "MAX_NDIM",
-    "TORCH_DTYPES",
-    "WIRE_DTYPES",
-    "ITEMSIZES",
     "torch_dtype",
     "wire_dtype",
     "encode_tensor",
@@ -32,25 +29,6 @@ __all__ = [
     "decode_tensor",
     "decode_optional",
 ]
-
-# Wire enum value -> torch dtype, for every DType of the proto except UNSPECIFIED.
-TORCH_DTYPES: Mapping[int, torch.dtype] = MappingProxyType(
-    {
-        pb.DTYPE_BOOL: torch.bool,
-        pb.DTYPE_UINT8: torch.uint8,
-        pb.DTYPE_INT8: torch.int8,
-        pb.DTYPE_INT16: torch.int16,
-        pb.DTYPE_INT32: torch.int32,
-        pb.DTYPE_INT64: torch.int64,
-        pb.DTYPE_FLOAT16: torch.float16,
-        pb.DTYPE_BFLOAT16: torch.bfloat16,
-        pb.DTYPE_FLOAT32: torch.float32,
-        pb.DTYPE_FLOAT64: torch.float64,
-    }
-)
-WIRE_DTYPES: Mapping[torch.dtype, int] = MappingProxyType({v: k for k, v in TORCH_DTYPES.items()})
-# Bytes per element of each wire dtype (fixed by the proto, equal to torch's itemsize).
-ITEMSIZES: Mapping[int, int] = MappingProxyType({k: v.itemsize for k, v in TORCH_DTYPES.items()})
 
 # Bounds checked before any allocation. numpy's rank limit; 2**48 elements keeps every stride
 # torch computes (even for an empty tensor such as (0, 2**40, 2**40)) far inside int64, and is

@@ -8,9 +8,10 @@ The server opens /proc/<pid>/fd/<fd>, checks the seals and the size, and copies 
 its staging arena; the verification, version and atomic swap are those of every other transport.
 
 Why a memfd sealed against shrinking and growing: a reader of a shared mapping that another
-process truncates gets SIGBUS, which would kill the server. F_SEAL_SHRINK makes the size final
-while the pages stay writable, so one memfd serves update after update with warm pages (a fresh
-mapping is faulted in page by page at about 1 GB/s on our VMs; reference/transport.md).
+process truncates gets SIGBUS, which would kill the server (protocol/shared_memory.py names the
+seals). F_SEAL_SHRINK makes the size final while the pages stay writable, so one memfd serves
+update after update with warm pages: a fresh mapping would be faulted in page by page, which is
+slower than the copy itself (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -21,18 +22,17 @@ import mmap
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["SharedMemoryFile", "shm_host_id"]
+from ..protocol.shared_memory import REQUIRED_SEALS
+
+__all__ = ["SharedMemoryFile"]
 
 # Files are sized up to this granularity, so that updates of slightly different sizes (partial
 # updates, LoRA) reuse one memfd.
 _SIZE_STEP_BYTES = 2 * 1024 * 1024
-# Linux only (memfd seals); elsewhere 0, and shm_host_id() says "" so "auto" never picks shm.
-REQUIRED_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
 # Threads writing tensors into the mapping: memory-bound copies scale to about two per socket.
 _WRITE_THREADS = max(1, min(4, os.cpu_count() or 1))
 # Tensors are written in slices of this size, in file order: the threads share a large tensor,
@@ -73,19 +73,6 @@ def _lives_at(tensor: torch.Tensor, destination: np.ndarray, begin: int) -> bool
         and tensor.is_contiguous()
         and tensor.data_ptr() == destination.ctypes.data + begin
     )
-
-
-def shm_host_id() -> str:
-    """Who can open this process's memfds by /proc/<pid>/fd: same boot, same PID namespace.
-
-    "" where there is no such thing (not Linux): it matches no server.
-    """
-    try:
-        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        pid_namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return ""
-    return f"{boot_id}/{pid_namespace}"
 
 
 class SharedMemoryFile:

@@ -33,11 +33,11 @@ import json
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import torch
 
 from ...v1 import rollout_pb2 as pb
+from ..protocol.dtypes import PROTO_DTYPES, SAFETENSORS_NAMES
 from ..protocol.errors import InvalidArgument
 from ..protocol.wire import crc32_of_pieces, encode_chunk
 
@@ -45,8 +45,6 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "MAX_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",
-    "PROTO_DTYPES",
-    "SAFETENSORS_DTYPES",
     "UpdateFile",
     "WeightSpec",
     "iter_chunk_pieces",
@@ -59,38 +57,6 @@ __all__ = [
 MIN_CHUNK_BYTES = 256 * 1024
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
 DEFAULT_CHUNK_BYTES = 1024 * 1024
-
-# The safetensors dtypes rollserve moves (the ones with a wire DType); others are refused.
-SAFETENSORS_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
-    {
-        "BOOL": torch.bool,
-        "U8": torch.uint8,
-        "I8": torch.int8,
-        "I16": torch.int16,
-        "I32": torch.int32,
-        "I64": torch.int64,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "F32": torch.float32,
-        "F64": torch.float64,
-    }
-)
-# safetensors dtype string -> wire DType, for the header's manifest.
-PROTO_DTYPES: Mapping[str, int] = MappingProxyType(
-    {
-        "BOOL": pb.DTYPE_BOOL,
-        "U8": pb.DTYPE_UINT8,
-        "I8": pb.DTYPE_INT8,
-        "I16": pb.DTYPE_INT16,
-        "I32": pb.DTYPE_INT32,
-        "I64": pb.DTYPE_INT64,
-        "F16": pb.DTYPE_FLOAT16,
-        "BF16": pb.DTYPE_BFLOAT16,
-        "F32": pb.DTYPE_FLOAT32,
-        "F64": pb.DTYPE_FLOAT64,
-    }
-)
-_NAMES_BY_TORCH: Mapping[torch.dtype, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 StateDict = Mapping[str, torch.Tensor]
 
@@ -119,8 +85,8 @@ def _as_state_dict(weights: StateDict | torch.nn.Module) -> StateDict:
             raise InvalidArgument(f"invalid tensor name {name!r}")
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
             raise InvalidArgument(f"{name}: not a dense torch.Tensor")
-        if tensor.dtype not in _NAMES_BY_TORCH:
-            supported = ", ".join(str(d).removeprefix("torch.") for d in _NAMES_BY_TORCH)
+        if tensor.dtype not in SAFETENSORS_NAMES:
+            supported = ", ".join(str(d).removeprefix("torch.") for d in SAFETENSORS_NAMES)
             raise InvalidArgument(f"{name}: dtype {tensor.dtype} not supported ({supported})")
     return state_dict
 
@@ -138,7 +104,7 @@ def safetensors_header(state_dict: StateDict) -> tuple[bytes, list[WeightSpec]]:
         tensor = state_dict[name]
         nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
         spec = WeightSpec(
-            name, _NAMES_BY_TORCH[tensor.dtype], tuple(tensor.shape), cursor, cursor + nbytes
+            name, SAFETENSORS_NAMES[tensor.dtype], tuple(tensor.shape), cursor, cursor + nbytes
         )
         specs.append(spec)
         entries[name] = {

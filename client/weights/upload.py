@@ -30,7 +30,8 @@ import torch
 
 from ...v1 import rollout_pb2 as pb
 from ..protocol.errors import FailedPrecondition, InvalidArgument
-from .shared_memory import SharedMemoryFile, shm_host_id
+from ..protocol.shared_memory import shm_host_id
+from .shared_memory import SharedMemoryFile
 from .update_file import UpdateFile, prepare_update
 
 __all__ = ["TRANSPORTS", "CallOptions", "Uploads", "default_streams"]

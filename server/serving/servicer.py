@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import grpc
 
 from ...client.protocol.errors import FailedPrecondition, Unavailable
-from ...client.weights.shared_memory import shm_host_id
+from ...client.protocol.shared_memory import shm_host_id
 from ...v1 import rollout_pb2 as pb
 from ...v1 import rollout_pb2_grpc
 from ..continuous import ContinuousRollout, RolloutStats, serve_subscribe

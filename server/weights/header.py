@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...client.protocol.dtypes import PROTO_DTYPES, SAFETENSORS_DTYPES
 from ...client.protocol.errors import InvalidArgument
-from ...client.weights.update_file import PROTO_DTYPES, SAFETENSORS_DTYPES
 from ...v1 import rollout_pb2 as pb
 
 __all__ = [

@@ -30,7 +30,7 @@ from queue import Empty, SimpleQueue
 import numpy as np
 
 from ...client.protocol.errors import FailedPrecondition, InvalidArgument
-from ...client.weights.shared_memory import REQUIRED_SEALS
+from ...client.protocol.shared_memory import REQUIRED_SEALS
 from ...v1 import rollout_pb2 as pb
 from .staging import Request, UpdateStager, iter_chunks, iter_shm_written
 from .stream import Lane
