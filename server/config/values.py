@@ -11,6 +11,8 @@ import argparse
 import math
 import re
 
+from ...client.protocol.transports import WEIGHT_TRANSPORTS
+
 MIB = 1 << 20
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -162,9 +164,6 @@ def boolean(raw: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"not a boolean (true/false/1/0): {raw!r}")
-
-
-WEIGHT_TRANSPORTS = ("grpc", "shm", "dist")
 
 
 def weight_transports(raw: str) -> str:

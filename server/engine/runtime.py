@@ -18,6 +18,8 @@ from ...client.protocol.errors import (
     Unavailable,
 )
 from ...client.protocol.experience import experience_to_proto
+from ...client.protocol.roles import ROLE_NAMES as _ROLES
+from ...client.protocol.transports import SOURCE_TRANSPORTS as _SOURCES
 from ...v1 import rollout_pb2 as pb
 from ..experience.maker import NaiveExperienceMaker
 from ..models import LoadedModel, ModelSet, Phase, ServerState
@@ -40,15 +42,6 @@ __all__ = ["Runtime"]
 
 _LOG = logging.getLogger(__name__)
 _FOLLOWER_RESULT_WAIT_S = 3600.0
-# WeightsHeader.source -> the transport's name in --weight-transports and replies.
-_SOURCES = {"shared_memory": "shm", "distributed": "dist"}
-_ROLES = {
-    pb.MODEL_ROLE_UNSPECIFIED: "actor",
-    pb.MODEL_ROLE_ACTOR: "actor",
-    pb.MODEL_ROLE_CRITIC: "critic",
-    pb.MODEL_ROLE_REWARD: "reward",
-    pb.MODEL_ROLE_REFERENCE: "reference",
-}
 
 
 class Runtime:

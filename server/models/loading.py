@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...client.protocol.dtypes import TORCH_NAMES as _DTYPES
+from ...client.protocol.roles import ROLES
 from ..config import ServerConfig
 from .default_model import BUILTIN_SOURCE, save_tiny_causal_lm
 
@@ -41,9 +43,6 @@ __all__ = [
 
 _LOG = logging.getLogger(__name__)
 
-# Role names double as the lowercase suffixes of the wire enum ModelRole (MODEL_ROLE_<ROLE>).
-ROLES = ("actor", "reference", "critic", "reward")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Config attributes that hold a context length, in the order architectures tend to use them.
 _CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 

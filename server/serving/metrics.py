@@ -36,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ...client.protocol.codec import decode_tensor
+from ...client.protocol.roles import ROLE_NAMES as _ROLE_NAMES
 from ...v1 import rollout_pb2 as pb
 from ..models import Phase, ServerState
 
@@ -50,13 +51,6 @@ _RPC = ("service", "method")
 _DURATION_BUCKETS_S = (0.001, 0.005, 0.025, 0.1, 0.25, 1.0, 2.5, 10.0, 30.0, 60.0, 180.0, 600.0)
 _ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 _UPDATE_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0, 600.0)
-_ROLE_NAMES = {
-    pb.MODEL_ROLE_UNSPECIFIED: "actor",  # a header's "unspecified" means the actor
-    pb.MODEL_ROLE_ACTOR: "actor",
-    pb.MODEL_ROLE_REFERENCE: "reference",
-    pb.MODEL_ROLE_CRITIC: "critic",
-    pb.MODEL_ROLE_REWARD: "reward",
-}
 
 
 def role_name(role: int) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import grpc
 
 from ...client.protocol.errors import FailedPrecondition, Unavailable
+from ...client.protocol.roles import WIRE_ROLES as _ROLE
 from ...client.protocol.shared_memory import shm_host_id
 from ...v1 import rollout_pb2 as pb
 from ...v1 import rollout_pb2_grpc
@@ -34,12 +35,6 @@ _STATUS = {
     Phase.SERVING: pb.SERVING_STATUS_SERVING,
     Phase.WAITING_FOR_WEIGHTS: pb.SERVING_STATUS_WAITING_FOR_WEIGHTS,
     Phase.DRAINING: pb.SERVING_STATUS_DRAINING,
-}
-_ROLE = {
-    "actor": pb.MODEL_ROLE_ACTOR,
-    "reference": pb.MODEL_ROLE_REFERENCE,
-    "critic": pb.MODEL_ROLE_CRITIC,
-    "reward": pb.MODEL_ROLE_REWARD,
 }
 
 
