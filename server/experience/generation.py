@@ -25,6 +25,13 @@ cache and last logits are copied to the rows of its group, and decoding goes on 
 Sampling draws the same random numbers in the same order as with a prefill of every row, so a
 seed gives the same tokens; the prefill's matmuls run on fewer rows, so on CPU the logits (and
 recorded log-probs) may differ from a full prefill in the last bit (~1e-7).
+
+Paths. Supported Llama-family models run on rollserve's engine (server/generation: static KV
+cache, on-device sampling, CUDA graphs), the rest on the Hugging Face model with the code
+below; `path` (or ROLLSERVE_GENERATION) picks: "auto" (the engine on CUDA), "rollserve" or
+"hf". Both paths follow every rule above and give the same greedy tokens. They draw random
+numbers differently (the engine draws one (B, max_new_tokens) table of uniforms up front), so
+a seed gives reproducible tokens on each path, not the same tokens on both.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from ...client.protocol.errors import InvalidArgument
+from ..generation import engine_for
 
 __all__ = ["SamplingParams", "GenerationOutput", "generate", "left_pad"]
 
@@ -284,17 +292,29 @@ def generate(
     pad_token_id: int,
     generator: torch.Generator,
     share_prefill: bool = True,
+    path: str | None = None,
 ) -> GenerationOutput:
     """Sample responses for ragged prompts with a KV cache (`generator` on the model's device).
 
     share_prefill: rows with the same prompt (a GRPO group) share one prefill (see _prefill);
-    False prefills every row, for comparisons. Both give the same output.
+    False prefills every row, for comparisons. Both give the same output. path: "auto",
+    "rollserve" or "hf" (None: $ROLLSERVE_GENERATION, else auto; see Paths above).
     """
     device = model.get_input_embeddings().weight.device
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (B, P)
     _check_inputs(model, prompt_ids, params)
     batch, width = prompt_ids.shape
     budget = params.max_new_tokens
+    engine = engine_for(model, path)
+    if engine is not None and engine.fits(width, budget):
+        result = engine.generate(
+            prompt_ids, prompt_mask, params, pad_token_id=pad_token_id, generator=generator,
+            share_prefill=share_prefill,
+        )  # fmt: skip
+        engine_outputs = _Outputs(
+            result.response, result.log_probs, result.response_mask, result.stopped
+        )
+        return _assemble(prompt_ids, prompt_mask, engine_outputs)
     stops = _StopMatcher(params.stop_sequences, device)
     ban_ids = stops.single_ids if params.min_new_tokens > 0 and stops.single_ids.numel() else None
     outputs = _Outputs.empty(batch, budget, pad_token_id, device)

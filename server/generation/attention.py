@@ -1,0 +1,51 @@
+"""Grouped-query attention for prefill (prompt against itself) and decode (one token against
+the static KV cache), by scaled_dot_product_attention with boolean masks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["decode_attention", "prefill_attention", "prefill_mask"]
+
+
+def prefill_mask(valid: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(b, 1, s, s) bool: causal, real keys only, within the sliding window when set.
+
+    A pad query sees only itself, so its softmax is finite; its output is never read
+    (real queries never attend to a pad column).
+    """
+    s = valid.shape[1]
+    columns = torch.arange(s, device=valid.device)
+    allowed = columns[None, :] <= columns[:, None]  # (s, s) causal
+    if window is not None:
+        allowed = allowed & (columns[None, :] > columns[:, None] - window)
+    mask = allowed[None] & valid[:, None, :]  # (b, s, s)
+    mask = mask | torch.eye(s, dtype=torch.bool, device=valid.device)[None]
+    return mask[:, None]
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q (b, H, s, D), k/v (b, Hkv, s, D), mask (b, 1, s, s) -> (b, H, s, D)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # as HF's repeat_kv: prefill runs once per request
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per row: q (b, H, D), cache k/v (b, Hkv, w, D), mask (b, w) -> (b, H, D).
+
+    The query heads of a KV head become that head's "query positions" (b, Hkv, G, D), so
+    the cache is read once per KV head and never repeated.
+    """
+    b, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.view(b, kv_heads, heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask[:, None, None], scale=scale)
+    return out.reshape(b, heads, dim)

@@ -1,0 +1,71 @@
+"""The static KV cache: one flat buffer for every layer's K and V, sized from a token budget.
+
+A request's layout is (rows, width): every row has `width` columns (left-padded prompt, then
+the response), so a decode step writes the same column in every row. The buffer grows to
+the largest layout asked for, never past the budget; the caller splits a request into
+batches of at most rows_for(width) rows. Views of one buffer keep the addresses that
+captured CUDA graphs read stable while the buffer lives (`generation` counts reallocations).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["KVCache", "default_capacity_tokens"]
+
+# Without a budget: this fraction of the device memory free when the engine starts.
+DEFAULT_MEMORY_FRACTION = 0.5
+# Without a budget on the CPU (no free-memory figure to go by).
+DEFAULT_CPU_BYTES = 4 << 30
+
+
+def default_capacity_tokens(token_bytes: int, device: torch.device, fraction: float) -> int:
+    """Tokens the cache may hold: `fraction` of free device memory, or a fixed CPU budget."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(1, int(free * fraction) // token_bytes)
+    return max(1, DEFAULT_CPU_BYTES // token_bytes)
+
+
+class KVCache:
+    """K and V for `layers` layers of (Hkv, D) heads, at most `capacity_tokens` tokens."""
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity_tokens: int,
+    ) -> None:
+        self.shape = (layers, kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.capacity_tokens = capacity_tokens
+        self.token_bytes = 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        self._buffer: torch.Tensor | None = None
+        self.generation = 0  # bumps when the buffer is reallocated
+
+    def rows_for(self, width: int) -> int:
+        """How many rows of `width` columns fit in the budget."""
+        return self.capacity_tokens // width
+
+    def view(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views (layers, rows, Hkv, width, D) of the buffer, grown if needed."""
+        if rows * width > self.capacity_tokens:
+            raise ValueError(f"{rows} x {width} tokens exceed the cache ({self.capacity_tokens})")
+        layers, kv_heads, head_dim = self.shape
+        per_side = layers * rows * kv_heads * width * head_dim
+        if self._buffer is None or self._buffer.numel() < 2 * per_side:
+            self._buffer = None  # free the old buffer before allocating the larger one
+            # Zeros, not empty: attention multiplies masked columns' V by a weight of 0, and
+            # uninitialised memory may hold NaN (0 x NaN = NaN). Later garbage is finite.
+            self._buffer = torch.zeros(2 * per_side, dtype=self.dtype, device=self.device)
+            self.generation += 1
+        both = self._buffer[: 2 * per_side].view(2, layers, rows, kv_heads, width, head_dim)
+        return both[0], both[1]
+
+    def release(self) -> None:
+        """Free the buffer (the next view allocates again)."""
+        self._buffer = None
+        self.generation += 1

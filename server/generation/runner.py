@@ -1,0 +1,409 @@
+"""The engine: prefill into a static KV cache, then a static-shape decode loop.
+
+Per step the device does everything (forward, sampling, stop matching, recording the token,
+its log-prob and mask into per-request tables); the host only counts live rows every
+CHECK_EVERY steps, ends the loop when none is left and moves the live rows to the front of
+the next smaller batch-size bucket. On CUDA each (bucket, attention width) step is captured
+as a CUDA graph the first time it runs (after one eager run that warms it up) and replayed
+after that; the graphs read the model's parameter storages, so a weight update that swaps a
+storage (rather than copying into it) must drop them: generate() checks the parameters'
+addresses and calls invalidate() itself when they changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .families import Family
+from .kv_cache import DEFAULT_MEMORY_FRACTION, KVCache, default_capacity_tokens
+from .model import Forward
+from .rotary import RopeTable
+from .sampler import Sampler
+
+__all__ = ["Engine", "EngineResult", "batch_bucket"]
+
+# Batch sizes a step runs at (rows beyond the live ones are finished fillers): a ~1.5x ladder
+# keeps the number of captured graphs small and the filler work under a third.
+_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+CHECK_EVERY = 8  # decode steps between the host's looks at finished rows
+WIDTH_QUANTUM = 128  # attention reads the cache in blocks of this many columns
+PREFILL_TOKENS = 8192  # prompt tokens per prefill forward (rows are chunked to fit)
+MAX_WORKSPACES = 4  # layouts x sampling settings kept with their graphs
+
+
+def batch_bucket(rows: int, cap: int) -> int:
+    """The smallest ladder size >= rows, or `cap` when the ladder passes it."""
+    for size in _LADDER:
+        if size >= rows:
+            return min(size, cap)
+    return min(-(-rows // 1024) * 1024, cap)
+
+
+def _round_up(value: int, quantum: int) -> int:
+    return -(-value // quantum) * quantum
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    """Per-row results in batch order, M = max_new_tokens columns."""
+
+    response: torch.Tensor  # (B, M) int64, pad where not generated
+    log_probs: torch.Tensor  # (B, M) float32, 0 where not generated
+    response_mask: torch.Tensor  # (B, M) bool
+    stopped: torch.Tensor  # (B,) bool
+
+
+@dataclass
+class _Workspace:
+    """Static buffers of one layout (rows R, width W) and sampling setting, and its graphs.
+
+    Rows are cache rows; row_ids maps each to its output row (R = a junk row for fillers).
+    """
+
+    rows: int
+    width: int
+    sampler: Sampler
+    pad: int
+    k: torch.Tensor  # (layers, R, Hkv, W, D)
+    v: torch.Tensor
+    tokens: torch.Tensor  # (R,) the token each row feeds next
+    positions: torch.Tensor  # (R,) its position id
+    valid: torch.Tensor  # (R, W) bool: columns a row attends to
+    window: torch.Tensor  # (R, stop width) the last tokens, for stop matching
+    finished: torch.Tensor  # (R,) bool
+    row_ids: torch.Tensor  # (R,) output row of each cache row
+    step: torch.Tensor  # () int64: the step being sampled
+    prompt_width: torch.Tensor  # () int64: P
+    out_tokens: torch.Tensor  # (R + 1, W) int64
+    out_log_probs: torch.Tensor  # (R + 1, W) float32
+    out_mask: torch.Tensor  # (R + 1, W) bool
+    stopped: torch.Tensor  # (R + 1,) bool
+    uniform: torch.Tensor  # (R + 1, W) float64: the random number of each row and step
+    graphs: dict[tuple[int, int], object] = field(default_factory=dict)
+
+    @classmethod
+    def allocate(
+        cls, k: torch.Tensor, v: torch.Tensor, width: int, sampler: Sampler, pad: int
+    ) -> _Workspace:
+        rows, device = k.shape[1], k.device
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(
+            rows=rows, width=width, sampler=sampler, pad=pad, k=k, v=v,
+            tokens=zeros(rows), positions=zeros(rows), valid=zeros(rows, width, dtype=torch.bool),
+            window=zeros(rows, sampler.window), finished=zeros(rows, dtype=torch.bool),
+            row_ids=zeros(rows), step=zeros(), prompt_width=zeros(),
+            out_tokens=zeros(rows + 1, width),
+            out_log_probs=zeros(rows + 1, width, dtype=torch.float32),
+            out_mask=zeros(rows + 1, width, dtype=torch.bool),
+            stopped=zeros(rows + 1, dtype=torch.bool),
+            uniform=zeros(rows + 1, width, dtype=torch.float64),
+        )  # fmt: skip
+
+
+def _kv_writer(
+    ws: _Workspace, width: int, targets: torch.Tensor, take: torch.Tensor
+) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+    """Prefill's K/V sink: prompt `take[i]` of the chunk goes to cache row `targets[i]`."""
+
+    def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        ws.k[layer, :, :, :width].index_copy_(0, targets, k[take])
+        ws.v[layer, :, :, :width].index_copy_(0, targets, v[take])
+
+    return write
+
+
+class Engine:
+    """Generation for one supported model (see families.py), owning its KV cache and graphs."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        family: Family,
+        *,
+        kv_cache_tokens: int | None = None,
+        memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+        cuda_graphs: bool = True,
+    ) -> None:
+        self.model = model
+        self.family = family
+        weight = family.embed.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.forward = Forward(family, RopeTable(family.rotary, family.max_positions, self.dtype))
+        layers = len(family.layers)
+        probe = KVCache(layers, family.num_kv_heads, family.head_dim, self.dtype, self.device, 1)
+        capacity = kv_cache_tokens or default_capacity_tokens(
+            probe.token_bytes, self.device, memory_fraction
+        )
+        self.cache = KVCache(
+            layers, family.num_kv_heads, family.head_dim, self.dtype, self.device, capacity
+        )
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self._workspaces: dict[tuple, _Workspace] = {}
+        self._cache_generation = self.cache.generation
+        self._fingerprint = self._parameter_addresses()
+        self._pool = None
+
+    # ---- lifetime ---------------------------------------------------------------------------
+
+    def _parameter_addresses(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for p in self.model.parameters())
+
+    def invalidate(self) -> None:
+        """Drop every captured graph and workspace (they are rebuilt on the next request)."""
+        self._workspaces.clear()
+        self._pool = None
+
+    def _check_storages(self) -> None:
+        """Graphs read parameters by address: a swapped storage (not a copy into it) or a
+        reallocated cache makes them stale."""
+        addresses = self._parameter_addresses()
+        if addresses != self._fingerprint or self.cache.generation != self._cache_generation:
+            self.invalidate()
+            self._fingerprint = addresses
+            self._cache_generation = self.cache.generation
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.cache.capacity_tokens
+
+    def fits(self, prompt_width: int, max_new_tokens: int) -> bool:
+        """Whether one row of this shape fits the KV budget (else the caller uses HF)."""
+        return self.cache.rows_for(_round_up(prompt_width + max_new_tokens, WIDTH_QUANTUM)) >= 1
+
+    # ---- one request ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: object,
+        *,
+        pad_token_id: int,
+        generator: torch.Generator,
+        share_prefill: bool = True,
+    ) -> EngineResult:
+        """Sample params.max_new_tokens columns for left-padded prompts (B, P) on the device.
+
+        Rows are generated in batches of what the KV budget holds; every row's random numbers
+        are drawn up front from `generator` (B, M), so the tokens do not depend on the split.
+        """
+        batch, width = prompt_ids.shape
+        steps = params.max_new_tokens
+        uniform = None
+        if params.temperature > 0:
+            uniform = torch.rand(
+                (batch, steps), generator=generator, dtype=torch.float64, device=self.device
+            )
+        with torch.inference_mode():
+            ws = self.workspace(batch, width, params, pad_token_id)
+            parts = []
+            for start in range(0, batch, ws.rows):
+                rows = slice(start, min(start + ws.rows, batch))
+                u = None if uniform is None else uniform[rows]
+                ids, mask = prompt_ids[rows], prompt_mask[rows]
+                parts.append(self._batch(ws, ids, mask, u, steps, share_prefill))
+        return EngineResult(*(torch.cat(p, dim=0) for p in zip(*parts, strict=True)))
+
+    def workspace(
+        self, batch: int, prompt_width: int, params: object, pad_token_id: int
+    ) -> _Workspace:
+        """The workspace (layout, sampler, state, graphs) for a request of this shape; call
+        under torch.inference_mode()."""
+        layout_width = _round_up(prompt_width + params.max_new_tokens, WIDTH_QUANTUM)
+        rows = batch_bucket(batch, self.cache.rows_for(layout_width))
+        k, v = self.cache.view(rows, layout_width)
+        self._check_storages()
+        key = (
+            rows, layout_width, params.temperature, params.top_k, params.top_p,
+            params.min_new_tokens, tuple(params.stop_sequences), params.logprobs_use_temperature,
+            pad_token_id,
+        )  # fmt: skip
+        ws = self._workspaces.get(key)
+        if ws is None:
+            if len(self._workspaces) >= MAX_WORKSPACES:
+                self._workspaces.pop(next(iter(self._workspaces)))  # the oldest
+            sampler = Sampler(params, self.family.vocab, self.device)
+            ws = _Workspace.allocate(k, v, layout_width, sampler, pad_token_id)
+            self._workspaces[key] = ws
+        return ws
+
+    def _batch(
+        self,
+        ws: _Workspace,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        uniform: torch.Tensor | None,
+        steps: int,
+        share: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        """One batch of n <= R rows: prefill, sample step 0, decode the rest."""
+        n, width = ids.shape
+        b = self.start(ws, ids, mask, uniform, steps, share)
+        for step in range(1, steps):
+            if step % CHECK_EVERY == 0:
+                live = int((~ws.finished[:b]).sum())  # the host's one look every few steps
+                if live == 0:
+                    break
+                if batch_bucket(live, ws.rows) < b:
+                    b = self._compact(ws, b, batch_bucket(live, ws.rows))
+            attend = min(ws.width, _round_up(width + step, WIDTH_QUANTUM))
+            self._run(ws, b, attend)
+        return (
+            ws.out_tokens[:n, :steps].clone(),
+            ws.out_log_probs[:n, :steps].clone(),
+            ws.out_mask[:n, :steps].clone(),
+            ws.stopped[:n].clone(),
+        )
+
+    def start(
+        self,
+        ws: _Workspace,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        uniform: torch.Tensor | None,
+        steps: int,
+        share: bool,
+    ) -> int:
+        """Reset the workspace for n rows, prefill them and sample step 0; returns the bucket
+        the decode steps run at."""
+        b = batch_bucket(ids.shape[0], ws.rows)
+        self._reset(ws, mask, uniform, steps)
+        logits = self._prefill(ws, ids, mask, b, share)
+        self._sample_into(ws, b, logits)
+        ws.step += 1
+        return b
+
+    def _reset(
+        self, ws: _Workspace, mask: torch.Tensor, uniform: torch.Tensor | None, steps: int
+    ) -> None:
+        n, width = mask.shape
+        ws.finished.fill_(True)
+        ws.finished[:n] = False
+        ws.row_ids.fill_(ws.rows)  # fillers write to the junk row
+        ws.row_ids[:n] = torch.arange(n, device=self.device)
+        ws.valid.zero_()
+        ws.valid[:n, :width] = mask
+        ws.window.fill_(ws.pad)
+        ws.tokens.fill_(ws.pad)
+        ws.positions.zero_()
+        ws.positions[:n] = mask.long().sum(-1)  # the first response token's position id
+        ws.step.zero_()
+        ws.prompt_width.fill_(width)
+        ws.out_tokens.fill_(ws.pad)
+        ws.out_log_probs.zero_()
+        ws.out_mask.zero_()
+        ws.stopped.zero_()
+        if uniform is not None:
+            ws.uniform[:n, :steps] = uniform
+
+    # ---- prefill ----------------------------------------------------------------------------
+
+    def _prefill(
+        self, ws: _Workspace, ids: torch.Tensor, mask: torch.Tensor, b: int, share: bool
+    ) -> torch.Tensor:
+        """Run the prompts into the cache; last-position logits (b, V) (zeros for fillers).
+
+        With `share`, each distinct prompt runs once and its K/V and logits are copied to
+        every row that has it (a GRPO group).
+        """
+        n, width = ids.shape
+        if share:
+            distinct, of_row = torch.unique(torch.where(mask, ids, -1), dim=0, return_inverse=True)
+            first = torch.full((distinct.shape[0],), n, dtype=torch.long, device=self.device)
+            first.scatter_reduce_(0, of_row, torch.arange(n, device=self.device), "amin")
+        else:
+            first, of_row = torch.arange(n, device=self.device), torch.arange(n, device=self.device)
+        logits = torch.zeros((b, self.family.vocab), dtype=self.dtype, device=self.device)
+        chunk = max(1, PREFILL_TOKENS // width)
+        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        for start in range(0, first.numel(), chunk):
+            sources = first[start : start + chunk]  # (c,) rows whose prompts run
+            # Every row whose prompt is one of these, and the chunk-local prompt it copies.
+            local = of_row - start
+            targets = ((local >= 0) & (local < sources.numel())).nonzero().squeeze(1)
+            take = local[targets]
+            write = _kv_writer(ws, width, targets, take)
+            hidden = self.forward.prefill(ids[sources], mask[sources], positions[sources], write)
+            logits[targets] = self.forward.logits(hidden[:, -1])[take]
+        return logits
+
+    # ---- decode -----------------------------------------------------------------------------
+
+    def _sample_into(self, ws: _Workspace, b: int, logits: torch.Tensor) -> None:
+        """Sample the current step for the first b cache rows and record it (all on device)."""
+        step = ws.step
+        rows = ws.row_ids[:b]
+        steps = step.expand(b)
+        token, log_prob = ws.sampler.sample(logits, ws.uniform[rows, steps], step)
+        finished = ws.finished[:b]
+        live = ~finished
+        token = torch.where(finished, ws.pad, token)
+        log_prob = torch.where(live, log_prob, 0.0)
+        ws.out_tokens.index_put_((rows, steps), token)
+        ws.out_log_probs.index_put_((rows, steps), log_prob)
+        ws.out_mask.index_put_((rows, steps), live)
+        column = (ws.prompt_width + step).expand(b, 1)
+        ws.valid[:b].scatter_(1, column, live[:, None])
+        window = torch.cat([ws.window[:b, 1:], token[:, None]], dim=1)
+        ws.window[:b] = window
+        now = finished | ws.sampler.stop_hits(window, step)
+        ws.finished[:b] = now
+        ws.stopped.index_put_((rows,), now)
+        ws.tokens[:b] = token
+
+    def decode_step(self, ws: _Workspace, b: int, attend: int) -> None:
+        """One static-shape step: feed the last tokens of b rows against `attend` cache
+        columns, sample the next ones, advance the step. No host synchronisation."""
+        column = (ws.prompt_width + ws.step - 1).view(1)  # where the fed token's K/V go
+        caches = [(ws.k[i, :b, :, :attend], ws.v[i, :b, :, :attend]) for i in range(ws.k.shape[0])]
+        logits = self.forward.decode(
+            ws.tokens[:b], ws.positions[:b], column, caches, ws.valid[:b, :attend]
+        )
+        self._sample_into(ws, b, logits)
+        ws.positions[:b] += 1
+        ws.step += 1
+
+    def _run(self, ws: _Workspace, b: int, attend: int) -> None:
+        """decode_step, replayed from a CUDA graph on CUDA (captured on first use)."""
+        if not self.use_graphs:
+            self.decode_step(ws, b, attend)
+            return
+        graph = ws.graphs.get((b, attend))
+        if graph is not None:
+            graph.replay()
+            return
+        # The first run is a real step, eager on a side stream (it warms up the kernels the
+        # capture records); the capture itself executes nothing.
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self.decode_step(ws, b, attend)
+        current.wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.decode_step(ws, b, attend)
+        ws.graphs[(b, attend)] = graph
+
+    def _compact(self, ws: _Workspace, b: int, smaller: int) -> int:
+        """Move the live rows of the first b to the front of a `smaller` bucket; fill the rest
+        with finished rows that write to the junk output row."""
+        keep = (~ws.finished[:b]).nonzero().squeeze(1)
+        live = keep.numel()
+        order = torch.cat([keep, keep.new_zeros(smaller - live)])  # (smaller,)
+        for buffer in (ws.tokens, ws.positions, ws.valid, ws.window, ws.finished, ws.row_ids):
+            buffer[:smaller] = buffer[order]
+        ws.finished[live:smaller] = True
+        ws.row_ids[live:smaller] = ws.rows
+        for layer in range(ws.k.shape[0]):  # one layer at a time bounds the temporary
+            ws.k[layer, :smaller] = ws.k[layer, order]
+            ws.v[layer, :smaller] = ws.v[layer, order]
+        return smaller

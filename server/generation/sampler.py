@@ -1,0 +1,113 @@
+"""Sampling on the device with static shapes: one call per step, no host synchronisation.
+
+The semantics are those of server/experience/generation.py: temperature, then HF's order of
+top-k and top-p; the min_new_tokens ban of single-token stop ids; log-probs over the UNFILTERED
+distribution (divided by the temperature only under logprobs_use_temperature, never for greedy);
+stop sequences matched on a rolling window of the last tokens, never reaching back into the
+prompt and not counting before min_new_tokens. The step is a tensor, so the same call serves
+every step (and a captured CUDA graph replays it). Random numbers come in as one uniform per
+row, drawn up front (inverse-CDF sampling), so same seed -> same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Sampler"]
+
+
+@dataclass(frozen=True)
+class _Stops:
+    """Stop sequences grouped by length: (L, (n_L, L) ids) pairs."""
+
+    groups: tuple[tuple[int, torch.Tensor], ...]
+    width: int  # the rolling window's width: the longest stop sequence (at least 1)
+    single: torch.Tensor | None  # (V,) bool: ids of single-token stops, None when there are none
+
+
+def _stops(stop_sequences: tuple[tuple[int, ...], ...], vocab: int, device: torch.device) -> _Stops:
+    by_length: dict[int, list[tuple[int, ...]]] = {}
+    for seq in dict.fromkeys(stop_sequences):  # dedupe, keep order
+        by_length.setdefault(len(seq), []).append(seq)
+    groups = tuple(
+        (length, torch.tensor(seqs, dtype=torch.long, device=device))
+        for length, seqs in sorted(by_length.items())
+    )
+    single = None
+    if 1 in by_length:
+        single = torch.zeros(vocab, dtype=torch.bool, device=device)
+        single[[s[0] for s in by_length[1]]] = True
+    return _Stops(groups, max(by_length, default=1), single)
+
+
+class Sampler:
+    """One request's sampling settings, as tensors on the device (reused while they last)."""
+
+    def __init__(self, params: object, vocab: int, device: torch.device) -> None:
+        self.temperature = float(params.temperature)
+        self.greedy = self.temperature == 0.0
+        self.top_k = int(params.top_k) if 0 < params.top_k < vocab else 0
+        self.top_p = float(params.top_p)
+        self.min_new_tokens = int(params.min_new_tokens)
+        self.logprobs_use_temperature = bool(params.logprobs_use_temperature)
+        self.stops = _stops(tuple(params.stop_sequences), vocab, device)
+
+    @property
+    def window(self) -> int:
+        return self.stops.width
+
+    def _scaled(self, raw: torch.Tensor) -> torch.Tensor:
+        if self.greedy or self.temperature == 1.0:
+            return raw
+        return raw / self.temperature
+
+    def _draw(self, scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """Token ids (b,) from softmax(scores (b, V)) after top-k / top-p, by inverse CDF."""
+        vocab = scores.shape[-1]
+        ids = None
+        values = scores
+        if self.top_k:
+            values, ids = torch.topk(scores, self.top_k, dim=-1)  # (b, k) descending
+        elif self.top_p < 1.0:
+            values, ids = torch.sort(scores, dim=-1, descending=True)  # (b, V)
+        if self.top_p < 1.0:
+            probs = torch.softmax(values, dim=-1)
+            mass_before = torch.cumsum(probs, dim=-1) - probs
+            # Index 0 always survives: its mass_before is 0 < top_p.
+            values = values.masked_fill(mass_before >= self.top_p, float("-inf"))
+        # float64 cumsum keeps the tail of a large vocabulary exact enough; the first index
+        # whose CDF exceeds u is taken, so a probability-0 token is never picked.
+        cdf = torch.softmax(values, dim=-1).cumsum(-1, dtype=torch.float64)  # (b, n)
+        pick = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)
+        pick = pick.clamp_max(values.shape[-1] - 1)  # (b, 1)
+        if ids is None:
+            return pick.squeeze(1).clamp_max(vocab - 1)
+        return ids.gather(-1, pick).squeeze(1)
+
+    def sample(
+        self, logits: torch.Tensor, uniform: torch.Tensor, step: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token (b,) int64 and its log-prob (b,) float32 from logits (b, V) at `step` (0-d)."""
+        raw = logits.float()
+        scaled = self._scaled(raw)
+        base = scaled if self.logprobs_use_temperature else raw
+        scores = scaled
+        if self.min_new_tokens > 0 and self.stops.single is not None:
+            banned = self.stops.single[None] & (step < self.min_new_tokens)  # (1, V)
+            scores = scores.masked_fill(banned, float("-inf"))
+        token = scores.argmax(dim=-1) if self.greedy else self._draw(scores, uniform)
+        log_prob = base.gather(-1, token[:, None]).squeeze(1) - torch.logsumexp(base, dim=-1)
+        return token, log_prob
+
+    def stop_hits(self, window: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """Rows (b,) whose window (b, W), ending with the token of `step`, ends a stop sequence
+        that lies inside the response (step + 1 tokens generated) and counts (step >=
+        min_new_tokens)."""
+        hit = torch.zeros(window.shape[0], dtype=torch.bool, device=window.device)
+        for length, seqs in self.stops.groups:
+            tail = window[:, -length:]  # (b, L)
+            match = (tail[:, None, :] == seqs[None, :, :]).all(-1).any(-1)
+            hit = hit | (match & (step + 1 >= length))
+        return hit & (step >= self.min_new_tokens)
