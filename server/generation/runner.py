@@ -12,6 +12,7 @@ addresses and calls invalidate() itself when they changed.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -148,6 +149,8 @@ class Engine:
         self._cache_generation = self.cache.generation
         self._fingerprint = self._parameter_addresses()
         self._pool = None
+        # One request at a time: the KV cache, the workspaces and the graphs are shared.
+        self._lock = threading.Lock()
 
     # ---- lifetime ---------------------------------------------------------------------------
 
@@ -200,7 +203,7 @@ class Engine:
             uniform = torch.rand(
                 (batch, steps), generator=generator, dtype=torch.float64, device=self.device
             )
-        with torch.inference_mode():
+        with self._lock, torch.inference_mode():
             ws = self.workspace(batch, width, params, pad_token_id)
             parts = []
             for start in range(0, batch, ws.rows):
