@@ -1,22 +1,36 @@
-"""The UpdateWeights request stream as protobuf messages, for tests that need message objects.
+"""The UpdateWeights request stream as protobuf messages, and the server's update path around a
+bare module, for tests that need message objects or no server.
 
 The library builds one stream, the encoded bytes of `update_weights_messages`; a test that edits
-messages (a corrupt CRC, a truncated stream), feeds the server's staging directly, or plays a
+messages (a corrupt CRC, a truncated stream), feeds the server's update path directly, or plays a
 plain protobuf client with the generated stub parses those bytes with protobuf's own parser
 here. There is no second builder to drift from the first, and every such test also checks that
 the hand-encoded bytes are valid protobuf.
+
+`update_in_place` runs the server's own UpdateWeights state machine (weights/update.py: header,
+target and version checks, staging into the model's arena, verification, apply) on a module,
+with the swap run inline instead of on an engine thread.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from rollserve.client.weights.update_file import update_weights_messages
+from rollserve.server.config import ServerConfig
+from rollserve.server.state import ServerState
+from rollserve.server.weights import DEFAULT_MAX_HEADER_BYTES, Planes, WeightUpdates
 from rollserve.v1 import rollout_pb2 as pb
 
-__all__ = ["perturbed", "state_hash", "update_weights_requests"]
+__all__ = [
+    "in_place_updates",
+    "perturbed",
+    "state_hash",
+    "update_in_place",
+    "update_weights_requests",
+]
 
 
 def update_weights_requests(
@@ -48,3 +62,31 @@ def perturbed(module: torch.nn.Module, seed: int, scale: float = 0.05) -> dict[s
         else tensor.clone()
         for name, tensor in module.state_dict().items()
     }
+
+
+def in_place_updates(
+    model: torch.nn.Module,
+    *,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    before_apply: Callable[[], object] | None = None,
+) -> WeightUpdates:
+    """The server's updater with `model` as its actor, versions from 0, chunks on the stream as
+    the only plane; the swap calls `before_apply()` (a test's look at the model between staging
+    and apply), then applies, on the caller's thread."""
+
+    def swap(role: str, apply: Callable[[], object]) -> object:
+        if before_apply is not None:
+            before_apply()
+        return apply()
+
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    planes = Planes("grpc", device)
+    state = ServerState(ServerConfig())
+    return WeightUpdates({"actor": model}, state, planes, swap, max_header_bytes=max_header_bytes)
+
+
+def update_in_place(
+    model: torch.nn.Module, requests: Iterable[pb.UpdateWeightsRequest], **options: object
+) -> pb.UpdateWeightsResponse:
+    """One update of `model` through `in_place_updates(model, **options)`; its reply."""
+    return in_place_updates(model, **options).update(iter(requests))

@@ -10,13 +10,12 @@ import math
 
 import pytest
 import torch
-from rollserve.client.protocol.errors import InvalidArgument
 from rollserve.server.algorithms import (
-    check_group_size,
     clip_advantages,
     cumulative_returns,
     gae,
     group_shaped_reward,
+    min_group_size,
     whiten,
 )
 
@@ -172,12 +171,13 @@ def test_single_sample_groups_give_zero(estimator: str) -> None:
     assert got.tolist() == [0.0, 0.0, 0.0]
 
 
-def test_rloo_with_one_sample_is_invalid_argument() -> None:
-    with pytest.raises(InvalidArgument, match="samples_per_prompt"):
+def test_rloo_needs_two_samples_per_prompt() -> None:
+    # The request decoder refuses smaller groups (INVALID_ARGUMENT naming samples_per_prompt:
+    # test_maker.py); called directly, the estimator refuses them rather than dividing by 0.
+    assert min_group_size("rloo") == 2
+    assert min_group_size("group_norm") == 1  # allowed: defined as 0
+    with pytest.raises(ValueError, match="rloo"):
         group_shaped_reward(torch.tensor([1.0, 2.0]), 1, "rloo", eps=0.0)
-    with pytest.raises(InvalidArgument, match="samples_per_prompt"):
-        check_group_size("rloo", 1)
-    check_group_size("group_norm", 1)  # allowed: defined as 0
 
 
 # ---------------------------------------------------------------------------------------------

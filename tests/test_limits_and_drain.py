@@ -23,7 +23,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers_server import ServerProcess, free_port, start_server_process
 from prometheus_client.parser import text_string_to_metric_families
 from rollserve.client.protocol.errors import InvalidArgument
-from rollserve.server.serving.security import RequestLimits, check_request_limits
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
@@ -179,13 +178,32 @@ def test_an_expired_deadline_frees_the_engine(server, stub) -> None:
     )
 
 
-def test_limits_are_checked_from_the_request_fields_alone() -> None:
-    limits = RequestLimits(max_prompts=2, max_samples_per_prompt=3, max_new_tokens=8)
-    check_request_limits(pb.MakeExperienceRequest(), limits)  # nothing set: the decoder's job
-    check_request_limits(make_request(rows=2, max_new_tokens=8, samples_per_prompt=3), limits)
-    texts = pb.MakeExperienceRequest(texts=pb.TextPrompts(texts=["a", "b", "c"]))
-    with pytest.raises(InvalidArgument, match=r"^prompts: 3 is over"):
-        check_request_limits(texts, limits)
+def test_limits_are_checked_where_the_request_is_decoded_before_any_tokenization(
+    tiny_models,
+) -> None:
+    from rollserve.server.experience.request import RequestDefaults, decode_experience_request
+    from rollserve.server.experience.rewards import RewardRegistry
+
+    limits = RequestDefaults(
+        "openrlhf", 8, 64, 16, 16, 4096, max_prompts=2, max_samples_per_prompt=3,
+        max_new_tokens_limit=8,
+    )  # fmt: skip
+
+    def decode(request: pb.MakeExperienceRequest):
+        return decode_experience_request(
+            request, models=tiny_models, rewards=RewardRegistry(), defaults=limits
+        )
+
+    spec = decode(make_request(rows=2, max_new_tokens=8, samples_per_prompt=3))
+    assert (len(spec.prompts), spec.samples_per_prompt, spec.sampling.max_new_tokens) == (2, 3, 8)
+    # An empty text would be refused by the tokenizing step: the count is refused first.
+    texts = pb.MakeExperienceRequest(texts=pb.TextPrompts(texts=["a", "b", ""]))
+    with pytest.raises(InvalidArgument, match=r"^prompts: 3 is over .* \(--max-prompts\)"):
+        decode(texts)
+    with pytest.raises(InvalidArgument, match=r"^samples_per_prompt: 4 is over"):
+        decode(make_request(rows=1, samples_per_prompt=4))
+    with pytest.raises(InvalidArgument, match=r"^sampling.max_new_tokens: 9 is over"):
+        decode(make_request(rows=1, max_new_tokens=9))
 
 
 # ---- graceful drain: a process of its own ------------------------------------------------------

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_weights import update_weights_requests
+from helpers_weights import update_in_place, update_weights_requests
 from rollserve.client.protocol.errors import InvalidArgument
-from rollserve.server.weights import LoraState, stage_update
+from rollserve.server.weights import lora_state
 from rollserve.server.weights.lora import merged_weight
 from rollserve.v1 import rollout_pb2 as pb
 from transformers import LlamaForCausalLM
@@ -52,16 +52,16 @@ def adapter(
 
 def send_lora(
     model: torch.nn.Module,
-    state: LoraState,
     tensors: dict[str, torch.Tensor],
     *,
     rank: int = RANK,
     alpha: float = ALPHA,
     fan_in_fan_out: bool = False,
 ) -> None:
+    """One LoRA update through the server's update path (the model's bases: lora_state)."""
     lora = pb.LoraAdapter(rank=rank, alpha=alpha, fan_in_fan_out=fan_in_fan_out)
     requests = update_weights_requests(tensors, target="actor", version=1, mode="lora", lora=lora)
-    stage_update(requests, model, state).apply(model)
+    update_in_place(model, requests)
 
 
 def expected(
@@ -85,7 +85,7 @@ def test_merge_is_base_plus_scaled_b_a(actor: LlamaForCausalLM, dtype: torch.dty
     model = copy.deepcopy(actor).to(dtype)
     base = weights_of(model)
     tensors = adapter(model, [Q0, V1], seed=0)
-    send_lora(model, LoraState(), tensors)
+    send_lora(model, tensors)
     after = weights_of(model)
     for module in (Q0, V1):
         a, b = (
@@ -108,21 +108,23 @@ def test_merge_is_base_plus_scaled_b_a(actor: LlamaForCausalLM, dtype: torch.dty
 
 
 def test_the_same_adapter_twice_is_idempotent(actor: LlamaForCausalLM) -> None:
-    model, state = copy.deepcopy(actor), LoraState()
+    model = copy.deepcopy(actor)
+    state = lora_state(model)  # the model's LoRA bases, as the update path keeps them
     tensors = adapter(model, [Q0, V1], seed=0)
-    send_lora(model, state, tensors)
+    send_lora(model, tensors)
     once = state_hash(model)
-    send_lora(model, state, tensors)
+    send_lora(model, tensors)
     assert state_hash(model) == once
     assert state.names() == {f"{Q0}.weight", f"{V1}.weight"}
 
 
 def test_a_second_adapter_replaces_the_first(actor: LlamaForCausalLM) -> None:
-    model, state = copy.deepcopy(actor), LoraState()
+    model = copy.deepcopy(actor)
+    state = lora_state(model)  # the model's LoRA bases, as the update path keeps them
     base = weights_of(model)
-    send_lora(model, state, adapter(model, [Q0, V1], seed=0))
+    send_lora(model, adapter(model, [Q0, V1], seed=0))
     second = adapter(model, [Q0], seed=1, prefix="")  # names without the PEFT prefix work too
-    send_lora(model, state, second)
+    send_lora(model, second)
     after = weights_of(model)
     want_q = merged_weight(
         base[f"{Q0}.weight"],
@@ -137,16 +139,17 @@ def test_a_second_adapter_replaces_the_first(actor: LlamaForCausalLM) -> None:
 
 
 def test_a_partial_update_resets_the_base_of_what_it_writes(actor: LlamaForCausalLM) -> None:
-    model, state = copy.deepcopy(actor), LoraState()
+    model = copy.deepcopy(actor)
+    state = lora_state(model)  # the model's LoRA bases, as the update path keeps them
     tensors = adapter(model, [Q0], seed=0)
-    send_lora(model, state, tensors)
+    send_lora(model, tensors)
     new_base = torch.full_like(model.get_submodule(Q0).weight, 0.25)
     requests = update_weights_requests(
         {f"{Q0}.weight": new_base}, target="actor", version=2, mode="partial"
     )
-    stage_update(requests, model, state).apply(model)
+    update_in_place(model, requests)
     assert torch.equal(model.get_submodule(Q0).weight, new_base) and len(state) == 0
-    send_lora(model, state, tensors)  # now merges onto the new base
+    send_lora(model, tensors)  # now merges onto the new base
     want = merged_weight(
         new_base,
         tensors[f"{PREFIX}{Q0}.lora_A.weight"],
@@ -168,13 +171,11 @@ class GPT2Block(torch.nn.Module):
 
 
 def test_fan_in_fan_out_transposes_the_delta() -> None:
-    model, state = GPT2Block(), LoraState()
+    model = GPT2Block()
     base = model.c_attn.weight.detach().clone()  # (in 8, out 24)
     generator = torch.Generator().manual_seed(3)
     a, b = torch.randn(RANK, 8, generator=generator), torch.randn(24, RANK, generator=generator)
-    send_lora(
-        model, state, {"c_attn.lora_A.weight": a, "c_attn.lora_B.weight": b}, fan_in_fan_out=True
-    )
+    send_lora(model, {"c_attn.lora_A.weight": a, "c_attn.lora_B.weight": b}, fan_in_fan_out=True)
     torch.testing.assert_close(
         model.c_attn.weight.double(), expected(base, a, b, transpose=True), rtol=1e-5, atol=1e-5
     )
@@ -190,7 +191,6 @@ def test_fan_in_fan_out_shapes_are_checked() -> None:
     with pytest.raises(InvalidArgument, match="lora_A.weight: shape"):
         send_lora(
             model,
-            LoraState(),
             {"c_attn.lora_A.weight": a, "c_attn.lora_B.weight": b},
             fan_in_fan_out=False,
         )
@@ -228,11 +228,12 @@ def mutilate(tensors: dict[str, torch.Tensor], case: str) -> dict[str, torch.Ten
 def test_bad_adapters_are_refused_and_change_nothing(
     actor: LlamaForCausalLM, case: str, match: str
 ) -> None:
-    model, state = copy.deepcopy(actor), LoraState()
-    send_lora(model, state, adapter(model, [Q0], seed=5))  # an adapter already merged
+    model = copy.deepcopy(actor)
+    state = lora_state(model)  # the model's LoRA bases, as the update path keeps them
+    send_lora(model, adapter(model, [Q0], seed=5))  # an adapter already merged
     before = state_hash(model)
     with pytest.raises(InvalidArgument, match=match):
-        send_lora(model, state, mutilate(adapter(model, [Q0, V1], seed=0), case))
+        send_lora(model, mutilate(adapter(model, [Q0, V1], seed=0), case))
     assert state_hash(model) == before and state.names() == {f"{Q0}.weight"}
 
 
@@ -240,7 +241,7 @@ def test_the_rank_must_match_the_header(actor: LlamaForCausalLM) -> None:
     model = copy.deepcopy(actor)
     before = state_hash(model)
     with pytest.raises(InvalidArgument, match="rank 4"):
-        send_lora(model, LoraState(), adapter(model, [Q0], seed=0, rank=8), rank=4)
+        send_lora(model, adapter(model, [Q0], seed=0, rank=8), rank=4)
     with pytest.raises(InvalidArgument, match="rank must be positive"):
-        send_lora(model, LoraState(), adapter(model, [Q0], seed=0), rank=0)
+        send_lora(model, adapter(model, [Q0], seed=0), rank=0)
     assert state_hash(model) == before

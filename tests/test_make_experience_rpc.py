@@ -106,7 +106,7 @@ def bare_client(bare: RolloutServer) -> Iterator[RolloutClient]:
 
 
 def _maker(server: RolloutServer) -> NaiveExperienceMaker:
-    return server.state.runtime.maker
+    return server.runtime.maker
 
 
 def _assert_identical(a: Experience, b: Experience) -> None:
@@ -355,4 +355,13 @@ def test_the_in_process_maker_follows_the_actors_policy_version(
 ) -> None:
     version = bare_client.health().policy_version + 1
     bare_client.update_weights(models.actor.module, version=version)
-    assert _maker(bare).policy_version == version
+    # The maker reads the version where the server holds it: its rows say so, and its gate opens.
+    local = _maker(bare).make_experience(
+        PROMPTS,
+        max_new_tokens=2,
+        rewards=["exact_match"],
+        gt_answers=GT,
+        algorithm={"kl_coef": 0.0},  # this server has no reference model
+        min_policy_version=version,
+    )
+    assert local.policy_version.tolist() == [version] * len(PROMPTS)

@@ -544,7 +544,9 @@ def test_float32_inputs_stay_float32() -> None:
 
 def test_contract_violations() -> None:
     batch = _batch([1.0, 0.0, 2.0, 0.5])
-    with pytest.raises(InvalidArgument, match="samples_per_prompt"):
+    # A request's group size is checked where it is decoded (test_maker.py); here it is the
+    # caller's contract.
+    with pytest.raises(ValueError, match="rloo"):
         shape_experience(
             _resolve(has_critic=False, advantage_estimator="rloo"),
             group_size=1,

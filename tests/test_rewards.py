@@ -54,6 +54,13 @@ def test_registry_loads_user_function_and_checks_names() -> None:
         registry.check("nope", has_reward_model=False)
     with pytest.raises(FailedPrecondition, match="--reward-model"):
         registry.check("reward_model", has_reward_model=False)
+    # The refusal lists only what this server can score: reward_model only with a model loaded.
+    with pytest.raises(InvalidArgument) as without_model:
+        registry.check("nope", has_reward_model=False)
+    assert "reward_model" not in without_model.value.message
+    assert "'length'" in without_model.value.message
+    with pytest.raises(InvalidArgument, match="'reward_model'"):
+        registry.check("nope", has_reward_model=True)
     with pytest.raises(ValueError, match="reserved"):
         RewardRegistry.from_specs(["exact_match=tests.test_rewards:length_reward"])
     with pytest.raises(ValueError, match="MODULE:FUNCTION"):

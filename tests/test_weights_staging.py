@@ -1,5 +1,5 @@
-"""stage_update + apply on real tiny Llama models: bit-exact round trips, and every failure leaves
-the model's state dict unchanged, bit for bit."""
+"""The server's UpdateWeights path (stage, verify, apply) on real tiny Llama models: bit-exact
+round trips, and every failure leaves the model's state dict unchanged, bit for bit."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from helpers_weights import update_weights_requests
+from helpers_weights import update_in_place, update_weights_requests
 from rollserve.client.protocol.errors import FailedPrecondition, InvalidArgument
 from rollserve.client.weights.update_file import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
     iter_safetensors_bytes,
 )
-from rollserve.server.weights import LoraState, stage_update, staging_arena
+from rollserve.server.weights import staging_arena
 from rollserve.v1 import rollout_pb2 as pb
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -130,20 +130,21 @@ def test_full_round_trip_is_bit_exact(
         sender, chunk_bytes=chunk_bytes, version=12, target="actor", sha256=True
     )
     before = state_hash(receiver)
-    staged = stage_update(requests, receiver, LoraState())
-    assert (staged.version, staged.target) == (12, pb.MODEL_ROLE_ACTOR)
-    assert state_hash(receiver) == before  # staging never writes the model
-    applied = staged.apply(receiver)
-    assert applied.tensors == len(sender.state_dict())
-    assert applied.bytes == requests[0].header.total_bytes == len(blob_of(requests))
+
+    def staged_only() -> None:
+        assert state_hash(receiver) == before  # staging never writes the model
+
+    reply = update_in_place(receiver, requests, before_apply=staged_only)
+    assert (reply.version, reply.target, reply.transport) == (12, pb.MODEL_ROLE_ACTOR, "grpc")
+    assert reply.tensors == len(sender.state_dict())
+    assert reply.bytes == requests[0].header.total_bytes == len(blob_of(requests))
     assert_state_equal(receiver, sender)
 
 
 def test_small_uneven_chunks_round_trip(
     receiver: LlamaForCausalLM, sender: LlamaForCausalLM
 ) -> None:
-    staged = stage_update(small_chunk_requests(sender, 4093), receiver, None)
-    staged.apply(receiver)
+    update_in_place(receiver, small_chunk_requests(sender, 4093))
     assert_state_equal(receiver, sender)
 
 
@@ -154,7 +155,7 @@ def test_a_file_written_by_safetensors_applies(
     header = pb.WeightsHeader(
         version=1, total_bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest()
     )
-    stage_update(cut_requests(header, blob, [100, 5000, 300_000]), receiver, None).apply(receiver)
+    update_in_place(receiver, cut_requests(header, blob, [100, 5000, 300_000]))
     assert_state_equal(receiver, sender)
 
 
@@ -162,9 +163,7 @@ def test_float32_update_is_cast_into_a_bfloat16_model(
     actor: LlamaForCausalLM, sender: LlamaForCausalLM
 ) -> None:
     receiver = copy.deepcopy(actor).to(torch.bfloat16)
-    staged = stage_update(make_requests(sender), receiver, None)
-    assert all(t.dtype == torch.float32 for t in staged.tensors.values())  # staged as sent
-    staged.apply(receiver)
+    update_in_place(receiver, make_requests(sender))  # staged as sent, cast when applied
     assert_state_equal(receiver, {k: v.to(torch.bfloat16) for k, v in sender.state_dict().items()})
 
 
@@ -173,7 +172,7 @@ def test_partial_update_changes_only_named_tensors(
 ) -> None:
     names = ["model.norm.weight", "model.layers.1.mlp.up_proj.weight"]
     subset = {n: sender.state_dict()[n] for n in names}
-    stage_update(make_requests(subset, mode="partial"), receiver, None).apply(receiver)
+    update_in_place(receiver, make_requests(subset, mode="partial"))
     want = {n: (sender if n in names else actor).state_dict()[n] for n in actor.state_dict()}
     assert_state_equal(receiver, want)
 
@@ -189,7 +188,7 @@ def test_full_update_of_a_tied_model_accepts_either_name() -> None:
     without_head = {
         k: v for k, v in state_dict.items() if k != "lm_head.weight"
     }  # as save_pretrained stores it
-    stage_update(make_requests(without_head), receiver, None).apply(receiver)
+    update_in_place(receiver, make_requests(without_head))
     assert_state_equal(receiver, sender)
     assert receiver.lm_head.weight is receiver.model.embed_tokens.weight
 
@@ -382,7 +381,7 @@ def test_failures_raise_and_leave_the_model_untouched(
         requests = edit(requests)
     before = state_hash(receiver)
     with pytest.raises(InvalidArgument, match=match):
-        stage_update(iter(requests), receiver, LoraState(), max_header_bytes=1 << 20)
+        update_in_place(receiver, requests, max_header_bytes=1 << 20)
     assert state_hash(receiver) == before
 
 
@@ -390,14 +389,14 @@ def test_a_header_over_a_small_limit_is_refused(
     receiver: LlamaForCausalLM, sender: LlamaForCausalLM
 ) -> None:
     with pytest.raises(InvalidArgument, match="over the limit of 64"):
-        stage_update(make_requests(sender), receiver, None, max_header_bytes=64)
+        update_in_place(receiver, make_requests(sender), max_header_bytes=64)
 
 
 def test_non_finite_values_are_applied_when_allowed(
     receiver: LlamaForCausalLM, sender: LlamaForCausalLM
 ) -> None:
     state_dict = poison(math.nan)(sender)
-    stage_update(make_requests(state_dict, allow_non_finite=True), receiver, None).apply(receiver)
+    update_in_place(receiver, make_requests(state_dict, allow_non_finite=True))
     assert_state_equal(receiver, state_dict)
     assert torch.isnan(receiver.state_dict()[Q][3, 5])
 
@@ -415,7 +414,7 @@ def test_an_iterator_error_propagates_and_nothing_is_applied(
 
     before = state_hash(receiver)
     with pytest.raises(ClientCancelled):
-        stage_update(cancelled_midway(), receiver, None)
+        update_in_place(receiver, cancelled_midway())
     assert state_hash(receiver) == before
 
 
@@ -443,7 +442,7 @@ def test_dtype_rules(name: str, tensor: torch.Tensor, match: str) -> None:
     model = WithBuffers()
     before = state_hash(model)
     with pytest.raises(InvalidArgument, match=match):
-        stage_update(make_requests({name: tensor}, mode="partial"), model, None)
+        update_in_place(model, make_requests({name: tensor}, mode="partial"))
     assert state_hash(model) == before
 
 
@@ -454,7 +453,7 @@ def test_allowed_dtype_conversions_apply() -> None:
         "steps": torch.tensor([9, 8, 7, 6, 5]),
         "mask": torch.tensor([False, True]),
     }
-    stage_update(make_requests(update), model, None).apply(model)
+    update_in_place(model, make_requests(update))
     assert model.weight.dtype == torch.float16 and torch.equal(
         model.weight, torch.full((4, 3), 0.5, dtype=torch.float16)
     )
@@ -466,34 +465,33 @@ def test_a_bool_tensor_with_a_byte_other_than_0_or_1_is_refused() -> None:
     requests = make_requests({"mask": torch.tensor([True, True])}, mode="partial", crc32=False)
     blob = blob_of(requests)[:-1] + b"\x02"  # the data section is the last 2 bytes
     with pytest.raises(InvalidArgument, match="0 and 1"):
-        stage_update(cut_requests(requests[0].header, blob, []), model, None)
+        update_in_place(model, cut_requests(requests[0].header, blob, []))
 
 
 def test_apply_refuses_a_model_that_changed_after_staging(
     receiver: LlamaForCausalLM, sender: LlamaForCausalLM
 ) -> None:
-    staged = stage_update(make_requests(sender), receiver, None)
-    other = wide_llama()  # different shapes under the same names
-    before = state_hash(other)
+    changed: list[str] = []
+
+    def change_the_model() -> None:  # between staging and apply: another shape, the same name
+        receiver.model.norm.weight = torch.nn.Parameter(torch.zeros(3))
+        changed.append(state_hash(receiver))
+
     with pytest.raises(FailedPrecondition, match="changed"):
-        staged.apply(other)
-    assert state_hash(other) == before
+        update_in_place(receiver, make_requests(sender), before_apply=change_the_model)
+    assert [state_hash(receiver)] == changed  # nothing was written
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_sender_and_cuda_bfloat16_receiver(
     actor: LlamaForCausalLM, sender: LlamaForCausalLM
 ) -> None:
     on_device = {k: v.cuda() for k, v in sender.state_dict().items()}
     on_device[Q] = sender.state_dict()[Q].T.contiguous().cuda().T  # a non-contiguous device view
     receiver = copy.deepcopy(actor).to("cuda", torch.bfloat16)
-    arena = staging_arena(receiver)
-    assert arena.pin_memory, "a CUDA model stages into page-locked host memory"
-    with arena.lease():
-        staged = stage_update(make_requests(on_device), receiver, None, arena=arena)
-        assert all(t.is_pinned() for t in staged.tensors.values())
-        staged.apply(receiver)
+    # The arena the update path leases: a CUDA model stages into page-locked host memory.
+    assert staging_arena(receiver).pin_memory
+    update_in_place(receiver, make_requests(on_device))
     want = {k: v.to(torch.bfloat16) for k, v in sender.state_dict().items()}
     assert_state_equal({k: v.cpu() for k, v in receiver.state_dict().items()}, want)
 

@@ -22,8 +22,8 @@ from .filters import (
 from .groups import (
     ESTIMATORS,
     GROUP_ESTIMATORS,
-    check_group_size,
     group_shaped_reward,
+    min_group_size,
 )
 from .kl import (
     KL_ESTIMATORS,
@@ -63,7 +63,6 @@ __all__ = [
     "REWARD_PLACEMENTS",
     "ShapedExperience",
     "WHITENINGS",
-    "check_group_size",
     "clip_advantages",
     "clip_filter_weights",
     "clip_reward",
@@ -76,6 +75,7 @@ __all__ = [
     "kl_estimate",
     "last_valid_column",
     "masked_row_mean",
+    "min_group_size",
     "overlong_penalty",
     "place_reward",
     "preset_config",

@@ -8,40 +8,31 @@ Rows of one prompt are consecutive (B = num_prompts * n). With R the (num_prompt
     rloo                R - (sum - R) / (n - 1)                 leave-one-out baseline
     gae, reinforce      R unchanged
 
-n = 1 is defined rather than left to NaN: rloo has no leave-one-out baseline and is rejected
-(InvalidArgument naming samples_per_prompt); every mean-based estimator gives 0, since the
-group mean is the reward itself.
+n = 1 is defined rather than left to NaN: rloo has no leave-one-out baseline and needs n >= 2
+(`min_group_size`; the request decoder refuses smaller groups, naming samples_per_prompt);
+every mean-based estimator gives 0, since the group mean is the reward itself.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...client.protocol.errors import InvalidArgument
-
 __all__ = [
     "ESTIMATORS",
     "GROUP_ESTIMATORS",
-    "check_group_size",
-    "group_view",
     "group_shaped_reward",
+    "group_view",
+    "min_group_size",
 ]
 
 ESTIMATORS = ("gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo")
 GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
 
 
-def check_group_size(estimator: str, group_size: int, batch_rows: int | None = None) -> None:
-    """Raise InvalidArgument when the estimator cannot work with this many samples per prompt."""
-    if group_size < 1:
-        raise InvalidArgument(f"samples_per_prompt: must be >= 1, got {group_size}")
-    if estimator == "rloo" and group_size < 2:
-        raise InvalidArgument(
-            "samples_per_prompt: advantage_estimator 'rloo' needs >= 2 samples per prompt "
-            f"(a leave-one-out baseline), got {group_size}"
-        )
-    if batch_rows is not None and batch_rows % group_size != 0:
-        raise ValueError(f"{batch_rows} rows are not whole groups of {group_size}")
+def min_group_size(estimator: str) -> int:
+    """The fewest samples per prompt the estimator works with: 2 for rloo's leave-one-out
+    baseline, 1 for every other."""
+    return 2 if estimator == "rloo" else 1
 
 
 def group_view(values: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -61,7 +52,8 @@ def group_shaped_reward(
         raise ValueError(f"unknown estimator {estimator!r}; expected one of {ESTIMATORS}")
     if estimator not in GROUP_ESTIMATORS:
         return reward
-    check_group_size(estimator, group_size)
+    if group_size < min_group_size(estimator):
+        raise ValueError(f"estimator {estimator!r} needs groups of >= 2 rows, got {group_size}")
     r = group_view(reward, group_size)  # (G, n)
     if estimator == "rloo":
         baseline = (r.sum(dim=-1, keepdim=True) - r) / (group_size - 1)  # (G, n)

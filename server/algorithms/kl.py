@@ -6,7 +6,7 @@ With d = logp - logp_ref per action column (the log-ratio of the sampled token):
     k2 = d^2 / 2            biased, >= 0
     k3 = exp(-d) - 1 + d    unbiased for KL(actor || ref), >= 0 (Schulman's estimator)
 
-Two framework conventions are options rather than hard-coded (experience_math.md, section 4 #6):
+Two framework conventions are options rather than hard-coded (presets.py's table):
 LightRFT multiplies d by the action mask *before* the transform (`mask` argument), OpenRLHF
 clamps the result symmetrically to [-10, 10] (`clamp`, applied after the transform, so it
 also bounds k1 from below). ColossalChat's logged KL is a different, quirky quantity and has

@@ -2,8 +2,8 @@
 
 A preset is a complete AlgorithmConfig holding one framework's defaults, plus per-estimator
 overrides for the defaults that depend on the estimator (ColossalChat's GRPO branch differs
-from its PPO branch). Sources and formulas: /work/shared/reference/experience_math.md
-(sections 1-3; the table in section 4 lists every difference).
+from its PPO branch). The sources are the frameworks' own experience makers (ColossalChat's
+coati, OpenRLHF, LightRFT); the table lists every difference between them.
 
     option                     coati (V2)        openrlhf              lightrft
     estimator (critic / none)  gae / group_norm  gae / group_norm      group_norm / group_norm
@@ -31,13 +31,12 @@ from its PPO branch). Sources and formulas: /work/shared/reference/experience_ma
 Where a framework has no such option (coati has no overlong penalty, dr_grpo, ...), its
 preset uses the nearest convention of that framework and the table says which.
 
-Reproduced quirks (experience_math.md section 5): coati's reward on every valid token (5.2),
-coati's logged KL with its d >= 10 guard (5.3), OpenRLHF's whitening of masked columns and
-signed +-10 clamp of k1 (5.4), LightRFT's uncapped overlong penalty (section 3.5).
-Deliberately NOT reproduced, because they are bugs rather than conventions: LightRFT popping
-gamma after the first micro-batch (5.5; every row here uses the configured gamma), LightRFT's
-CPGD estimator giving identically zero advantages (5.5; CPGD is not offered), LightRFT's second
-whitening in its replay buffer (trainer-side, and "grpo" vs "group_norm" naming), LightRFT's
+Reproduced quirks: coati's reward on every valid token, coati's logged KL with its d >= 10
+guard, OpenRLHF's whitening of masked columns and signed +-10 clamp of k1, LightRFT's uncapped
+overlong penalty. Deliberately NOT reproduced, because they are bugs rather than conventions:
+LightRFT popping gamma after the first micro-batch (every row here uses the configured gamma),
+LightRFT's CPGD estimator giving identically zero advantages (CPGD is not offered), LightRFT's
+second whitening in its replay buffer (trainer-side, and "grpo" vs "group_norm" naming), LightRFT's
 running reward normalisation (state across requests; not offered), and NaN for a
 zero-variance group or n = 1 (we return 0). Also different by design: the advantage clip is
 always applied after whitening (the proto's contract), where LightRFT clips before its

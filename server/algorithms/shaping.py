@@ -28,7 +28,7 @@ from .filters import (
     dynamic_sampling_mask,
     high_entropy_mask,
 )
-from .groups import check_group_size, group_shaped_reward
+from .groups import group_shaped_reward
 from .kl import coati_logged_kl, kl_estimate, sequence_kl_reward
 from .masking import float_dtype, masked_row_mean
 from .presets import AlgorithmConfig
@@ -67,10 +67,11 @@ def _check_inputs(
         )
     if rewards.shape != log_probs.shape[:1]:
         raise ValueError(f"rewards {tuple(rewards.shape)} must be (B,) = ({log_probs.shape[0]},)")
+    if log_probs.shape[0] % group_size != 0:
+        raise ValueError(f"{log_probs.shape[0]} rows are not whole groups of {group_size}")
     for name, tensor in others.items():
         if tensor is not None and tensor.shape != log_probs.shape:
             raise ValueError(f"{name} {tuple(tensor.shape)} must match action_log_probs (B, A)")
-    check_group_size(cfg.estimator, group_size, batch_rows=log_probs.shape[0])
     if others["base_action_log_probs"] is None and cfg.needs_reference:
         raise ValueError("kl_coef > 0 needs base_action_log_probs from the reference model")
     if others["entropy"] is None and cfg.needs_entropy:
@@ -175,8 +176,8 @@ def shape_experience(
     """KL, token rewards, advantages and returns of B rows (whole groups, consecutive).
 
     Whitening statistics span all B rows, so pass the whole request, not one micro-batch.
-    Raises InvalidArgument for a group size the estimator cannot use (rloo with n = 1) and
-    ValueError for inputs that break this function's contract (shapes, missing tensors).
+    Raises ValueError for inputs that break this function's contract (shapes, missing tensors,
+    rows that are not whole groups, a group too small for the estimator).
     """
     others = {"base_action_log_probs": base_action_log_probs, "values": values, "entropy": entropy}
     _check_inputs(cfg, group_size, action_log_probs, action_mask, rewards, others)

@@ -6,7 +6,7 @@ Precedence is flag > environment > default. Every field `foo_bar` is the flag `-
 variable `ROLLSERVE_FOO_BAR`; an empty variable counts as unset (so compose files can blank one).
 
 Three homes: the fields and the checks across fields are here; how each value is read from text
-is in config_values.py; the flag table (parser, help, metavar per field) is in config_flags.py.
+is in values.py; the flag table (parser, help, metavar per field) is in flags.py.
 """
 
 from __future__ import annotations

@@ -11,8 +11,6 @@ import argparse
 import math
 import re
 
-from ...client.protocol.transports import WEIGHT_TRANSPORTS
-
 MIB = 1 << 20
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -168,6 +166,10 @@ def boolean(raw: str) -> bool:
 
 def weight_transports(raw: str) -> str:
     """Comma-separated UpdateWeights data planes, normalised; "grpc" is always on."""
+    # Imported here, not at module import: importing client/ pulls in torch, and the config
+    # (with `rollserve health`) must stay light.
+    from ...client.protocol.transports import WEIGHT_TRANSPORTS
+
     names = [name.strip().lower() for name in raw.split(",") if name.strip()]
     unknown = sorted(set(names) - set(WEIGHT_TRANSPORTS))
     if unknown:

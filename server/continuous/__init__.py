@@ -6,12 +6,13 @@ One job per module, in the order a batch travels:
   source.py         the JSONL prompt source and the schedule of batches (epochs, steps, seeds)
   batch_request.py  the --rollout-request template plus one batch's prompts -> a request
   loop.py           ContinuousRollout: the thread that makes one batch at a time on the engine
-  dealer.py         the bounded queue (back-pressure), round-robin dealing, staleness drops
+  dealer.py         the bounded queue (back-pressure), round-robin dealing, staleness drops,
+                    and a Subscription: one subscriber's place in the ring
   subscribe.py      one Subscribe call: check it, join the ring, yield the dealt batches
 """
 
 from .batch_request import build_batch_request, load_request_template
-from .dealer import Dealer, MadeBatch
+from .dealer import Dealer, MadeBatch, Subscription
 from .loop import ContinuousRollout, RolloutSettings, RolloutStats
 from .source import (
     PlannedBatch,
@@ -21,7 +22,7 @@ from .source import (
     load_prompt_source,
     plan_batches,
 )
-from .subscribe import Subscription, serve_subscribe
+from .subscribe import serve_subscribe
 
 __all__ = [
     "ContinuousRollout",

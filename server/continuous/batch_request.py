@@ -15,6 +15,7 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from ...v1 import rollout_pb2 as pb
+from ..experience.request import requested_samples
 from .source import PlannedBatch, PromptSource, RolloutSetupError, mix_seed
 
 __all__ = ["build_batch_request", "load_request_template"]
@@ -62,7 +63,6 @@ def build_batch_request(
     base = template.sampling.seed if template.sampling.HasField("seed") else seed
     request.sampling.seed = mix_seed(base, planned.step)
     # One message per batch: its micro-batches would only be joined again.
-    group = template.samples_per_prompt if template.HasField("samples_per_prompt") else 1
-    request.batching.micro_batch_size = max(len(prompts) * group, 1)
+    request.batching.micro_batch_size = max(len(prompts) * requested_samples(template), 1)
     request.request_id = f"rollout-{planned.step}"
     return request

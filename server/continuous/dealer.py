@@ -26,14 +26,13 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ...client.protocol.errors import Unavailable
 from ...v1 import rollout_pb2 as pb
-from .subscribe import Subscription
 
-__all__ = ["Dealer", "MadeBatch"]
+__all__ = ["Dealer", "MadeBatch", "Subscription"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -44,6 +43,31 @@ class MadeBatch:
 
     response: pb.SubscribeResponse
     policy_version: int
+
+
+class Subscription:
+    """One Subscribe call: iterate it for the responses to send; `cancel()` when the call ends."""
+
+    def __init__(
+        self, dealer: Dealer, name: str, max_batches: int, is_live: Callable[[], bool]
+    ) -> None:
+        self.name = name
+        self.remaining: int | None = max_batches or None  # None: until the rollout ends
+        self.received = 0
+        self.gone = False
+        self.is_live = is_live
+        self._dealer = dealer
+
+    def __iter__(self) -> Iterator[pb.SubscribeResponse]:
+        try:
+            while (response := self._dealer.take(self)) is not None:
+                yield response
+        finally:
+            self._dealer.leave(self)
+
+    def cancel(self) -> None:
+        """The call is over (client gone, deadline): leave the ring now; idempotent."""
+        self._dealer.leave(self)
 
 
 class Dealer:

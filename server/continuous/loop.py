@@ -14,7 +14,6 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,15 +21,12 @@ from ...client.protocol.errors import ResourceExhausted, RolloutError, Unavailab
 from ...client.protocol.experience import Experience, concat_experiences, experience_to_proto
 from ...v1 import rollout_pb2 as pb
 from ..config import ServerConfig
-from ..models import Phase, ServerState
+from ..engine.runtime import Runtime
+from ..experience.request import ExperienceSpec
+from ..state import Phase, ServerState
 from .batch_request import build_batch_request, load_request_template
-from .dealer import Dealer, MadeBatch
+from .dealer import Dealer, MadeBatch, Subscription
 from .source import PlannedBatch, PromptSource, RolloutSetupError, load_prompt_source, plan_batches
-from .subscribe import Subscription
-
-if TYPE_CHECKING:
-    from ..engine.runtime import Runtime
-    from ..experience.request import ExperienceSpec
 
 __all__ = ["ContinuousRollout", "RolloutSettings", "RolloutStats"]
 

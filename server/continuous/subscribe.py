@@ -1,51 +1,24 @@
 """Servicing one Subscribe call: check the request, join the dealer's ring, yield dealt batches.
 
 The servicer's Subscribe method is glue around `serve_subscribe`; the call leaves the ring when
-it ends (client gone, deadline, max_batches reached) through `Subscription.cancel`.
+it ends (client gone, deadline, max_batches reached) through `Subscription.cancel` (dealer.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ...client.protocol.errors import FailedPrecondition, InvalidArgument
 from ...v1 import rollout_pb2 as pb
+from .loop import ContinuousRollout
 
 if TYPE_CHECKING:
     import grpc
 
-    from .dealer import Dealer
-    from .loop import ContinuousRollout
-
-__all__ = ["Subscription", "serve_subscribe", "subscriber_name"]
+__all__ = ["serve_subscribe", "subscriber_name"]
 
 _MAX_SUBSCRIBER_ID_CHARS = 128  # it lands in log lines
-
-
-class Subscription:
-    """One Subscribe call: iterate it for the responses to send; `cancel()` when the call ends."""
-
-    def __init__(
-        self, dealer: Dealer, name: str, max_batches: int, is_live: Callable[[], bool]
-    ) -> None:
-        self.name = name
-        self.remaining: int | None = max_batches or None  # None: until the rollout ends
-        self.received = 0
-        self.gone = False
-        self.is_live = is_live
-        self._dealer = dealer
-
-    def __iter__(self) -> Iterator[pb.SubscribeResponse]:
-        try:
-            while (response := self._dealer.take(self)) is not None:
-                yield response
-        finally:
-            self._dealer.leave(self)
-
-    def cancel(self) -> None:
-        """The call is over (client gone, deadline): leave the ring now; idempotent."""
-        self._dealer.leave(self)
 
 
 def serve_subscribe(

@@ -23,7 +23,9 @@ import threading
 
 import torch
 
-from ..models import LoadedModel, ModelSet, Phase, ServerState
+from ..models import LoadedModel, ModelSet
+from ..state import Phase, ServerState
+from .worker import Engine
 
 __all__ = ["Readiness", "ReadinessError", "probe_model"]
 
@@ -56,17 +58,17 @@ class Readiness:
         self._lock = threading.Lock()
         self._failed_roles: set[str] = set()
 
-    def check_startup(self) -> None:
+    def check_startup(self, engine: Engine) -> None:
         """Probe every loaded model on the engine thread; ReadinessError on the first failure."""
-        runtime, models = self._state.runtime, self._state.models
-        if runtime is None or models is None:
+        models = self._state.models
+        if models is None:
             raise ReadinessError("no models loaded")
 
         def probe_all() -> None:
             for model in models.loaded():
                 probe_model(model, models)
 
-        runtime.engine.call(probe_all)
+        engine.call(probe_all)
 
     def check_updated(self, role: str) -> None:
         """Probe `role` after its weights were swapped; call on the engine thread, right after

@@ -162,9 +162,9 @@ def _draw(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One index per row of scores (b, n) from softmax(scores), by inverse CDF.
 
     One uniform number per row instead of torch.multinomial's one per row and candidate (its
-    exponential_ over (B, V) was ~15% of a CPU decoding step). float64 cumsum keeps the tail
-    of a 150k vocabulary exact enough; tokens with probability 0 are never picked because the
-    search takes the first index whose CDF exceeds u.
+    exponential_ over (B, V) is a visible share of a CPU decoding step). float64 cumsum keeps
+    the tail of a 150k vocabulary exact enough; tokens with probability 0 are never picked
+    because the search takes the first index whose CDF exceeds u.
     """
     cdf = torch.softmax(scores, dim=-1).cumsum(-1, dtype=torch.float64)  # (b, n)
     u = torch.rand(

@@ -28,15 +28,15 @@ for the same seed.
 
 from __future__ import annotations
 
-import abc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from ...client.protocol.errors import FailedPrecondition
 from ...client.protocol.experience import Experience, concat_experiences
 from ...client.protocol.requests import Prompts, build_make_experience_request
+from ...v1 import rollout_pb2 as pb
 from ..models import ModelSet
 from .batches import ScoredBatch, merge_batches
 from .micro_batches import MicroBatcher
@@ -52,60 +52,35 @@ from .steps import (
     shape_batch,
 )
 
-__all__ = ["ExperienceMaker", "NaiveExperienceMaker"]
+__all__ = ["NaiveExperienceMaker"]
 
 
-class ExperienceMaker(abc.ABC):
-    """In-process API with the shape of ColossalChat's experience makers."""
-
-    policy_version: int = 0
-
-    @abc.abstractmethod
-    def decode(self, request) -> ExperienceSpec:
-        """Validate a MakeExperienceRequest against this maker's models."""
-
-    @abc.abstractmethod
-    def iter_experience(
-        self,
-        spec: ExperienceSpec,
-        *,
-        policy_version: int,
-        cancelled: threading.Event | None = None,
-    ) -> Iterator[Experience]:
-        """Micro-batches of whole groups, in row order, on the CPU."""
-
-    def make_experience(self, prompts: Prompts, **options: object) -> Experience:
-        """All rows of one request as one Experience (options: build_make_experience_request)."""
-        spec = self.decode(build_make_experience_request(prompts, **options))
-        if spec.min_policy_version > self.policy_version:  # the same refusal as the RPC's
-            raise FailedPrecondition(
-                f"min_policy_version: {spec.min_policy_version} requested, the actor is at "
-                f"version {self.policy_version}"
-            )
-        batches = list(self.iter_experience(spec, policy_version=self.policy_version))
-        return concat_experiences(batches, pad_token_id=self.pad_token_id)
-
-    @property
-    @abc.abstractmethod
-    def pad_token_id(self) -> int: ...
-
-
-class NaiveExperienceMaker(ExperienceMaker):
-    """Makes experience with the models of one ModelSet on their device."""
+class NaiveExperienceMaker:
+    """Makes experience with the models of one ModelSet on their device; the in-process API has
+    the shape of ColossalChat's experience makers (`make_experience`)."""
 
     def __init__(
-        self, models: ModelSet, rewards: RewardRegistry, defaults: RequestDefaults
+        self,
+        models: ModelSet,
+        rewards: RewardRegistry,
+        defaults: RequestDefaults,
+        *,
+        policy_version: Callable[[], int] = lambda: 0,
     ) -> None:
+        # policy_version: reads the actor's version where it is held (ServerState); a maker
+        # outside a server serves version 0.
         self.models = models
         self.rewards = rewards
         self.defaults = defaults
         self.tokenizer_lock = threading.Lock()
+        self._policy_version = policy_version
 
     @property
     def pad_token_id(self) -> int:
         return int(self.models.tokenizer.pad_token_id)
 
-    def decode(self, request) -> ExperienceSpec:
+    def decode(self, request: pb.MakeExperienceRequest) -> ExperienceSpec:
+        """Validate a MakeExperienceRequest against this maker's models and limits."""
         return decode_experience_request(
             request,
             models=self.models,
@@ -114,6 +89,12 @@ class NaiveExperienceMaker(ExperienceMaker):
             tokenizer_lock=self.tokenizer_lock,
         )
 
+    def make_experience(self, prompts: Prompts, **options: object) -> Experience:
+        """All rows of one request as one Experience (options: build_make_experience_request)."""
+        spec = self.decode(build_make_experience_request(prompts, **options))
+        batches = list(self.iter_experience(spec, policy_version=self._policy_version()))
+        return concat_experiences(batches, pad_token_id=self.pad_token_id)
+
     def iter_experience(
         self,
         spec: ExperienceSpec,
@@ -121,6 +102,14 @@ class NaiveExperienceMaker(ExperienceMaker):
         policy_version: int,
         cancelled: threading.Event | None = None,
     ) -> Iterator[Experience]:
+        """Micro-batches of whole groups, in row order, on the CPU, made by `policy_version`
+        (read on the engine thread, so no swap races it): FAILED_PRECONDITION below the
+        request's min_policy_version."""
+        if spec.min_policy_version > policy_version:
+            raise FailedPrecondition(
+                f"min_policy_version: {spec.min_policy_version} requested, the actor is at "
+                f"version {policy_version}"
+            )
         whole_request = spec.algorithm.effective_whitening != "none"
         held: list[ScoredBatch] = []  # whitening statistics span every row of the request
         micro_batches = MicroBatcher(spec.micro_batch_rows, self.pad_token_id)

@@ -1,12 +1,17 @@
 """Decode and validate a MakeExperienceRequest into an ExperienceSpec (plain, resolved values).
 
-This runs in the gRPC handler thread, before anything is queued: a bad request is refused with
-INVALID_ARGUMENT naming the field (or FAILED_PRECONDITION when the server lacks a model the
-request needs) and never reaches the engine.
+This runs before anything is queued (in the gRPC handler thread, or the rollout loop): a bad
+request is refused with INVALID_ARGUMENT naming the field (or FAILED_PRECONDITION when the
+server lacks a model the request needs) and never reaches the engine. Each field is read,
+defaulted and checked here and nowhere else, against the server's limits (RequestDefaults);
+the prompt count is checked before any prompt is tokenized. A request over a limit is
+INVALID_ARGUMENT, not RESOURCE_EXHAUSTED: that code means "the server is busy, back off and
+retry" (the engine's queue), while a request over a fixed limit fails the same way on every retry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import threading
@@ -15,12 +20,18 @@ from dataclasses import dataclass
 
 from ...client.protocol.errors import FailedPrecondition, InvalidArgument
 from ...v1 import rollout_pb2 as pb
-from ..algorithms import AlgorithmConfig, check_group_size, resolve_algorithm
+from ..algorithms import AlgorithmConfig, min_group_size, resolve_algorithm
+from ..config import ServerConfig
 from ..models import ModelSet
 from .generation import SamplingParams
 from .rewards import BUILTIN_RULES, REWARD_MODEL_SOURCE, RewardRegistry
 
-__all__ = ["ExperienceSpec", "RequestDefaults", "decode_experience_request"]
+__all__ = [
+    "ExperienceSpec",
+    "RequestDefaults",
+    "decode_experience_request",
+    "requested_samples",
+]
 
 _SEED_BITS = 63
 # Built-in rules compare with gt_answer; user sources decide for themselves.
@@ -41,6 +52,17 @@ class RequestDefaults:
     # legal while their product is not (4096 prompts x 4096 new tokens in one generation batch).
     max_request_tokens: int = 16_777_216
     max_batch_tokens: int = 262_144
+    # The most a request may ask for (--max-prompts, --max-samples-per-prompt,
+    # --max-new-tokens-limit).
+    max_prompts: int = 4096
+    max_samples_per_prompt: int = 256
+    max_new_tokens_limit: int = 4096
+
+    @classmethod
+    def from_config(cls, config: ServerConfig, *, default_preset: str) -> RequestDefaults:
+        # Every field but the preset is the ServerConfig field of the same name.
+        names = [field.name for field in dataclasses.fields(cls) if field.name != "default_preset"]
+        return cls(default_preset=default_preset, **{name: getattr(config, name) for name in names})
 
 
 @dataclass(frozen=True)
@@ -81,29 +103,21 @@ def decode_experience_request(
 ) -> ExperienceSpec:
     """Validate `request` against the loaded models and the server's limits."""
     lock = tokenizer_lock or threading.Lock()
-    prompts = _prompts(request, models, lock)
-    n = request.samples_per_prompt if request.HasField("samples_per_prompt") else 1
-    if n < 1:
-        raise InvalidArgument(f"samples_per_prompt: must be >= 1, got {n}")
-    if len(prompts) * n > defaults.max_request_rows:
-        raise InvalidArgument(
-            f"samples_per_prompt: {len(prompts)} prompts x {n} samples = {len(prompts) * n} "
-            f"rows is over this server's limit of {defaults.max_request_rows}"
-        )
+    prompts = _prompts(request, models, defaults, lock)
     gt_answers = _gt_answers(request, len(prompts))
     algorithm = resolve_algorithm(
         request.algorithm,
         default_preset=defaults.default_preset,
         has_critic=models.critic is not None,
     )
-    # Here, not after generation: rloo with n = 1 would otherwise fail only after the device
-    # has generated and scored the whole first batch.
-    check_group_size(algorithm.estimator, n)
+    sampling = _sampling(request.sampling, algorithm, models, defaults, lock)
+    row_tokens = max(len(p) for p in prompts) + sampling.max_new_tokens  # one padded row
+    # Before anything runs: rloo with n = 1 would otherwise fail only after the device has
+    # generated and scored the whole first batch.
+    n = _samples_per_prompt(request, algorithm, len(prompts), row_tokens, defaults)
     if algorithm.needs_reference and models.reference is None:
         raise FailedPrecondition("algorithm.kl_coef: > 0 needs a reference model")
-    sampling = _sampling(request.sampling, algorithm, models, defaults, lock)
     _check_context(prompts, sampling.max_new_tokens, models.max_context_tokens)
-    row_tokens = max(len(p) for p in prompts) + sampling.max_new_tokens  # one padded row
     _check_request_tokens(len(prompts) * n, row_tokens, defaults.max_request_tokens)
     return ExperienceSpec(
         prompts=prompts,
@@ -126,12 +140,17 @@ def decode_experience_request(
 
 
 def _prompts(
-    request: pb.MakeExperienceRequest, models: ModelSet, lock: threading.Lock
+    request: pb.MakeExperienceRequest,
+    models: ModelSet,
+    defaults: RequestDefaults,
+    lock: threading.Lock,
 ) -> tuple[tuple[int, ...], ...]:
     kind = request.WhichOneof("prompts")
     if kind == "token_ids":
+        _check_at_most("prompts", len(request.token_ids.lengths), defaults.max_prompts)
         prompts = _ragged(request.token_ids)
     elif kind == "texts":
+        _check_at_most("prompts", len(request.texts.texts), defaults.max_prompts)
         prompts = _tokenize_texts(request.texts, models.tokenizer, lock)
     else:
         raise InvalidArgument("prompts: set token_ids or texts")
@@ -145,6 +164,58 @@ def _prompts(
                 f"prompts[{i}]: token id {bad} is outside the vocabulary [0, {vocab})"
             )
     return prompts
+
+
+# The flag behind each request limit, named in the refusal.
+_LIMIT_FLAGS = {
+    "prompts": "--max-prompts",
+    "samples_per_prompt": "--max-samples-per-prompt",
+    "sampling.max_new_tokens": "--max-new-tokens-limit",
+}
+
+
+def _check_at_most(field: str, value: int, limit: int) -> None:
+    if value > limit:
+        raise InvalidArgument(
+            f"{field}: {value} is over this server's limit of {limit} ({_LIMIT_FLAGS[field]})"
+        )
+
+
+def requested_samples(request: pb.MakeExperienceRequest) -> int:
+    """samples_per_prompt as the request asks, 1 when unset (unchecked: the decoder checks it)."""
+    return request.samples_per_prompt if request.HasField("samples_per_prompt") else 1
+
+
+def _samples_per_prompt(
+    request: pb.MakeExperienceRequest,
+    algorithm: AlgorithmConfig,
+    num_prompts: int,
+    row_tokens: int,
+    defaults: RequestDefaults,
+) -> int:
+    """n, the rows of one group: unset is 1; within the server's limits and the estimator's
+    needs, and one group must fit a generation batch (--max-batch-tokens)."""
+    n = requested_samples(request)
+    if n < 1:
+        raise InvalidArgument(f"samples_per_prompt: must be >= 1, got {n}")
+    _check_at_most("samples_per_prompt", n, defaults.max_samples_per_prompt)
+    if num_prompts * n > defaults.max_request_rows:
+        raise InvalidArgument(
+            f"samples_per_prompt: {num_prompts} prompts x {n} samples = {num_prompts * n} "
+            f"rows is over this server's limit of {defaults.max_request_rows}"
+        )
+    least = min_group_size(algorithm.estimator)
+    if n < least:
+        raise InvalidArgument(
+            f"samples_per_prompt: advantage_estimator {algorithm.estimator!r} needs >= {least} "
+            f"samples per prompt, got {n}"
+        )
+    if n * row_tokens > defaults.max_batch_tokens:
+        raise InvalidArgument(
+            f"samples_per_prompt: one group of {n} rows x {row_tokens} tokens is over this "
+            f"server's limit of {defaults.max_batch_tokens} tokens per batch (--max-batch-tokens)"
+        )
+    return n
 
 
 def _ragged(ragged: pb.RaggedTokenIds) -> tuple[tuple[int, ...], ...]:
@@ -218,9 +289,11 @@ def _sampling(
             raise InvalidArgument(
                 f"sampling.stop_sequences[{i}]: needs >= 1 token id in [0, {models.vocab_size})"
             )
+    max_new_tokens = get("max_new_tokens", defaults.max_new_tokens)
+    _check_at_most("sampling.max_new_tokens", max_new_tokens, defaults.max_new_tokens_limit)
     try:
         return SamplingParams(
-            max_new_tokens=get("max_new_tokens", defaults.max_new_tokens),
+            max_new_tokens=max_new_tokens,
             min_new_tokens=get("min_new_tokens", 0),
             temperature=get("temperature", 1.0),
             top_k=get("top_k", 0),
@@ -252,7 +325,7 @@ def _reward_recipe(
         if not has_rm:
             raise InvalidArgument(
                 f"rewards: empty recipe and no reward model loaded; name sources from "
-                f"{registry.names()}"
+                f"{registry.offered(has_reward_model=False)}"
             )
         return ((REWARD_MODEL_SOURCE, 1.0),)
     recipe = []
@@ -305,10 +378,5 @@ def _batch_rows(
             f"batching.{name}: {rows} rows x {row_tokens} tokens = {rows * row_tokens} tokens "
             f"is over this server's limit of {defaults.max_batch_tokens} (--max-batch-tokens)"
         )
-    fitting = defaults.max_batch_tokens // row_tokens // group * group
-    if fitting < group:
-        raise InvalidArgument(
-            f"samples_per_prompt: one group of {group} rows x {row_tokens} tokens is over this "
-            f"server's limit of {defaults.max_batch_tokens} tokens per batch (--max-batch-tokens)"
-        )
-    return fitting
+    # At least one group: _samples_per_prompt checked that a group fits the budget.
+    return defaults.max_batch_tokens // row_tokens // group * group

@@ -162,8 +162,9 @@ class RewardRegistry:
             sources[name] = function
         return cls(sources)
 
-    def names(self) -> list[str]:
-        return sorted([REWARD_MODEL_SOURCE, *self.sources])
+    def offered(self, *, has_reward_model: bool) -> list[str]:
+        """The sources a request may name: the text sources, and reward_model with a model."""
+        return sorted([*self.sources, *([REWARD_MODEL_SOURCE] if has_reward_model else [])])
 
     def check(self, source: str, *, has_reward_model: bool) -> None:
         """Raise if a request may not use `source` on this server."""
@@ -175,8 +176,9 @@ class RewardRegistry:
                 )
             return
         if source not in self.sources:
+            offered = self.offered(has_reward_model=has_reward_model)
             raise InvalidArgument(
-                f"rewards: unknown source {source!r}; this server offers {self.names()}"
+                f"rewards: unknown source {source!r}; this server offers {offered}"
             )
 
     def score(

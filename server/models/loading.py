@@ -1,4 +1,4 @@
-"""The models one server hosts (actor, reference, critic, reward model) and the server's state.
+"""The models one server hosts: actor, reference, critic and reward model.
 
 Every model goes through `from_pretrained(..., local_files_only=True)`: never a hub download, and
 the built-in tiny default is saved to a temporary directory first so it takes the same path as a
@@ -8,15 +8,11 @@ production checkpoint. Models are loaded in eval mode with gradients off; they a
 from __future__ import annotations
 
 import copy
-import enum
 import logging
 import tempfile
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -24,17 +20,13 @@ from ...client.protocol.dtypes import TORCH_NAMES as _DTYPES
 from ...client.protocol.roles import ROLES
 from ..config import ServerConfig
 from .default_model import BUILTIN_SOURCE, save_tiny_causal_lm
-
-if TYPE_CHECKING:
-    from ..engine.runtime import Runtime
+from .memory import own_memory
 
 __all__ = [
     "ROLES",
     "ModelLoadError",
     "LoadedModel",
     "ModelSet",
-    "Phase",
-    "ServerState",
     "check_model_dirs",
     "load_models",
     "resolve_device",
@@ -201,7 +193,7 @@ def _load(
         )
     module = module.to(device).eval().requires_grad_(False)
     if device.type == "cpu":
-        _own_memory(module)
+        own_memory(module)  # memory.py: private, and handed to the staging arena
     return LoadedModel(
         role=role,
         module=module,
@@ -210,43 +202,6 @@ def _load(
         dtype=str(dtype).removeprefix("torch."),
         num_parameters=sum(p.numel() for p in module.parameters()),
     )
-
-
-def _own_memory(module: torch.nn.Module) -> None:
-    """Move every tensor that from_pretrained left in a mapping of the checkpoint file into
-    private memory: the state dict's tensors into one buffer, which becomes the model's buffer
-    in its staging arena (weights/arena.py, "Adoption").
-
-    On CPU, transformers keeps the weights in a copy-on-write mmap of the safetensors file. Then
-    (1) a trainer rewriting that file in place changes, or (if it shrinks) crashes with SIGBUS,
-    the weights being served, and (2) the first weight update pays a page fault per 4 KiB of
-    every parameter (0.9 s for a 0.48 GB model on the dev VM, ~20x a warm update's apply). One
-    copy at load time, while nothing is served yet, removes both. One buffer rather than one
-    allocation per tensor: the first full update adopts the staged tensors and hands this buffer
-    to the arena as the next staging buffer, so a full update never allocates past the first.
-    Tensors outside the state dict (non-persistent buffers, which no update rewrites) get
-    copies of their own, never a place in the shared buffer.
-    """
-    from ..weights import staging_arena
-
-    with torch.no_grad():
-        in_state = {id(t): t for t in module.state_dict(keep_vars=True).values()}  # shared: once
-        places, total = [], 0
-        for tensor in in_state.values():
-            places.append(total)
-            total += -(-tensor.nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
-        buffer = torch.empty(total, dtype=torch.uint8)
-        for tensor, place in zip(in_state.values(), places, strict=True):
-            view = buffer[place : place + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
-            view.copy_(tensor.data)
-            tensor.data = view
-        for tensor in module.buffers():
-            if id(tensor) not in in_state:
-                tensor.data = tensor.data.clone()
-    staging_arena(module).hold_model_buffer(buffer)
-
-
-_ALIGN_BYTES = 64  # every tensor's place in the model buffer: a multiple of any itemsize
 
 
 def _load_tokenizer(directory: str):
@@ -298,78 +253,3 @@ def _quiet_transformers() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-
-
-# ---- server state -----------------------------------------------------------------------------
-
-
-class Phase(enum.Enum):
-    """Life cycle of a server; mirrors the wire enum ServingStatus."""
-
-    LOADING = "loading"
-    SERVING = "serving"
-    WAITING_FOR_WEIGHTS = "waiting_for_weights"
-    DRAINING = "draining"
-
-
-class ServerState:
-    """What the servicer, the health checks and (later) the engine share: thread-safe."""
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self.models: ModelSet | None = None  # None while loading
-        self.runtime: Runtime | None = None  # engine, maker, updater; set once models load
-        self._started_s = time.monotonic()
-        self._lock = threading.Lock()
-        self._phase = Phase.LOADING
-        self._versions: dict[str, int] = {}
-        self._listeners: list[Callable[[Phase], None]] = []
-
-    @property
-    def phase(self) -> Phase:
-        return self._phase
-
-    @property
-    def uptime_s(self) -> float:
-        return time.monotonic() - self._started_s
-
-    def on_phase_change(self, listener: Callable[[Phase], None]) -> None:
-        """Call `listener(phase)` on every change (used to mirror grpc.health.v1)."""
-        with self._lock:
-            self._listeners.append(listener)
-
-    def set_phase(self, phase: Phase) -> None:
-        """Move to `phase`; DRAINING is final so a late "ready" cannot undo a shutdown."""
-        with self._lock:
-            if self._phase is Phase.DRAINING or self._phase is phase:
-                return
-            self._phase = phase
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener(phase)
-
-    def set_models(self, models: ModelSet) -> None:
-        with self._lock:
-            self.models = models
-            self._versions = {model.role: 0 for model in models.loaded()}
-
-    def policy_version(self, role: str = "actor") -> int:
-        """Version of a role's weights: 0 until the first update (and for roles not loaded)."""
-        with self._lock:
-            return self._versions.get(role, 0)
-
-    def set_policy_version(self, role: str, version: int) -> None:
-        with self._lock:
-            self._versions[role] = version
-
-    def queue_depth(self) -> int:
-        """Requests waiting for the engine; 0 until the engine exists."""
-        runtime = self.runtime
-        return 0 if runtime is None else runtime.engine.queue_depth
-
-    @property
-    def default_preset(self) -> str:
-        """The preset of requests that name none: the flag, else the algorithms' default."""
-        from ..algorithms import DEFAULT_PRESET
-
-        return self.config.default_preset or DEFAULT_PRESET

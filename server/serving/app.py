@@ -6,7 +6,7 @@ forward pass on the engine, readiness.py), then SERVING. Order of a stop: NOT_SE
 keep answering for `drain_delay_s` so load balancers notice, then stop accepting calls and give
 in-flight ones `shutdown_grace_s` to finish, then exit 0.
 
-With --rollout-prompts the server also runs a continuous rollout (continuous.py): the prompt file
+With --rollout-prompts the server also runs a continuous rollout (continuous/): the prompt file
 is read when the server is built, the request template is checked once the models are loaded
 (before SERVING), and the rollout stops when the drain delay ends, ending Subscribe streams.
 
@@ -39,7 +39,9 @@ from ..engine.runtime import Runtime
 from ..experience.maker import NaiveExperienceMaker
 from ..experience.request import RequestDefaults
 from ..experience.rewards import RewardRegistry
-from ..models import ModelSet, Phase, ServerState, check_model_dirs, load_models
+from ..models import ModelSet, check_model_dirs, load_models
+from ..state import Phase, ServerState
+from ..weights import WeightUpdates
 from .handlers import add_rollout_servicer
 from .interceptors import (
     AuthInterceptor,
@@ -70,7 +72,7 @@ class BindError(RuntimeError):
 
 
 def grpc_server_options(config: ServerConfig) -> list[tuple[str, int]]:
-    """Channel arguments of the server (values from reference/transport.md)."""
+    """Channel arguments of the server."""
     return [
         # Finite on purpose: bulk data streams in ~1 MiB messages, never one giant message.
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -93,7 +95,11 @@ class RolloutServer:
         self.state = ServerState(config)
         self.port: int | None = None
         self._preloaded = models
+        # The engine and the weight updater, once the models are loaded (None before).
+        self.runtime: Runtime | None = None
+        self.updates: WeightUpdates | None = None
         self._server: grpc.Server | None = None
+        self._servicer: RolloutServicer | None = None
         self._health = health.HealthServicer()
         self.state.on_phase_change(self._mirror_health)
         self.metrics = ServerMetrics(self.state)
@@ -133,6 +139,7 @@ class RolloutServer:
         )
         servicer = RolloutServicer(self.state, metrics=self.metrics, rollout=self.rollout)
         add_rollout_servicer(servicer, server)
+        self._servicer = servicer
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (ROLLOUT_SERVICE, _HEALTH_SERVICE, reflection.SERVICE_NAME), server
@@ -169,10 +176,13 @@ class RolloutServer:
         started_s = time.monotonic()
         models = self._preloaded if self._preloaded is not None else load_models(self.config)
         self.state.set_models(models)
-        self.state.runtime = build_runtime(self.state, models, self.readiness)
-        self.readiness.check_startup()  # ReadinessError: never report SERVING on broken models
+        self.runtime, self.updates = build_runtime(self.state, models, self.readiness)
+        if self._servicer is not None:
+            self._servicer.serve_models(self.runtime, self.updates)
+        # ReadinessError: never report SERVING on broken models.
+        self.readiness.check_startup(self.runtime.engine)
         if self.rollout is not None:
-            self.rollout.start(self.state.runtime)  # RolloutSetupError on a bad template
+            self.rollout.start(self.runtime)  # RolloutSetupError on a bad template
         ready = Phase.WAITING_FOR_WEIGHTS if self.config.wait_for_weights else Phase.SERVING
         self.state.set_phase(ready)
         actor = models.actor
@@ -205,8 +215,10 @@ class RolloutServer:
             self.rollout.close()  # Subscribe streams end instead of holding the grace period
         _LOG.info("stopping: in-flight calls get %.1f s", grace_s)
         self._server.stop(grace_s).wait()
-        if self.state.runtime is not None:
-            self.state.runtime.close()
+        if self.runtime is not None:
+            self.runtime.close()
+        if self.updates is not None:
+            self.updates.close()
         if self._metrics_http is not None:
             self._metrics_http.close()
         _LOG.info("stopped")
@@ -247,26 +259,19 @@ class RolloutServer:
 
 def build_runtime(
     state: ServerState, models: ModelSet, readiness: Readiness | None = None
-) -> Runtime:
-    """The engine, experience maker and updater for loaded models, configured from the flags;
-    `readiness` probes each model right after its weights are updated."""
+) -> tuple[Runtime, WeightUpdates]:
+    """The engine with its experience maker, and the weight updater whose swaps it runs, for
+    loaded models, configured from the flags; `readiness` probes each model right after its
+    weights are updated."""
     config = state.config
     rewards = RewardRegistry.from_specs(
         config.reward_fn, config.reward_endpoint, timeout_s=config.reward_timeout_s
     )
-    defaults = RequestDefaults(
-        default_preset=state.default_preset,
-        max_new_tokens=config.max_new_tokens,
-        generate_batch_size=config.generate_batch_size,
-        forward_batch_size=config.forward_batch_size,
-        micro_batch_size=config.micro_batch_size,
-        max_request_rows=config.max_request_rows,
-        max_request_tokens=config.max_request_tokens,
-        max_batch_tokens=config.max_batch_tokens,
-    )
-    maker = NaiveExperienceMaker(models, rewards, defaults)
+    defaults = RequestDefaults.from_config(config, default_preset=state.default_preset)
+    maker = NaiveExperienceMaker(models, rewards, defaults, policy_version=state.policy_version)
     after_update = None if readiness is None else readiness.check_updated
-    return Runtime(state, models, maker, after_update=after_update)
+    runtime = Runtime(state, maker, after_update=after_update)
+    return runtime, WeightUpdates.for_models(models, state, runtime.swap)
 
 
 def _host_for_address(host: str) -> str:

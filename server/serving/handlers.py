@@ -3,8 +3,8 @@
 Like the generated `rollout_pb2_grpc.add_RolloutServicer_to_server`, for every method of the
 rollserve.v1.Rollout service in the descriptor, except that UpdateWeights requests are parsed
 by `protocol.wire.parse_update_request`: a chunk's data stays a view into the bytes gRPC
-received instead of being copied into a protobuf message and copied out again on `.data`
-(reference/transport.md). The stream consumer (server/weights/staging.py) takes both forms.
+received instead of being copied into a protobuf message and copied out again on `.data`.
+The stream consumer (server/weights/staging.py) takes both forms.
 """
 
 from __future__ import annotations

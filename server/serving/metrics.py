@@ -38,7 +38,7 @@ from prometheus_client.registry import Collector
 from ...client.protocol.codec import decode_tensor
 from ...client.protocol.roles import ROLE_NAMES as _ROLE_NAMES
 from ...v1 import rollout_pb2 as pb
-from ..models import Phase, ServerState
+from ..state import Phase, ServerState
 
 if TYPE_CHECKING:
     from ..continuous import RolloutStats

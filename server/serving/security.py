@@ -1,4 +1,4 @@
-"""Who may call what: bearer tokens with two roles, TLS / mutual TLS credentials, request limits.
+"""Who may call what: bearer tokens with two roles, TLS / mutual TLS credentials.
 
 Roles. `--data-token` opens MakeExperience and Rollout.Health; `--admin-token` opens UpdateWeights
 and, as a superset, every data call. With no token configured at all, authentication is off (the
@@ -11,11 +11,6 @@ Tokens travel as the metadata `authorization: Bearer <token>`; over plain TCP an
 can read them, so use them with TLS (`--tls-cert`/`--tls-key`) off a loopback host. Mutual TLS
 (`--tls-client-ca`) additionally requires a client certificate signed by that CA at the
 transport level, before any call runs (probes then need a client certificate too).
-
-Limits. `check_request_limits` reads a few fields of a MakeExperienceRequest before it is decoded
-(no tokenization, no tensor work) and refuses one over the server's limits with INVALID_ARGUMENT
-naming the field. Not RESOURCE_EXHAUSTED: that code means "the server is busy, back off and
-retry" (the queue), while a request over a fixed limit fails the same way on every retry.
 """
 
 from __future__ import annotations
@@ -28,18 +23,15 @@ from pathlib import Path
 
 import grpc
 
-from ...client.protocol.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from ...v1 import rollout_pb2 as pb
+from ...client.protocol.errors import PermissionDenied, Unauthenticated
 from ..config import ServerConfig
 
 __all__ = [
     "OPEN_SERVICES",
     "AuthTokens",
-    "RequestLimits",
     "Role",
     "SecurityConfigError",
     "authorize",
-    "check_request_limits",
     "is_loopback",
     "load_tokens",
     "required_role",
@@ -214,54 +206,3 @@ def security_warnings(config: ServerConfig, tokens: AuthTokens) -> list[str]:
     if tokens.data is not None and tokens.admin is None:
         warnings.append("no admin token: UpdateWeights is refused to every caller")
     return warnings
-
-
-# ---- per-request limits -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """Upper bounds on one MakeExperienceRequest (from ServerConfig)."""
-
-    max_prompts: int
-    max_samples_per_prompt: int
-    max_new_tokens: int
-
-    @classmethod
-    def from_config(cls, config: ServerConfig) -> RequestLimits:
-        return cls(
-            max_prompts=config.max_prompts,
-            max_samples_per_prompt=config.max_samples_per_prompt,
-            max_new_tokens=config.max_new_tokens_limit,
-        )
-
-
-def check_request_limits(request: pb.MakeExperienceRequest, limits: RequestLimits) -> None:
-    """InvalidArgument naming the field when the request asks for more than the limits allow."""
-    kind = request.WhichOneof("prompts")
-    if kind == "token_ids":
-        num_prompts = len(request.token_ids.lengths)
-    elif kind == "texts":
-        num_prompts = len(request.texts.texts)
-    else:
-        num_prompts = 0  # the decoder names the missing field
-    _check_at_most("prompts", num_prompts, limits.max_prompts, "--max-prompts")
-    if request.HasField("samples_per_prompt"):
-        _check_at_most(
-            "samples_per_prompt",
-            request.samples_per_prompt,
-            limits.max_samples_per_prompt,
-            "--max-samples-per-prompt",
-        )
-    if request.sampling.HasField("max_new_tokens"):
-        _check_at_most(
-            "sampling.max_new_tokens",
-            request.sampling.max_new_tokens,
-            limits.max_new_tokens,
-            "--max-new-tokens-limit",
-        )
-
-
-def _check_at_most(field: str, value: int, limit: int, flag: str) -> None:
-    if value > limit:
-        raise InvalidArgument(f"{field}: {value} is over this server's limit of {limit} ({flag})")

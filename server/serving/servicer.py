@@ -12,6 +12,7 @@ import functools
 import importlib.metadata
 import threading
 from collections.abc import Iterator
+from typing import TypeVar
 
 import grpc
 
@@ -22,13 +23,15 @@ from ...v1 import rollout_pb2 as pb
 from ...v1 import rollout_pb2_grpc
 from ..continuous import ContinuousRollout, RolloutStats, serve_subscribe
 from ..engine.runtime import Runtime
-from ..models import Phase, ServerState
+from ..state import Phase, ServerState
+from ..weights import WeightUpdates
 from .idle_deadline import IdleDeadline
 from .metrics import ServerMetrics
-from .security import RequestLimits, check_request_limits
 from .status import handles_errors
 
 __all__ = ["RolloutServicer", "health_response", "rollout_progress", "server_version"]
+
+T = TypeVar("T")
 
 _STATUS = {
     Phase.LOADING: pb.SERVING_STATUS_LOADING,
@@ -50,17 +53,22 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     ) -> None:
         self._state = state
         self._metrics = metrics or ServerMetrics(state)
-        self._limits = RequestLimits.from_config(state.config)
         self._rollout = rollout  # None: the server was started without --rollout-prompts
+        # Set once the models are loaded (serve_models); until then the bulk RPCs are UNAVAILABLE.
+        self._runtime: Runtime | None = None
+        self._updates: WeightUpdates | None = None
+
+    def serve_models(self, runtime: Runtime, updates: WeightUpdates) -> None:
+        """Start serving the bulk RPCs with the engine and updater of the loaded models."""
+        self._runtime, self._updates = runtime, updates
 
     @handles_errors
     def MakeExperience(
         self, request: pb.MakeExperienceRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.MakeExperienceResponse]:
-        check_request_limits(request, self._limits)  # cheap field reads, before any decoding
         cancelled = threading.Event()
         context.add_callback(cancelled.set)  # client gone or deadline: stop using the device
-        responses = self._runtime().stream_experience(request, cancelled)
+        responses = self._loaded(self._runtime).stream_experience(request, cancelled)
         yield from self._metrics.record_stream(responses)
 
     @handles_errors
@@ -70,7 +78,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         # A stalled uploader must not hold the update lock and staging memory forever.
         idle_s = self._state.config.update_idle_timeout_s
         with IdleDeadline(context, idle_s, "UpdateWeights") as deadline:
-            response = self._runtime().update_weights(deadline.wrap(request_iterator))
+            response = self._loaded(self._updates).update(deadline.wrap(request_iterator))
         self._metrics.observe_weight_update(response)
         return response
 
@@ -78,16 +86,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def InitWeightsGroup(
         self, request: pb.InitWeightsGroupRequest, context: grpc.ServicerContext
     ) -> pb.InitWeightsGroupResponse:
-        runtime = self._runtime()
-        if "distributed" not in runtime.weight_sources:
+        planes = self._loaded(self._updates).planes
+        if not planes.accepts("distributed"):
             raise FailedPrecondition("this server does not accept dist (--weight-transports)")
-        return runtime.weight_groups.init(request)
+        return planes.groups.init(request)
 
     @handles_errors
     def DestroyWeightsGroup(
         self, request: pb.DestroyWeightsGroupRequest, context: grpc.ServicerContext
     ) -> pb.DestroyWeightsGroupResponse:
-        self._runtime().weight_groups.destroy(request.group)
+        self._loaded(self._updates).planes.groups.destroy(request.group)
         return pb.DestroyWeightsGroupResponse()
 
     @handles_errors
@@ -102,11 +110,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             self._metrics.observe_experience(response.experience)
             yield response
 
-    def _runtime(self) -> Runtime:
-        runtime = self._state.runtime
-        if runtime is None:
+    def _loaded(self, part: T | None) -> T:
+        if part is None:
             raise Unavailable(f"the server is {self._state.phase.value}")
-        return runtime
+        return part
 
 
 def health_response(

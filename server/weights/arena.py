@@ -1,9 +1,9 @@
 """The staging arena: one host buffer per target model, kept between weight updates.
 
 Why keep it: a fresh buffer of hundreds of MB is mapped by the kernel page by page on first
-write, and those page faults cost about 1 GB/s on our 2-core VMs (reference/transport.md), which
-capped the applied throughput of an update at a fraction of the network's. A buffer that already
-served an update is resident, so the next update writes into warm memory at memcpy speed.
+write, and those page faults capped the applied throughput of an update at a fraction of the
+network's. A buffer that already served an update is resident, so the next
+update writes into warm memory at memcpy speed.
 
 Memory bound: a model has one arena. It grows (freeing the old buffer before allocating the new
 one) only when an update needs more bytes than it holds, and never shrinks by itself, so the
@@ -36,17 +36,23 @@ from contextlib import contextmanager
 
 import torch
 
+from ..models.memory import take_load_buffer
+
 __all__ = ["StagingArena", "staging_arena"]
 
 
 class StagingArena:
     """A growable uint8 host buffer; hand out with `lease`, then `take(nbytes)` per update."""
 
-    def __init__(self, *, pin_memory: bool = False) -> None:
+    def __init__(
+        self, *, pin_memory: bool = False, model_buffer: torch.Tensor | None = None
+    ) -> None:
         # pin_memory: page-locked host memory (only with CUDA; for models on a CUDA device).
         self.pin_memory = pin_memory
         self._buffer: torch.Tensor | None = None
-        self._model_buffer: torch.Tensor | None = None  # the adopted buffer the model lives in
+        # The one buffer the model's state-dict tensors live in (models/memory.py, or an adopted
+        # arena): the first adoption recycles it instead of allocating a second staging buffer.
+        self._model_buffer = model_buffer
         self._lease = threading.Lock()
         self.allocations = 0  # buffers allocated so far (a steady state allocates none)
 
@@ -73,12 +79,6 @@ class StagingArena:
             return torch.empty(0, dtype=torch.uint8)
         return self._buffer[:nbytes]
 
-    def hold_model_buffer(self, buffer: torch.Tensor) -> None:
-        """Record the one buffer all of the model's state-dict tensors live in (models.py), so
-        that the first adoption recycles it instead of allocating a second staging buffer."""
-        with self._lease:
-            self._model_buffer = buffer
-
     def adopted(self) -> None:
         """The staged buffer now backs every tensor of the model: swap roles with the buffer
         that backed them before (None after the first adoption: the loaded storages are gone).
@@ -104,5 +104,6 @@ def staging_arena(model: torch.nn.Module) -> StagingArena:
         arena = _ARENAS.get(model)
         if arena is None:
             on_cuda = any(tensor.is_cuda for tensor in model.parameters())
-            arena = _ARENAS[model] = StagingArena(pin_memory=on_cuda)
+            arena = StagingArena(pin_memory=on_cuda, model_buffer=take_load_buffer(model))
+            _ARENAS[model] = arena
         return arena

@@ -210,7 +210,7 @@ class GroupUpdate:
         self._voted = False
 
     def __enter__(self) -> GroupUpdate:
-        return self  # one update at a time already: the runtime's update lock
+        return self  # one update at a time already: the update lock (update.py)
 
     def __exit__(self, exc_type: object, error: BaseException | None, tb: object) -> None:
         if error is not None and not self._voted:

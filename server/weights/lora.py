@@ -16,20 +16,27 @@ fan_in_fan_out the weight is stored (in, out) (GPT-2's Conv1D) and the delta is 
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from ...client.protocol.errors import InvalidArgument
 from .header import StreamEntry, preview
 from .options import LoraParams
+from .spec import ModelSpec, TargetTensor
 
-if TYPE_CHECKING:
-    from .verify import ModelSpec, TargetTensor
-
-__all__ = ["PEFT_PREFIX", "LoraState", "LoraTarget", "apply_lora", "merged_weight", "plan_lora"]
+__all__ = [
+    "PEFT_PREFIX",
+    "LoraState",
+    "LoraTarget",
+    "apply_lora",
+    "lora_state",
+    "merged_weight",
+    "plan_lora",
+]
 
 PEFT_PREFIX = "base_model.model."
 _FACTOR_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B"}
@@ -134,7 +141,8 @@ def merged_weight(
 class LoraState:
     """Host copies of the base weights of the modules the current adapter modifies, per model.
 
-    Used only by apply, on the engine thread; not thread-safe. One instance per model.
+    Used only by apply, on the engine thread; not thread-safe. One instance per model
+    (`lora_state`).
     """
 
     def __init__(self) -> None:
@@ -158,6 +166,21 @@ class LoraState:
     def forget(self, name: str) -> None:
         """Drop the base of `name`: its current value is the truth from now on."""
         self._bases.pop(name, None)
+
+
+# Keyed weakly by the model module: the bases belong to the model's weights, so servers sharing
+# one loaded model (tests do) share them, as they share its staging arena (arena.py).
+_STATES: weakref.WeakKeyDictionary[torch.nn.Module, LoraState] = weakref.WeakKeyDictionary()
+_STATES_LOCK = threading.Lock()
+
+
+def lora_state(model: torch.nn.Module) -> LoraState:
+    """The LoRA bases of `model` (created empty on first use; dropped with the model)."""
+    with _STATES_LOCK:
+        state = _STATES.get(model)
+        if state is None:
+            state = _STATES[model] = LoraState()
+        return state
 
 
 def apply_lora(

@@ -28,6 +28,7 @@ __all__ = ["MAX_STREAMS", "Assembly", "ParallelUpdates", "check_part", "feed_par
 MAX_STREAMS = 64
 _UPDATE_ID = re.compile(r"[\x21-\x7e]{1,64}")
 _REMEMBERED_FAILURES = 256
+_FOLLOWER_RESULT_WAIT_S = 3600.0
 
 
 def check_part(header: pb.WeightsHeader) -> pb.ParallelPart:
@@ -197,3 +198,21 @@ class ParallelUpdates:
                     )
                 self._changed.wait(left)
             return self._assemblies[update_id]
+
+    def follow(
+        self, header: pb.WeightsHeader, requests: Iterator[Request]
+    ) -> pb.UpdateWeightsResponse:
+        """Parts 1..N-1: write this stream's range into the leader's stager; the same reply."""
+        index = header.parallel.index
+        assembly = self.join(header)
+        try:
+            lane = assembly.join(header)
+            lane.start_in_data(self.wait_s)
+            feed_part(lane, requests)
+            assembly.part_done()
+        except BaseException as error:
+            assembly.fail(error, index)
+            raise
+        # The leader resolves the assembly on every path (its reply or its error); the bound only
+        # keeps a handler thread from waiting forever on a bug.
+        return assembly.wait_result(_FOLLOWER_RESULT_WAIT_S)

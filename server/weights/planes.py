@@ -3,24 +3,32 @@
 Each plane is a context manager around one update (entered before the target and version checks,
 so that it can clean up after any refusal) with `receive(stager, requests)`, which brings every
 byte of the file into the stager's lanes, and `finished(response)`, called with the reply after
-the swap. `data_plane(header, ...)` picks the plane from the header; runtime.py runs the state
-machine around it (checks, arena lease, finish, swap) the same way for all of them.
+the swap. `Planes.pick` is the one place that reads a header's choice of plane: a part of a
+parallel update (the leader, or a `Follower` of it), which `source`, and whether this server
+accepts it (--weight-transports). update.py runs the state machine around the plane (checks,
+arena lease, finish, swap) the same way for all of them.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
 
-from ...client.protocol.errors import InvalidArgument
+import torch
+
+from ...client.protocol.errors import FailedPrecondition, InvalidArgument
+from ...client.protocol.transports import DIST, GRPC, GRPC_PARALLEL, SHM, SOURCE_TRANSPORTS
 from ...v1 import rollout_pb2 as pb
+from ..config import ServerConfig
 from .distributed import GroupUpdate, WeightsGroups
-from .parallel import Assembly, ParallelUpdates, feed_part
-from .shared_memory import receive_shared_memory
+from .parallel import Assembly, ParallelUpdates, check_part, feed_part
+from .shared_memory import default_lanes, receive_shared_memory, release_mappings
 from .staging import Request, UpdateStager, iter_chunks
 
-__all__ = ["DataPlane", "data_plane"]
+__all__ = ["DataPlane", "Follower", "Planes"]
 
 
 class DataPlane(Protocol):
@@ -58,7 +66,7 @@ class _Plane:
 class _Chunks(_Plane):
     """Chunks on this stream, in order (the universal path)."""
 
-    name = "grpc"
+    name = GRPC
 
     def receive(self, stager: UpdateStager, requests: Iterator[Request]) -> None:
         for offset, data, crc32 in iter_chunks(requests):
@@ -69,7 +77,7 @@ class _SharedMemory(_Plane):
     """A sealed memfd of a client on this host, copied by `lanes` threads (while the client
     still writes it, when streamed); no chunks."""
 
-    name = "shm"
+    name = SHM
 
     def __init__(self, source: pb.SharedMemorySource, lanes: int) -> None:
         self._source = source
@@ -82,7 +90,7 @@ class _SharedMemory(_Plane):
 class _Broadcast(_Plane):
     """The head on this stream, the data by a torch.distributed broadcast (GroupUpdate)."""
 
-    name = "dist"
+    name = DIST
 
     def __init__(self, groups: WeightsGroups, source: pb.DistributedSource) -> None:
         self._update = GroupUpdate(groups, source)
@@ -102,11 +110,9 @@ class _Broadcast(_Plane):
 class _ParallelLead(_Plane):
     """Part 0 of a parallel update: its own range, then every other part (parallel.py)."""
 
-    name = "grpc-parallel"
+    name = GRPC_PARALLEL
 
     def __init__(self, updates: ParallelUpdates, header: pb.WeightsHeader) -> None:
-        if header.WhichOneof("source") is not None:
-            raise InvalidArgument("header.parallel: parallel streams carry chunks, no source")
         self._updates = updates
         self._header = header
         self._assembly: Assembly | None = None
@@ -129,19 +135,61 @@ class _ParallelLead(_Plane):
             self._assembly.succeed(response)  # the other parts return this reply too
 
 
-def data_plane(
-    header: pb.WeightsHeader,
-    *,
-    shm_lanes: int,
-    groups: WeightsGroups,
-    parallel: ParallelUpdates,
-) -> DataPlane:
-    """The plane the header asks for (a parallel part > 0 never gets here: see runtime.py)."""
-    if header.HasField("parallel"):
-        return _ParallelLead(parallel, header)
-    source = header.WhichOneof("source")
-    if source == "shared_memory":
-        return _SharedMemory(header.shared_memory, shm_lanes)
-    if source == "distributed":
-        return _Broadcast(groups, header.distributed)
-    return _Chunks()
+@dataclass(frozen=True)
+class Follower:
+    """Part 1..N-1 of a parallel update: no plane of its own, it feeds the leader's stager."""
+
+    parallel: ParallelUpdates
+    header: pb.WeightsHeader
+
+    def follow(self, requests: Iterator[Request]) -> pb.UpdateWeightsResponse:
+        """Write this stream's range into the leader's stager; the leader's reply."""
+        return self.parallel.follow(self.header, requests)
+
+
+class Planes:
+    """The data planes this server offers, what they share across updates (copy lanes, weights
+    groups, parallel assemblies), and the one place that picks a plane for a header."""
+
+    def __init__(
+        self, transports: str, device: torch.device, *, parallel_wait_s: float = 30.0
+    ) -> None:
+        # transports: --weight-transports, normalised ("grpc,shm,dist"); device: the models'.
+        offered = transports.split(",")
+        self.sources = frozenset(s for s, name in SOURCE_TRANSPORTS.items() if name in offered)
+        self.shm_lanes = default_lanes(os.cpu_count())  # threads copying from shared memory
+        self.groups = WeightsGroups(device)
+        self.parallel = ParallelUpdates(wait_s=parallel_wait_s)
+
+    @classmethod
+    def from_config(cls, config: ServerConfig, device: torch.device) -> Planes:
+        return cls(config.weight_transports, device, parallel_wait_s=config.parallel_part_wait_s)
+
+    def accepts(self, source: str) -> bool:
+        """Whether this server takes updates whose header names `source` (a oneof field)."""
+        return source in self.sources
+
+    def pick(self, header: pb.WeightsHeader) -> DataPlane | Follower:
+        """The plane the header asks for: parallel or not, which source, and accepted or not."""
+        parallel = header.HasField("parallel")
+        if parallel:
+            check_part(header)
+            if header.parallel.index > 0:
+                return Follower(self.parallel, header)
+        source = header.WhichOneof("source")
+        if source is not None and not self.accepts(source):
+            raise FailedPrecondition(f"header.{source}: this server does not accept that transport")
+        if parallel:
+            if source is not None:
+                raise InvalidArgument("header.parallel: parallel streams carry chunks, no source")
+            return _ParallelLead(self.parallel, header)
+        if source == "shared_memory":
+            return _SharedMemory(header.shared_memory, self.shm_lanes)
+        if source == "distributed":
+            return _Broadcast(self.groups, header.distributed)
+        return _Chunks()
+
+    def close(self) -> None:
+        """Leave every weights group and unmap cached shared-memory files (server stop)."""
+        self.groups.close()
+        release_mappings()

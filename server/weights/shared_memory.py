@@ -38,8 +38,7 @@ from .stream import Lane
 __all__ = ["PIECE_BYTES", "default_lanes", "receive_shared_memory", "release_mappings"]
 
 # Copied and checked per piece: small enough to stay in L3 between the copy and the check,
-# large enough that the per-piece Python is small (0.48 GB update, 2-core VM: 1 MiB pieces
-# 65 ms, 2 MiB 58, 4 MiB 57, 256 KiB 105).
+# large enough that the per-piece Python is small (the sizes tried: bench/RESULTS.md).
 PIECE_BYTES = 2 << 20
 MAX_LANES = 4  # copying threads; memory-bound copies gain little past two per socket
 # The data section is cut into stripes that the lanes take in file order: with a streamed file,
@@ -50,8 +49,7 @@ MAX_STRIPES = 256
 
 def default_lanes(cpu_count: int | None) -> int:
     """One lane more than cores, at most MAX_LANES: while one lane checks a piece that is in the
-    cache, another's memory-bound copy takes its core (2-core VM: 3 lanes 45-53 ms for 0.48 GB,
-    2 lanes 50-58)."""
+    cache, another's memory-bound copy takes its core (bench/RESULTS.md)."""
     return max(1, min(MAX_LANES, (cpu_count or 1) + 1))
 
 
@@ -135,7 +133,7 @@ class _RecentMapping:
     """The last client file's mapping, kept for its next update while it is in use.
 
     Mapping a file is free, but the first read of each of its 4 KiB pages through a new mapping
-    faults (measured: ~30 ms of a 0.1 s update of 0.48 GB); a trainer sends every update from
+    faults, a large share of a warm update's time; a trainer sends every update from
     the same memfd, so the server keeps the mapping of the last one and reuses it while the
     file (device and inode, checked on every update) is the same. It is dropped when another
     file comes, after `_KEEP_S` without an update (so the memory of a trainer that exited is

@@ -1,15 +1,16 @@
-"""stage_update: turn an UpdateWeights request stream into a verified StagedUpdate; then apply it.
+"""Staging: an UpdateWeights stream's bytes into a verified StagedUpdate; then apply it.
 
 Staging runs on the gRPC handler thread and never writes the model: the bytes land in one host
 arena (at most one staging copy of the target, plus the chunk in flight), and every check runs
 before the StagedUpdate exists. apply runs on the engine thread between batches, which is what
 makes the swap atomic for generation. The server stages into the target's reusable StagingArena
-(arena.py), leased for the whole stage-verify-apply, because the staged tensors are its views.
+(arena.py), leased for the whole stage-verify-apply, because the staged tensors are its views;
+update.py runs that sequence.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +22,9 @@ from .arena import StagingArena
 from .header import DEFAULT_MAX_HEADER_BYTES
 from .lora import LoraState, apply_lora
 from .options import UpdateOptions, update_options
+from .spec import TargetTensor, model_spec
 from .stream import Lane, SafetensorsStager
-from .verify import TargetTensor, UpdateChecks, UpdatePlan, model_spec
+from .verify import UpdateChecks, UpdatePlan
 
 __all__ = [
     "AppliedUpdate",
@@ -31,8 +33,6 @@ __all__ = [
     "iter_chunks",
     "iter_shm_written",
     "read_header",
-    "stage_chunks",
-    "stage_update",
 ]
 
 
@@ -245,29 +245,3 @@ _UNEXPECTED = {
     "header": "a second header in one UpdateWeights stream",
     "shm_written": "shm_written belongs to an update from shared memory with streamed set",
 }
-
-
-def stage_chunks(stager: UpdateStager, stream: Iterator[Request]) -> StagedUpdate:
-    """Feed every remaining message (chunks only) to `stager`, then verify and finish."""
-    for offset, data, crc32 in iter_chunks(stream):
-        stager.feed(offset, data, crc32)
-    return stager.finish()
-
-
-def stage_update(
-    requests: Iterable[Request],
-    model: torch.nn.Module,
-    lora_state: LoraState | None,
-    *,
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
-    arena: StagingArena | None = None,
-) -> StagedUpdate:
-    """Read a header, then chunks, until the stream ends; verify everything; touch no weights.
-
-    Bad content raises InvalidArgument. An exception from the iterator itself (a cancelled call or
-    a deadline) propagates unchanged. Either way the staging buffers are dropped with the stager.
-    """
-    stream = iter(requests)
-    header = read_header(stream)
-    stager = UpdateStager(header, model, lora_state, max_header_bytes=max_header_bytes, arena=arena)
-    return stage_chunks(stager, stream)

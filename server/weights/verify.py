@@ -33,49 +33,16 @@ from ...v1 import rollout_pb2 as pb
 from .header import StreamEntry, check_manifest, preview
 from .lora import LoraTarget, plan_lora
 from .options import UpdateOptions
+from .spec import ModelSpec, TargetTensor
 
 __all__ = [
-    "ModelSpec",
-    "TargetTensor",
     "UpdateChecks",
     "UpdatePlan",
     "ValueRule",
     "check_values",
     "max_magnitude",
-    "model_spec",
     "plan_update",
 ]
-
-
-@dataclass(frozen=True)
-class TargetTensor:
-    """A parameter or buffer of the model, by its state-dict name."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The model's state-dict metadata; tied names (one tensor under several names) share a root."""
-
-    tensors: Mapping[str, TargetTensor]
-    root: Mapping[str, str]  # name -> first name of its tied group (itself when untied)
-
-
-def model_spec(model: torch.nn.Module) -> ModelSpec:
-    """Read names, shapes and dtypes of the model's state dict (persistent buffers included)."""
-    tensors: dict[str, TargetTensor] = {}
-    root: dict[str, str] = {}
-    first_by_storage: dict[tuple[object, ...], str] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        tensors[name] = TargetTensor(name, tuple(tensor.shape), tensor.dtype)
-        root[name] = name
-        if tensor.numel() and tensor.device.type != "meta":
-            key = (tensor.device, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
-            root[name] = first_by_storage.setdefault(key, name)
-    return ModelSpec(MappingProxyType(tensors), MappingProxyType(root))
 
 
 @dataclass(frozen=True)
@@ -173,7 +140,7 @@ def max_magnitude(values: torch.Tensor) -> float:
     -2**(w-1)); as unsigned integers, the negative one of largest magnitude offset by +2**(w-1)
     (or, with none, the largest non-negative). Single-threaded on purpose: a torch reduction of
     a chunk wakes torch's OpenMP pool, whose barrier then waits for a core that gRPC keeps busy
-    (2.2 ms per MiB measured on the 2-core VM under load, against 36 us here).
+    (under load, many times slower than these numpy passes).
     """
     itemsize = values.dtype.itemsize
     half = 1 << (8 * itemsize - 1)  # the sign bit
@@ -194,9 +161,9 @@ def _sum_is_finite(values: torch.Tensor) -> bool:
     whenever a NaN or an infinity is among the values (inf * inf is inf, NaN stays NaN, and
     x + inf is inf or NaN, never finite). A finite sum proves them finite; a non-finite one may
     also be an overflow of large finite values (|x| > 1.8e19 in float32), so the caller then
-    runs the exact check. The sum of squares is a BLAS dot product: 17 us per MiB in the
-    cache against 41 for np.add.reduce (2-core VM), and single-threaded at these sizes, for
-    the same reason as max_magnitude."""
+    runs the exact check. The sum of squares is a BLAS dot product, faster than np.add.reduce
+    (bench/RESULTS.md), and single-threaded at these sizes, for the same reason as
+    max_magnitude."""
     if values.dtype not in (torch.float32, torch.float64):
         return False
     flat = values.detach().contiguous().reshape(-1).numpy()

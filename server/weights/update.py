@@ -1,0 +1,169 @@
+"""The UpdateWeights state machine, the same for every data plane.
+
+    header (read_header)
+    -> plane (Planes.pick: a part of a parallel update? which source? accepted?)
+    -> the update turn (one update streaming, one waiting, a third refused)
+    -> target and version, checked before any bulk byte is received
+    -> the target's staging arena, leased until the swap (staged tensors are its views)
+    -> an UpdateStager fed by the plane -> finish (verify)
+    -> the swap callable: `apply` on the engine thread, between two experience jobs
+    -> the reply (and, for a parallel update, the same reply to every part)
+
+Versions are held by ServerState (state.py): read here before receiving, and read again and
+written by `apply` on the engine thread, so no experience job sees a half-written version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+
+from ...client.protocol.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from ...client.protocol.roles import ROLE_NAMES
+from ...v1 import rollout_pb2 as pb
+from ..models import ModelSet
+from ..state import ServerState
+from .arena import staging_arena
+from .header import DEFAULT_MAX_HEADER_BYTES
+from .lora import lora_state
+from .planes import DataPlane, Follower, Planes
+from .staging import AppliedUpdate, Request, StagedUpdate, UpdateStager, read_header
+
+__all__ = ["Swap", "WeightUpdates"]
+
+_LOG = logging.getLogger(__name__)
+
+# swap(role, apply): run `apply` where no experience job can see it half done (the engine, between
+# batches), plus whatever must follow a swap there; return what `apply` returned.
+Swap = Callable[[str, Callable[[], AppliedUpdate]], AppliedUpdate]
+
+
+class WeightUpdates:
+    """Receives, verifies and swaps in the weight updates of a set of target models."""
+
+    def __init__(
+        self,
+        targets: Mapping[str, torch.nn.Module],
+        state: ServerState,
+        planes: Planes,
+        swap: Swap,
+        *,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    ) -> None:
+        # targets: role -> module (the loaded models); state holds each role's version.
+        self.planes = planes
+        self._targets = dict(targets)
+        self._state = state
+        self._swap = swap
+        self._max_header_bytes = max_header_bytes
+        self._update_lock = threading.Lock()  # one weight stream at a time
+        # One stream updating, one more waiting; see _update_turn.
+        self._update_slots = threading.BoundedSemaphore(2)
+
+    @classmethod
+    def for_models(cls, models: ModelSet, state: ServerState, swap: Swap) -> WeightUpdates:
+        """The updater of a server's loaded models, its planes from the server's flags."""
+        targets = {model.role: model.module for model in models.loaded()}
+        return cls(targets, state, Planes.from_config(state.config, models.device), swap)
+
+    def update(self, requests: Iterator[Request]) -> pb.UpdateWeightsResponse:
+        """Stage and verify on this thread, then swap between batches; the reply."""
+        header = read_header(requests)
+        plane = self.planes.pick(header)
+        if isinstance(plane, Follower):
+            return plane.follow(requests)
+        with self._update_turn():
+            started_s = time.monotonic()
+            with plane:
+                role, staged, applied = self._stage_and_swap(header, requests, plane)
+            seconds = time.monotonic() - started_s
+        response = pb.UpdateWeightsResponse(
+            target=header.target or pb.MODEL_ROLE_ACTOR,
+            version=header.version,
+            tensors=applied.tensors,
+            bytes=staged.total_bytes,
+            seconds=seconds,
+            transport=plane.name,
+        )
+        plane.finished(response)
+        _LOG.info(
+            "updated %s to version %d over %s: %d tensors, %d bytes in %.2f s (%.2f GB/s)",
+            role,
+            header.version,
+            plane.name,
+            applied.tensors,
+            staged.total_bytes,
+            seconds,
+            staged.total_bytes / max(seconds, 1e-9) / 1e9,
+        )
+        return response
+
+    def close(self) -> None:
+        self.planes.close()
+
+    def _stage_and_swap(
+        self, header: pb.WeightsHeader, requests: Iterator[Request], plane: DataPlane
+    ) -> tuple[str, StagedUpdate, AppliedUpdate]:
+        """Check target and version, receive into the target's arena, verify, swap."""
+        role, module = self._target(header)
+        self._check_version(role, header.version)  # before receiving any bulk bytes
+        # Warm, reused staging memory; held until the swap: staged tensors are its views.
+        with staging_arena(module).lease() as arena:
+            stager = UpdateStager(
+                header,
+                module,
+                lora_state(module),
+                max_header_bytes=self._max_header_bytes,
+                arena=arena,
+            )
+            plane.receive(stager, requests)
+            staged = stager.finish()
+            applied = self._swap(role, lambda: self._apply(role, module, staged))
+            return role, staged, applied
+
+    @contextlib.contextmanager
+    def _update_turn(self) -> Iterator[None]:
+        """The update lock; a third concurrent stream is refused rather than queued.
+
+        Every stream waiting for the lock holds a gRPC handler thread: stalled uploads would
+        take all of them, and Health and MakeExperience would hang until each stall had timed
+        out in turn (tests/test_cut_streams.py).
+        """
+        if not self._update_slots.acquire(blocking=False):
+            raise ResourceExhausted(
+                "UpdateWeights: one update is streaming and another is waiting for it; retry "
+                "once they finish"
+            )
+        try:
+            with self._update_lock:
+                yield
+        finally:
+            self._update_slots.release()
+
+    def _target(self, header: pb.WeightsHeader) -> tuple[str, torch.nn.Module]:
+        role = ROLE_NAMES.get(header.target)
+        if role is None:
+            raise InvalidArgument(f"header.target: unknown model role {header.target}")
+        module = self._targets.get(role)
+        if module is None:
+            raise FailedPrecondition(f"header.target: this server has no {role} model loaded")
+        return role, module
+
+    def _check_version(self, role: str, version: int) -> None:
+        current = self._state.policy_version(role)
+        if version <= current:
+            raise FailedPrecondition(
+                f"header.version: {version} is not above the {role}'s current version {current}"
+            )
+
+    def _apply(self, role: str, module: torch.nn.Module, staged: StagedUpdate) -> AppliedUpdate:
+        """Run by the swap, where no experience job is running: atomic for them."""
+        self._check_version(role, staged.version)
+        applied = staged.apply(module)
+        self._state.set_policy_version(role, staged.version)
+        return applied
