@@ -7,7 +7,7 @@ server's default frozen copy of the actor. One request is a GRPO-style batch: 32
 samples, 64 new tokens, group_norm advantages, KL against the reference, an exact_match rule
 reward (so every response is decoded).
 
-    in-process: server.state.runtime.maker.make_experience(prompts, **options)
+    in-process: server.runtime.maker.make_experience(prompts, **options)
     gRPC:       RolloutClient.make_experience(prompts, **options) from a client in another
                 process (default) or thread, timed there: request, stream, decode, concat.
 
@@ -185,7 +185,7 @@ def main() -> int:
         )  # fmt: skip
         server = RolloutServer(config, models=load_models(config))
         server.start()
-    maker = server.state.runtime.maker
+    maker = server.runtime.maker
     prompts, options = workload(args)
     runner = GrpcRunner(args.client, server.address, prompts, options)
 

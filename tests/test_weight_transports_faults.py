@@ -53,9 +53,14 @@ def models(actor_dir: Path) -> ModelSet:
 
 @pytest.fixture
 def server(models: ModelSet) -> Iterator[RolloutServer]:
-    config = ServerConfig(host="127.0.0.1", port=0, device="cpu", metrics_port=0)
+    config = ServerConfig(
+        host="127.0.0.1",
+        port=0,
+        device="cpu",
+        metrics_port=0,
+        parallel_part_wait_s=2.0,  # a missing part fails fast here
+    )
     with RolloutServer(config, models=models) as running:
-        running.state.runtime.parallel_updates.wait_s = 2.0  # a missing part fails fast here
         yield running
 
 
@@ -352,7 +357,7 @@ def test_auto_falls_back_to_grpc_when_the_server_cannot_open_the_memfd(
     target = f"127.0.0.1:{port}"
     try:
         with RolloutClient(target, timeout_s=WAIT_S) as client:
-            server_id = client._upload_health(WAIT_S).shm_host_id
+            server_id = client.weights_calls.health(WAIT_S).shm_host_id
             monkeypatch.setattr(upload, "shm_host_id", lambda: server_id)
             weights = {"model.norm.weight": torch.full((SPEC.hidden_size,), 0.5)}
             with pytest.raises(FailedPrecondition, match="does not exist on the server's host"):
