@@ -3,10 +3,11 @@
 The model is the random Qwen2-0.5B-shaped model of bench_generation.py (no download), in
 bfloat16. Rows are GRPO-shaped (distinct prompts x samples per prompt); the model has no EOS,
 so every lane produces rows x new_tokens tokens. Per case it prints tokens/s of HF `generate`
-(dynamic cache, sampling at temperature 1 with top-k and top-p off), of the engine on its
-first call (graph capture included) and in steady state, of the engine with CUDA graphs off,
-and the peak memory the caching allocator saw. A failing lane prints its error and the run
-goes on. One command, under 8 minutes on one H100/H200:
+(dynamic cache, sampling at temperature 1 with top-k and top-p off) and of the engine:
+with CUDA graphs and its compiled layers and sampler (the default on CUDA), with graphs only
+(engine_uncompiled) and with neither (engine_eager); first call (compilation and graph capture
+included) and steady state, and the peak memory the caching allocator saw. A failing lane
+prints its error and the run goes on. One command, under 8 minutes on one H100/H200:
 
     python bench/bench_gpu.py
     python bench/bench_gpu.py --device cpu --quick     # a smoke test of the script (< 1 min)
@@ -80,7 +81,9 @@ def lanes(model, case: Case, device: str) -> dict[str, Callable[[], None]]:
     )
     ids, mask = left_pad(prompts, 0, torch.device(device))
     params = SamplingParams(max_new_tokens=case.new_tokens, temperature=1.0)
-    eager = Engine(model, read_family(model), cuda_graphs=False)
+    family = read_family(model)
+    plain = Engine(model, family, compiled=False)
+    eager = Engine(model, family, cuda_graphs=False, compiled=False)
 
     def hf() -> None:
         with torch.inference_mode():
@@ -94,11 +97,18 @@ def lanes(model, case: Case, device: str) -> dict[str, Callable[[], None]]:
         g = torch.Generator(device=device).manual_seed(0)
         generate(model, prompts, params, pad_token_id=0, generator=g, path="rollserve")
 
+    def engine_uncompiled() -> None:
+        g = torch.Generator(device=device).manual_seed(0)
+        plain.generate(ids, mask, params, pad_token_id=0, generator=g)
+
     def engine_eager() -> None:
         g = torch.Generator(device=device).manual_seed(0)
         eager.generate(ids, mask, params, pad_token_id=0, generator=g)
 
-    return {"hf": hf, "engine": engine, "engine_eager": engine_eager}
+    return {
+        "hf": hf, "engine": engine, "engine_uncompiled": engine_uncompiled,
+        "engine_eager": engine_eager,
+    }  # fmt: skip
 
 
 def run_case(model, case: Case, device: str, reps: int) -> list[list[str]]:

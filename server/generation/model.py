@@ -4,6 +4,13 @@ Prefill runs left-padded prompts (b, s) against themselves and hands each layer'
 caller (which writes them into the static cache); decode runs one token per row against the
 cache. Both follow the HF modules' arithmetic step for step (RMSNorm in float32, RoPE in the
 model dtype), so logits agree with the HF forward to rounding.
+
+A layer is two pure functions of tensors around the attention: `attention_inputs` (norm,
+q/k/v projections, q/k norms, RoPE) and `mlp_block` (output projection, residual, norm,
+SwiGLU, residual). On CUDA the decode step may run them compiled (torch.compile fuses their
+element-wise work into a few kernels; a decode step is otherwise bound by ~45 small kernels
+per layer); the cache writes and the attention stay outside, so the compiler never sees a
+mutation of the cache.
 """
 
 from __future__ import annotations
@@ -17,52 +24,102 @@ from .attention import decode_attention, prefill_attention, prefill_mask
 from .families import Family, Layer
 from .rotary import RopeTable, apply_rope
 
-__all__ = ["Forward", "rms_norm"]
+__all__ = ["Forward", "attention_inputs", "mlp_block", "rms_norm"]
 
 # Receives (layer index, k, v), each (b, Hkv, s, D), during prefill.
 KVWriter = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
-def rms_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """HF's LlamaRMSNorm: normalise in float32, cast back, scale by the module's weight."""
+def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalise in float32, cast back, scale by the weight."""
     dtype = x.dtype
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-    return module.weight * h.to(dtype)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
 
 
-def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, module.weight, module.bias)
+def attention_inputs(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm: tuple[torch.Tensor, float],
+    q: tuple[torch.Tensor, torch.Tensor | None],
+    k: tuple[torch.Tensor, torch.Tensor | None],
+    v: tuple[torch.Tensor, torch.Tensor | None],
+    q_norm: tuple[torch.Tensor, float] | None,
+    k_norm: tuple[torch.Tensor, float] | None,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Residual stream x (b, s, hidden) -> q (b, H, s, D), k and v (b, Hkv, s, D), RoPE'd.
+
+    norm, q_norm, k_norm: (weight, eps); q, k, v: (weight, bias) of the projections.
+    """
+    b, s, _ = x.shape
+    h = rms_norm(*norm, x)
+    q_out = F.linear(h, *q).view(b, s, -1, head_dim)
+    k_out = F.linear(h, *k).view(b, s, -1, head_dim)
+    v_out = F.linear(h, *v).view(b, s, -1, head_dim)
+    if q_norm is not None:
+        q_out = rms_norm(*q_norm, q_out)
+    if k_norm is not None:
+        k_out = rms_norm(*k_norm, k_out)
+    q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
+    return apply_rope(q_out, cos, sin), apply_rope(k_out, cos, sin), v_out.transpose(1, 2)
+
+
+def mlp_block(
+    x: torch.Tensor,
+    attended: torch.Tensor,
+    o: tuple[torch.Tensor, torch.Tensor | None],
+    norm: tuple[torch.Tensor, float],
+    gate: tuple[torch.Tensor, torch.Tensor | None],
+    up: tuple[torch.Tensor, torch.Tensor | None],
+    down: tuple[torch.Tensor, torch.Tensor | None],
+) -> torch.Tensor:
+    """x + o_proj(attended), then + the SwiGLU MLP of its norm; attended (b, s, H * D)."""
+    x = x + F.linear(attended, *o)
+    h = rms_norm(*norm, x)
+    return x + F.linear(F.silu(F.linear(h, *gate)) * F.linear(h, *up), *down)
+
+
+def _wb(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return module.weight, module.bias
+
+
+def _we(module: torch.nn.Module | None) -> tuple[torch.Tensor, float] | None:
+    return None if module is None else (module.weight, module.variance_epsilon)
 
 
 class Forward:
-    """Embedding -> decoder layers -> final norm -> lm_head, reading `family`'s modules."""
+    """Embedding -> decoder layers -> final norm -> lm_head, reading `family`'s modules.
 
-    def __init__(self, family: Family, rope: RopeTable) -> None:
+    compiled: run the decode step's per-layer functions through torch.compile (CUDA only).
+    """
+
+    def __init__(self, family: Family, rope: RopeTable, *, compiled: bool = False) -> None:
         self.family = family
         self.rope = rope
+        self._inputs: Callable = attention_inputs
+        self._mlp: Callable = mlp_block
+        if compiled:
+            self._inputs = torch.compile(attention_inputs, fullgraph=True)
+            self._mlp = torch.compile(mlp_block, fullgraph=True)
 
-    def _heads(
-        self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def _layer_inputs(
+        self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn: Callable
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normed input (b, s, hidden) -> q (b, H, s, D), k and v (b, Hkv, s, D), RoPE applied."""
-        f = self.family
-        b, s, _ = x.shape
-        q = _linear(layer.q_proj, x).view(b, s, f.num_heads, f.head_dim)
-        k = _linear(layer.k_proj, x).view(b, s, f.num_kv_heads, f.head_dim)
-        v = _linear(layer.v_proj, x).view(b, s, f.num_kv_heads, f.head_dim)
-        if layer.q_norm is not None:
-            q = rms_norm(layer.q_norm, q)
-        if layer.k_norm is not None:
-            k = rms_norm(layer.k_norm, k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return fn(
+            x, cos, sin, _we(layer.input_norm), _wb(layer.q_proj), _wb(layer.k_proj),
+            _wb(layer.v_proj), _we(layer.q_norm), _we(layer.k_norm), self.family.head_dim,
+        )  # fmt: skip
 
-    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(layer.post_norm, x)
-        return x + _linear(
-            layer.down_proj, F.silu(_linear(layer.gate_proj, h)) * _linear(layer.up_proj, h)
-        )
+    def _layer_mlp(
+        self, layer: Layer, x: torch.Tensor, attended: torch.Tensor, fn: Callable
+    ) -> torch.Tensor:
+        return fn(
+            x, attended, _wb(layer.o_proj), _we(layer.post_norm), _wb(layer.gate_proj),
+            _wb(layer.up_proj), _wb(layer.down_proj),
+        )  # fmt: skip
 
     def prefill(
         self,
@@ -80,12 +137,11 @@ class Forward:
         cos, sin = self.rope.at(positions)  # (b, s, D)
         masks = {w: prefill_mask(valid, w) for w in {layer.window for layer in f.layers}}
         for index, layer in enumerate(f.layers):
-            q, k, v = self._heads(layer, rms_norm(layer.input_norm, x), cos, sin)
+            q, k, v = self._layer_inputs(layer, x, cos, sin, attention_inputs)
             write(index, k, v)
             out = prefill_attention(q, k, v, masks[layer.window], f.scaling)  # (b, H, s, D)
-            x = x + _linear(layer.o_proj, out.transpose(1, 2).reshape(*ids.shape, -1))
-            x = self._mlp(layer, x)
-        return rms_norm(f.norm, x)
+            x = self._layer_mlp(layer, x, out.transpose(1, 2).reshape(*ids.shape, -1), mlp_block)
+        return rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
 
     def decode(
         self,
@@ -110,14 +166,13 @@ class Forward:
         for window in {layer.window for layer in f.layers} - {None}:
             masks[window] = valid & (columns > column - window)[None]
         for (k_cache, v_cache), layer in zip(caches, f.layers, strict=True):
-            q, k, v = self._heads(layer, rms_norm(layer.input_norm, x), cos, sin)
+            q, k, v = self._layer_inputs(layer, x, cos, sin, self._inputs)
             k_cache.index_copy_(2, column, k)
             v_cache.index_copy_(2, column, v)
             out = decode_attention(q[:, :, 0], k_cache, v_cache, masks[layer.window], f.scaling)
-            x = x + _linear(layer.o_proj, out.reshape(b, 1, -1))
-            x = self._mlp(layer, x)
-        return self.logits(rms_norm(f.norm, x[:, 0]))
+            x = self._layer_mlp(layer, x, out.reshape(b, 1, -1), self._mlp)
+        return self.logits(rms_norm(f.norm.weight, f.norm.variance_epsilon, x[:, 0]))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over final-normed hidden states (..., hidden) -> (..., V)."""
-        return _linear(self.family.lm_head, hidden)
+        return F.linear(hidden, *_wb(self.family.lm_head))

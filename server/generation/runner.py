@@ -12,6 +12,7 @@ addresses and calls invalidate() itself when they changed.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ CHECK_EVERY = 8  # decode steps between the host's looks at finished rows
 WIDTH_QUANTUM = 128  # attention reads the cache in blocks of this many columns
 PREFILL_TOKENS = 8192  # prompt tokens per prefill forward (rows are chunked to fit)
 MAX_WORKSPACES = 4  # layouts x sampling settings kept with their graphs
+_COMPILE_ENV = "ROLLSERVE_ENGINE_COMPILE"
 
 
 def batch_bucket(rows: int, cap: int) -> int:
@@ -130,12 +132,17 @@ class Engine:
         kv_cache_tokens: int | None = None,
         memory_fraction: float = DEFAULT_MEMORY_FRACTION,
         cuda_graphs: bool = True,
+        compiled: bool | None = None,
     ) -> None:
         self.model = model
         self.family = family
         weight = family.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
-        self.forward = Forward(family, RopeTable(family.rotary, family.max_positions, self.dtype))
+        if compiled is None:  # default: on CUDA, unless ROLLSERVE_ENGINE_COMPILE=0
+            compiled = self.device.type == "cuda" and os.environ.get(_COMPILE_ENV, "1") != "0"
+        self.compiled = compiled
+        rope = RopeTable(family.rotary, family.max_positions, self.dtype)
+        self.forward = Forward(family, rope, compiled=compiled)
         layers = len(family.layers)
         probe = KVCache(layers, family.num_kv_heads, family.head_dim, self.dtype, self.device, 1)
         capacity = kv_cache_tokens or default_capacity_tokens(
@@ -231,7 +238,7 @@ class Engine:
         if ws is None:
             if len(self._workspaces) >= MAX_WORKSPACES:
                 self._workspaces.pop(next(iter(self._workspaces)))  # the oldest
-            sampler = Sampler(params, self.family.vocab, self.device)
+            sampler = Sampler(params, self.family.vocab, self.device, compiled=self.compiled)
             ws = _Workspace.allocate(k, v, layout_width, sampler, pad_token_id)
             self._workspaces[key] = ws
         return ws

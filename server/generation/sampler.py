@@ -45,7 +45,9 @@ def _stops(stop_sequences: tuple[tuple[int, ...], ...], vocab: int, device: torc
 class Sampler:
     """One request's sampling settings, as tensors on the device (reused while they last)."""
 
-    def __init__(self, params: object, vocab: int, device: torch.device) -> None:
+    def __init__(
+        self, params: object, vocab: int, device: torch.device, *, compiled: bool = False
+    ) -> None:
         self.temperature = float(params.temperature)
         self.greedy = self.temperature == 0.0
         self.top_k = int(params.top_k) if 0 < params.top_k < vocab else 0
@@ -53,6 +55,9 @@ class Sampler:
         self.min_new_tokens = int(params.min_new_tokens)
         self.logprobs_use_temperature = bool(params.logprobs_use_temperature)
         self.stops = _stops(tuple(params.stop_sequences), vocab, device)
+        # Compiled (CUDA): the float cast, softmax and log-sum-exp over (b, V) fuse into a
+        # few passes over the logits instead of one pass per operation.
+        self.sample = torch.compile(self._sample, fullgraph=True) if compiled else self._sample
 
     @property
     def window(self) -> int:
@@ -86,7 +91,7 @@ class Sampler:
             return pick.squeeze(1).clamp_max(vocab - 1)
         return ids.gather(-1, pick).squeeze(1)
 
-    def sample(
+    def _sample(
         self, logits: torch.Tensor, uniform: torch.Tensor, step: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token (b,) int64 and its log-prob (b,) float32 from logits (b, V) at `step` (0-d)."""
