@@ -9,10 +9,16 @@ safetensors; never transformers).
         ...train on exp...
         client.update_weights(policy.state_dict(), version=step)
 
+The options of a request are keyword arguments (above) or one frozen dataclass
+(`ExperienceOptions`, `UpdateOptions`), the same for every client. A LoRA update sends the
+adapter's tensors with `mode="lora", lora=LoraAdapter(rank=..., alpha=...)`.
+
 AsyncRolloutClient is the same surface for asyncio; ReplicatedRolloutClient spreads experience
 calls over several servers and fans weight updates out to all of them.
 """
 
+# A LoRA update's adapter: rank, alpha (the target modules come from the tensor names).
+from ..v1.rollout_pb2 import LoraAdapter
 from .aio import AsyncRolloutClient
 from .buffer import ExperienceBuffer
 from .calls import SubscribedBatch
@@ -40,14 +46,14 @@ from .protocol.experience import (
     make_experience_batch,
     split_experience_batch,
 )
-from .protocol.requests import build_make_experience_request
+from .protocol.requests import ExperienceOptions, UpdateOptions, build_make_experience_request
+from .protocol.results import HealthStatus, ModelStatus, RolloutProgress, UpdateResult
 from .replicas import (
     ReplicaHealth,
     ReplicatedRolloutClient,
     ReplicaUpdateError,
     resolve_targets,
 )
-from .results import HealthStatus, ModelStatus, UpdateResult
 from .weights.distributed import WeightsGroup
 
 __all__ = [
@@ -64,8 +70,12 @@ __all__ = [
     "make_experience_batch",
     "concat_experiences",
     "build_make_experience_request",
+    "ExperienceOptions",
+    "UpdateOptions",
+    "LoraAdapter",
     "HealthStatus",
     "ModelStatus",
+    "RolloutProgress",
     "UpdateResult",
     "ReplicaHealth",
     "FixedKLController",

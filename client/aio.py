@@ -11,7 +11,7 @@ asked for; a GPU tensor is first copied to the host whole, sha256=True reads eve
 more), so the header is built in a worker thread and the chunk messages in gRPC's sending
 thread: the upload goes through a sync channel of the same settings (see `_open_upload_channel`
 for why), and the loop only waits. The messages are the sync client's hand-encoded bytes
-(client/wire.py), sent through the same raw-bytes method.
+(protocol/wire.py), sent through the same raw-bytes method.
 """
 
 from __future__ import annotations
@@ -19,27 +19,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import torch
 
-from .calls import (
-    BaseClient,
-    SubscribedBatch,
-    join_micro_batches,
-    land,
-    subscribed_batch,
-    typed_errors,
-)
+from .calls import BaseClient, SubscribedBatch, join_micro_batches, land, subscribed_batch
 from .channel import open_aio_channel, open_channel
 from .client import POLL_CALL_S
-from .protocol.errors import DeadlineExceeded, RolloutError, Unavailable
+from .protocol.errors import DeadlineExceeded, RolloutError, Unavailable, typed_errors
 from .protocol.experience import Experience, experience_from_proto
-from .protocol.requests import Prompts
-from .results import HealthStatus, UpdateResult
-from .weights.distributed import WeightsGroup
-from .weights.update_file import DEFAULT_CHUNK_BYTES
+from .protocol.requests import ExperienceOptions, Progress, Prompts
+from .protocol.results import HealthStatus, UpdateResult
+from .weights.update_file import Weights
 
 __all__ = ["AsyncRolloutClient"]
 
@@ -77,31 +70,35 @@ class AsyncRolloutClient(BaseClient):
     async def stream_experience(
         self,
         prompts: Prompts,
+        options: ExperienceOptions | None = None,
         *,
         timeout_s: float | None = None,
         device: torch.device | str | None = None,
-        **options: object,
+        **fields: Any,
     ) -> AsyncIterator[Experience]:
         """Experience micro-batches as the server makes them; closing early cancels the call."""
+        request = ExperienceOptions.of(options, **fields)
         # aclosing: an abandoned stream cancels the call now, not when garbage collected.
-        async with contextlib.aclosing(self._micro_batches(prompts, timeout_s, options)) as replies:
+        async with contextlib.aclosing(self._micro_batches(prompts, timeout_s, request)) as replies:
             async for experience, _ in replies:
                 yield land(experience, device)
 
     async def make_experience(
         self,
         prompts: Prompts,
+        options: ExperienceOptions | None = None,
         *,
         timeout_s: float | None = None,
         device: torch.device | str | None = None,
-        **options: object,
+        **fields: Any,
     ) -> Experience:
         """All rows of one request as one Experience (options: see RolloutClient)."""
-        replies = [r async for r in self._micro_batches(prompts, timeout_s, options)]
+        request = ExperienceOptions.of(options, **fields)
+        replies = [r async for r in self._micro_batches(prompts, timeout_s, request)]
         return land(join_micro_batches(replies), device)
 
     async def _micro_batches(
-        self, prompts: Prompts, timeout_s: float | None, options: Mapping[str, object]
+        self, prompts: Prompts, timeout_s: float | None, options: ExperienceOptions
     ) -> AsyncIterator[tuple[Experience, int]]:
         call = self._make_experience_call(prompts, timeout_s, options)
         try:
@@ -130,47 +127,30 @@ class AsyncRolloutClient(BaseClient):
             call.cancel()
 
     async def update_weights(
-        self,
-        weights: Mapping[str, torch.Tensor] | torch.nn.Module,
-        *,
-        version: int,
-        target: str = "actor",
-        mode: str = "full",
-        transport: str = "auto",
-        streams: int | None = None,
-        group: WeightsGroup | None = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        timeout_s: float | None = None,
-        request_id: str | None = None,
-        progress: Callable[[int, int], None] | None = None,
-        **stream_options: object,
+        self, weights: Weights, *, progress: Progress | None = None, **arguments: Any
     ) -> UpdateResult:
-        """Send weights to the server (see RolloutClient.update_weights); never retried.
+        """Send weights to the server; the arguments of RolloutClient.update_weights.
 
         The upload runs in a worker thread on this client's sync upload channel (see
-        `_open_upload_channel`); `progress` is called on the event loop.
+        `_open_upload_channel`); `progress` is called on the event loop. Never retried.
         """
         loop = asyncio.get_running_loop()
 
         def report(sent: int, total: int) -> None:  # from a sending thread
             loop.call_soon_threadsafe(progress, sent, total)
 
-        return await asyncio.to_thread(
-            self._update, weights, version=version, target=target, mode=mode,
-            transport=transport, streams=streams, group=group, chunk_bytes=chunk_bytes,
-            timeout_s=timeout_s, request_id=request_id,
-            progress=None if progress is None else report, **stream_options,
-        )  # fmt: skip
+        on_loop = None if progress is None else report
+        return await asyncio.to_thread(self._update, weights, progress=on_loop, **arguments)
 
     def _open_upload_channel(self) -> grpc.Channel:
         """UpdateWeights streams on a sync channel of this client's settings.
 
         Why not grpc.aio: when the server ends the call early (a stale version, a NaN in a
         chunk) while messages are still being written, grpc.aio's failed write replaces the
-        server's status with INTERNAL "Internal error from Core" (grpcio 1.85; grpc/grpc#36066);
-        measured: 4 of 20 stale-version updates of 32 MB. The sync stream keeps the server's
-        status, and runs the message generator in gRPC's own thread, off the event loop (a sync
-        channel connects on first use: nothing is opened until the first update).
+        server's status with INTERNAL "Internal error from Core" (grpcio 1.85; grpc/grpc#36066),
+        often enough to matter for stale-version updates of tens of MB. The sync stream keeps the
+        server's status, and runs the message generator in gRPC's own thread, off the event loop
+        (a sync channel connects on first use: nothing is opened until the first update).
         """
         return open_channel(self.target, **self._channel_settings)
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -22,14 +21,15 @@ import torch
 from ..v1 import rollout_pb2 as pb
 from ..v1 import rollout_pb2_grpc
 from .channel import DEFAULT_MAX_MESSAGE_BYTES, channel_credentials, open_channel
-from .protocol.errors import from_rpc_error
+from .protocol.errors import typed_errors
 from .protocol.experience import Experience, concat_experiences, experience_from_proto
-from .protocol.requests import Prompts, build_make_experience_request
+from .protocol.requests import ExperienceOptions, Progress, Prompts, UpdateOptions
+from .protocol.results import UpdateResult
 from .protocol.wire import update_weights_callable
-from .results import UpdateResult
-from .weights.distributed import WeightsGroup, update_through_group
-from .weights.update_file import UpdateFile, prepare_update
-from .weights.upload import CallOptions, Uploads
+from .weights.distributed import WeightsGroup, group_of
+from .weights.server_calls import CallOptions, ServerCalls
+from .weights.update_file import Weights, prepare_update
+from .weights.upload import Uploads
 
 __all__ = [
     "join_micro_batches",
@@ -42,7 +42,6 @@ __all__ = [
     "land",
     "subscribe_request",
     "subscribed_batch",
-    "typed_errors",
 ]
 
 AUTHORIZATION_KEY = "authorization"
@@ -116,7 +115,7 @@ class BaseClient:
 
     A subclass names the function that opens its channel (sync or grpc.aio); the rest is the
     same: validated call settings, TLS credentials, the channel, its stub, and UpdateWeights as a
-    raw-bytes method for the hand-encoded messages (client/wire.py: one copy from tensors).
+    raw-bytes method for the hand-encoded messages (protocol/wire.py: one copy from tensors).
     """
 
     # open_channel or open_aio_channel (as a staticmethod): target, credentials=,
@@ -151,11 +150,21 @@ class BaseClient:
         self._channel = self._open_channel(target, **self._channel_settings)
         self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
         self._upload_channel = self._open_upload_channel()
-        self._update_weights = update_weights_callable(self._upload_channel)
         # Sync calls on the upload channel (for both clients): Health for the transport choice,
         # the weights-group RPCs, and UpdateWeights on one or more connections (upload.py).
-        self._upload_stub = rollout_pb2_grpc.RolloutStub(self._upload_channel)
-        self._uploads = Uploads(self._update_weights, self._open_upload_stream, self._upload_health)
+        self._weights_calls = ServerCalls(self._upload_channel, self._call_options)
+        self._uploads = Uploads(self._weights_calls, self._open_upload_stream)
+
+    @property
+    def weights_calls(self) -> ServerCalls:
+        """This server's sync calls on the weights side (what a WeightsGroup uses)."""
+        return self._weights_calls
+
+    def _call_options(self, timeout_s: float | None, request_id: str | None) -> CallOptions:
+        """One call's deadline (`timeout_s`, else the client's) and metadata."""
+        return CallOptions(
+            self._settings.timeout(timeout_s), self._settings.metadata_for(request_id)
+        )
 
     def _open_upload_stream(self) -> tuple[Any, grpc.Channel]:
         """One more sync UpdateWeights callable on a TCP connection of its own (a channel with a
@@ -167,11 +176,6 @@ class BaseClient:
         ]
         channel = open_channel(self.target, **settings)
         return update_weights_callable(channel), channel
-
-    def _upload_health(self, timeout_s: float) -> pb.HealthResponse:
-        return self._upload_stub.Health(
-            pb.HealthRequest(), timeout=timeout_s, metadata=self._settings.metadata_for()
-        )
 
     def _open_upload_channel(self) -> Any:
         """The channel UpdateWeights streams on: this client's own (AsyncRolloutClient: a sync
@@ -196,9 +200,9 @@ class BaseClient:
         )
 
     def _make_experience_call(
-        self, prompts: Prompts, timeout_s: float | None, options: Mapping[str, object]
+        self, prompts: Prompts, timeout_s: float | None, options: ExperienceOptions
     ) -> Any:
-        request = build_make_experience_request(prompts, **options)  # type: ignore[arg-type]
+        request = options.request(prompts)
         return self._stub.MakeExperience(
             request,
             timeout=self._settings.timeout(timeout_s),
@@ -212,7 +216,7 @@ class BaseClient:
             metadata=self._settings.metadata_for(),
         )
 
-    def share_weights(self, weights: Mapping[str, torch.Tensor] | torch.nn.Module) -> None:
+    def share_weights(self, weights: Weights) -> None:
         """Make the weights' CPU tensors live in this client's shared memory (a sealed memfd):
         later updates of these tensors over transport "shm" (or "auto" on the server's host)
         copy nothing on the trainer's side; the server copies them once into its staging
@@ -225,106 +229,44 @@ class BaseClient:
 
     def _update(
         self,
-        weights: Mapping[str, torch.Tensor] | torch.nn.Module,
+        weights: Weights,
         *,
         version: int,
-        target: str,
-        mode: str,
-        transport: str,
-        streams: int | None,
-        group: WeightsGroup | None,
-        chunk_bytes: int,
-        timeout_s: float | None,
-        request_id: str | None,
-        progress: Callable[[int, int], None] | None,
-        **stream_options: object,
+        group: WeightsGroup | None = None,
+        progress: Progress | None = None,
+        options: UpdateOptions | None = None,
+        **fields: Any,
     ) -> UpdateResult:
-        """update_weights of both clients (sync; the asyncio client runs it in a thread)."""
-        if transport == "dist" or group is not None:
-            return update_through_group(
-                self, group, transport, weights, version=version, target=target, mode=mode,
-                timeout_s=timeout_s, request_id=request_id, progress=progress, **stream_options,
-            )  # fmt: skip
-        update = prepare_update(
-            weights,
-            target=target,
-            version=version,
-            mode=mode,
-            chunk_bytes=chunk_bytes,
-            **stream_options,  # type: ignore[arg-type]
-        )
+        """Send weights to the server, which verifies them and swaps atomically.
+
+        The update's options are `options` (an UpdateOptions) and/or its fields as keywords:
+        target, mode (and lora), transport, streams, chunk_bytes, timeout_s, request_id, crc32,
+        sha256, ... `transport`: "auto" (shared memory when the server is on this host, else
+        gRPC), "grpc" (`streams` parallel connections; default one per 4 cores), "shm" (same
+        host only) or "dist" (a broadcast through `group`, a WeightsGroup: every server of the
+        group is updated and this server's result returned). Never retried automatically, and
+        never sent another way than asked, except "auto" (see weights/upload.py).
+        `progress(sent_bytes, total_bytes)` is called as bytes go out.
+
+        RolloutClient.update_weights itself; AsyncRolloutClient runs it in a worker thread.
+        """
+        options = UpdateOptions.of(options, **fields)
+        through = group_of(group, options.transport)
+        if through is not None:
+            index = through.index(self)
+            results = through.update_weights(
+                weights, version=version, progress=progress, options=options
+            )
+            return results[index]
+        update = prepare_update(weights, version=version, options=options)
+        call = self._call_options(options.timeout_s, options.request_id)
         started_s = time.monotonic()
         with typed_errors():
-            reply = self._send_update(
-                update, timeout_s, request_id, transport=transport, streams=streams,
+            reply = self._uploads.send(
+                update, call, transport=options.transport, streams=options.streams,
                 progress=progress,
             )  # fmt: skip
         return UpdateResult.from_proto(reply, wall_s=time.monotonic() - started_s)
-
-    def _send_update(
-        self,
-        update: UpdateFile,
-        timeout_s: float | None,
-        request_id: str | None,
-        *,
-        transport: str,
-        streams: int | None,
-        progress: Callable[[int, int], None] | None,
-    ) -> pb.UpdateWeightsResponse:
-        """Send one prepared update over `transport` (upload.py) and wait for the reply (sync)."""
-        options = CallOptions(
-            self._settings.timeout(timeout_s), self._settings.metadata_for(request_id)
-        )
-        return self._uploads.send(
-            update, options, transport=transport, streams=streams, progress=progress
-        )
-
-    def _start_update(
-        self, messages: Iterable[bytes], timeout_s: float | None, request_id: str | None
-    ) -> grpc.Future:
-        """UpdateWeights as a grpc.Future (a WeightsGroup starts one per server)."""
-        return self._update_weights_call(messages, timeout_s, request_id, future=True)
-
-    def _init_weights_group(
-        self, request: pb.InitWeightsGroupRequest, timeout_s: float
-    ) -> pb.InitWeightsGroupResponse:
-        with typed_errors():
-            return self._upload_stub.InitWeightsGroup(
-                request, timeout=timeout_s, metadata=self._settings.metadata_for()
-            )
-
-    def _destroy_weights_group(self, group: str, timeout_s: float) -> None:
-        with typed_errors():
-            self._upload_stub.DestroyWeightsGroup(
-                pb.DestroyWeightsGroupRequest(group=group),
-                timeout=timeout_s,
-                metadata=self._settings.metadata_for(),
-            )
-
-    def _update_weights_call(
-        self,
-        messages: Iterable[bytes],
-        timeout_s: float | None,
-        request_id: str | None,
-        *,
-        future: bool = False,
-    ) -> Any:
-        # future: a grpc.Future instead of waiting for the reply (the asyncio client awaits it).
-        start = self._update_weights.future if future else self._update_weights
-        return start(
-            messages,
-            timeout=self._settings.timeout(timeout_s),
-            metadata=self._settings.metadata_for(request_id),
-        )
-
-
-@contextmanager
-def typed_errors() -> Iterator[None]:
-    """Turn grpc.RpcError (grpc.aio.AioRpcError included) into the types of protocol/errors.py."""
-    try:
-        yield
-    except grpc.RpcError as error:
-        raise from_rpc_error(error) from None
 
 
 def land(experience: Experience, device: torch.device | str | None) -> Experience:

@@ -1,9 +1,9 @@
 """Channel construction shared by the sync and asyncio clients.
 
-Options follow shared/reference/transport.md: bounded message sizes on both sides (never -1),
-keepalive for long streams, and gRPC's own retry policy (service config) instead of hand-written
-loops: only UNAVAILABLE is retried, only on idempotent methods. UpdateWeights is deliberately
-absent from the retry policy: a weight stream is never replayed automatically.
+The options: bounded message sizes on both sides (never -1, so a peer cannot make us buffer
+without limit), keepalive for long streams, and gRPC's own retry policy (service config) instead
+of hand-written loops: only UNAVAILABLE is retried, only on idempotent methods. UpdateWeights is
+deliberately absent from the retry policy: a weight stream is never replayed automatically.
 """
 
 from __future__ import annotations

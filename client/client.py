@@ -4,25 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from .calls import (
-    BaseClient,
-    SubscribedBatch,
-    join_micro_batches,
-    land,
-    subscribed_batch,
-    typed_errors,
-)
+from .calls import BaseClient, SubscribedBatch, join_micro_batches, land, subscribed_batch
 from .channel import open_channel
-from .protocol.errors import DeadlineExceeded, RolloutError, Unavailable
+from .protocol.errors import DeadlineExceeded, RolloutError, Unavailable, typed_errors
 from .protocol.experience import Experience, experience_from_proto
-from .protocol.requests import Prompts
-from .results import HealthStatus, UpdateResult
-from .weights.distributed import WeightsGroup
-from .weights.update_file import DEFAULT_CHUNK_BYTES
+from .protocol.requests import ExperienceOptions, Prompts
+from .protocol.results import HealthStatus
 
 __all__ = ["RolloutClient"]
 
@@ -74,40 +66,44 @@ class RolloutClient(BaseClient):
     def stream_experience(
         self,
         prompts: Prompts,
+        options: ExperienceOptions | None = None,
         *,
         timeout_s: float | None = None,
         device: torch.device | str | None = None,
-        **options: object,
+        **fields: Any,
     ) -> Iterator[Experience]:
         """Experience micro-batches as the server makes them (options: see make_experience).
 
         Closing the iterator early cancels the call, so the server stops making the rest.
         """
+        request = ExperienceOptions.of(options, **fields)
         # closing: an abandoned stream cancels the call now, not when garbage collected.
-        with contextlib.closing(self._micro_batches(prompts, timeout_s, options)) as replies:
+        with contextlib.closing(self._micro_batches(prompts, timeout_s, request)) as replies:
             for experience, _ in replies:
                 yield land(experience, device)
 
     def make_experience(
         self,
         prompts: Prompts,
+        options: ExperienceOptions | None = None,
         *,
         timeout_s: float | None = None,
         device: torch.device | str | None = None,
-        **options: object,
+        **fields: Any,
     ) -> Experience:
         """All rows of one request as one Experience, pinned when CUDA is present.
 
-        `prompts` are token-id lists or strings; `options` are the keyword arguments of
-        `rollserve.client.protocol.requests.build_make_experience_request` (samples_per_prompt,
-        max_new_tokens, temperature, seed, preset, algorithm={...}, rewards={...},
-        request_id, ...). A `request_id` also travels as x-request-id call metadata.
+        `prompts` are token-id lists or strings. The request's options are `options` (an
+        ExperienceOptions) and/or its fields as keywords: samples_per_prompt, max_new_tokens,
+        temperature, seed, preset, algorithm={...}, rewards={...}, request_id, ... (see
+        ExperienceOptions). A `request_id` also travels as x-request-id call metadata.
         """
-        replies = list(self._micro_batches(prompts, timeout_s, options))
+        request = ExperienceOptions.of(options, **fields)
+        replies = list(self._micro_batches(prompts, timeout_s, request))
         return land(join_micro_batches(replies), device)
 
     def _micro_batches(
-        self, prompts: Prompts, timeout_s: float | None, options: Mapping[str, object]
+        self, prompts: Prompts, timeout_s: float | None, options: ExperienceOptions
     ) -> Iterator[tuple[Experience, int]]:
         call = self._make_experience_call(prompts, timeout_s, options)
         try:
@@ -141,37 +137,8 @@ class RolloutClient(BaseClient):
         finally:
             call.cancel()  # a no-op after the last batch; leaves the ring when abandoned
 
-    def update_weights(
-        self,
-        weights: Mapping[str, torch.Tensor] | torch.nn.Module,
-        *,
-        version: int,
-        target: str = "actor",
-        mode: str = "full",
-        transport: str = "auto",
-        streams: int | None = None,
-        group: WeightsGroup | None = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        timeout_s: float | None = None,
-        request_id: str | None = None,
-        progress: Callable[[int, int], None] | None = None,
-        **stream_options: object,
-    ) -> UpdateResult:
-        """Send weights to the server, which verifies them and swaps atomically.
-
-        `transport`: "auto" (shared memory when the server is on this host, else gRPC), "grpc"
-        (`streams` parallel connections; default one per 4 cores), "shm" (same host only) or
-        "dist" (a broadcast through `group`, a WeightsGroup: every server of the group is
-        updated and this server's result returned). Never retried automatically, and never
-        sent another way than asked, except "auto" (see client/upload.py). `progress(sent_bytes,
-        total_bytes)` is called as bytes go out. `stream_options` go to
-        `update_weights_messages` (crc32, sha256, lora, ...).
-        """
-        return self._update(
-            weights, version=version, target=target, mode=mode, transport=transport,
-            streams=streams, group=group, chunk_bytes=chunk_bytes, timeout_s=timeout_s,
-            request_id=request_id, progress=progress, **stream_options,
-        )  # fmt: skip
+    # Send weights to the server: the shared implementation is the sync client's method.
+    update_weights = BaseClient._update
 
     def close(self) -> None:
         """Close the channel; calls still running are cancelled."""

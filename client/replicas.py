@@ -11,6 +11,7 @@ into one replica per distinct address at construction and on `refresh()` (target
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,22 +20,20 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-import torch
 
 from .client import RolloutClient
 from .protocol.errors import (
     DeadlineExceeded,
     FailedPrecondition,
-    InvalidArgument,
     RolloutError,
     Unavailable,
 )
 from .protocol.experience import Experience
-from .protocol.requests import Prompts
-from .results import HealthStatus, UpdateResult
+from .protocol.requests import Prompts, UpdateOptions
+from .protocol.results import HealthStatus, UpdateResult
 from .targets import ReplicaAddress, as_target_list, resolve_addresses, resolve_targets
-from .weights.distributed import WeightsGroup
-from .weights.update_file import DEFAULT_CHUNK_BYTES, prepare_update
+from .weights.distributed import WeightsGroup, group_of
+from .weights.update_file import Weights, prepare_update
 
 __all__ = [
     "POLICIES",
@@ -248,13 +247,14 @@ class ReplicatedRolloutClient:
         lines = "; ".join(_describe(t, e) for t, e in errors.items())
         return Unavailable(f"no replica could take the call: {lines or 'no replicas'}")
 
-    def make_experience(self, prompts: Prompts, **kwargs: Any) -> Experience:
-        """RolloutClient.make_experience on the next replica; fails over on UNAVAILABLE."""
+    def make_experience(self, prompts: Prompts, *args: Any, **kwargs: Any) -> Experience:
+        """RolloutClient.make_experience (same arguments) on the next replica; fails over on
+        UNAVAILABLE."""
         tried: set[str] = set()
         errors: dict[str, RolloutError] = {}
         while (replica := self._acquire(tried)) is not None:
             try:
-                return replica.client.make_experience(prompts, **kwargs)
+                return replica.client.make_experience(prompts, *args, **kwargs)
             except RolloutError as error:
                 named = _named(error, replica.target)
                 if not (self.failover and isinstance(error, Unavailable)):
@@ -264,15 +264,18 @@ class ReplicatedRolloutClient:
                 self._release(replica)
         raise self._all_unavailable(errors)
 
-    def stream_experience(self, prompts: Prompts, **kwargs: Any) -> Iterator[Experience]:
-        """RolloutClient.stream_experience on the next replica; fails over on UNAVAILABLE
-        only before the first micro-batch (never mixing two replicas' rows in one stream)."""
+    def stream_experience(
+        self, prompts: Prompts, *args: Any, **kwargs: Any
+    ) -> Iterator[Experience]:
+        """RolloutClient.stream_experience (same arguments) on the next replica; fails over on
+        UNAVAILABLE only before the first micro-batch (never mixing two replicas' rows in one
+        stream)."""
         tried: set[str] = set()
         errors: dict[str, RolloutError] = {}
         while (replica := self._acquire(tried)) is not None:
             started = False
             try:
-                with closing(replica.client.stream_experience(prompts, **kwargs)) as stream:
+                with closing(replica.client.stream_experience(prompts, *args, **kwargs)) as stream:
                     for experience in stream:
                         started = True
                         yield experience
@@ -336,19 +339,17 @@ class ReplicatedRolloutClient:
 
     def update_weights(
         self,
-        weights: Mapping[str, torch.Tensor] | torch.nn.Module,
+        weights: Weights,
         *,
         version: int,
-        target: str = "actor",
-        mode: str = "full",
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        timeout_s: float | None = None,
-        request_id: str | None = None,
+        group: WeightsGroup | None = None,
         replicas: Sequence[str] | None = None,
         progress: Callable[[str, int, int], None] | None = None,
-        **stream_options: Any,
+        options: UpdateOptions | None = None,
+        **fields: Any,
     ) -> dict[str, UpdateResult]:
-        """Stream the weights to every replica (or to `replicas`) in parallel threads.
+        """Stream the weights to every replica (or to `replicas`) in parallel threads (options:
+        see RolloutClient.update_weights; with a `group`, one broadcast to its servers).
 
         Each stream reads the state dict on its own, so memory holds one chunk (and one host
         copy of the GPU tensor being read) per replica, never a whole serialized file.
@@ -356,31 +357,18 @@ class ReplicatedRolloutClient:
         Returns every replica's UpdateResult; raises ReplicaUpdateError unless all of them
         now serve `version` (retry the failed ones with `replicas=list(error.failures)`).
         """
-        group = stream_options.pop("group", None)
-        if group is not None or stream_options.get("transport") == "dist":
-            return self._update_through_group(
-                group, weights, version=version, target=target, mode=mode, timeout_s=timeout_s,
-                request_id=request_id, **stream_options,
-            )  # fmt: skip
-        # Bad arguments fail here, once, before any stream opens (sha256 would hash it all).
-        file_options = {
-            k: v for k, v in stream_options.items() if k not in ("transport", "streams")
-        }
-        prepare_update(weights, target=target, version=version, mode=mode,
-                       chunk_bytes=chunk_bytes, **{**file_options, "sha256": False})  # fmt: skip
+        update = UpdateOptions.of(options, **fields)
+        through = group_of(group, update.transport)
+        if through is not None:
+            results = through.update_weights(weights, version=version, options=update)
+            return {c.target: r for c, r in zip(through.clients, results, strict=True)}
+        # Bad weights fail here, once, before any stream opens (sha256 would hash it all).
+        prepare_update(weights, version=version, options=dataclasses.replace(update, sha256=False))
 
         def push(replica: _Replica) -> UpdateResult:
             report = None if progress is None else _bind_progress(progress, replica.target)
             result = replica.client.update_weights(
-                weights,
-                version=version,
-                target=target,
-                mode=mode,
-                chunk_bytes=chunk_bytes,
-                timeout_s=timeout_s,
-                request_id=request_id,
-                progress=report,
-                **stream_options,
+                weights, version=version, progress=report, options=update
             )
             if result.version != version:
                 raise FailedPrecondition(f"now serves version {result.version}, not {version}")
@@ -394,17 +382,6 @@ class ReplicatedRolloutClient:
         with self._lock:
             clients = [replica.client for replica in self._replicas.values()]
         return WeightsGroup(clients, **options)
-
-    def _update_through_group(
-        self, group: WeightsGroup | None, weights: Any, **options: Any
-    ) -> dict[str, UpdateResult]:
-        options.pop("transport", None)
-        if group is None:
-            raise InvalidArgument("transport 'dist' needs group= (see weights_group())")
-        results = group.update_weights(weights, **options)
-        return {
-            client.target: result for client, result in zip(group.clients, results, strict=True)
-        }
 
     def close(self) -> None:
         """Close every replica's channel; calls still running are cancelled."""

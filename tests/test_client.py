@@ -9,6 +9,8 @@ errors. tests/test_aio_client.py and tests/test_replicas.py import the stand-in 
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import datetime
 import json
 import threading
@@ -20,6 +22,15 @@ import grpc
 import pytest
 import torch
 from helpers_server import free_port
+from rollserve.client import (
+    AsyncRolloutClient,
+    ExperienceOptions,
+    LoraAdapter,
+    ReplicatedRolloutClient,
+    RolloutProgress,
+    UpdateOptions,
+    build_make_experience_request,
+)
 from rollserve.client.channel import RETRIED_METHODS, SERVICE_CONFIG, SERVICE_NAME, channel_options
 from rollserve.client.client import RolloutClient
 from rollserve.client.protocol.errors import (
@@ -48,6 +59,7 @@ class Call:
     method: str
     metadata: dict[str, str | bytes]
     request_id: str = ""  # MakeExperienceRequest.request_id
+    request: object = None  # the MakeExperienceRequest, or the UpdateWeights header
 
 
 def _canned_response() -> pb.MakeExperienceResponse:
@@ -89,10 +101,11 @@ class ScriptedRollout(rollout_pb2_grpc.RolloutServicer):
         with self._lock:
             return [call.method for call in self.calls]
 
-    def _enter(self, method: str, context: grpc.ServicerContext, request_id: str = "") -> object:
+    def _enter(self, method: str, context: grpc.ServicerContext, request: object = None) -> object:
         metadata = dict(context.invocation_metadata())
+        request_id = getattr(request, "request_id", "")
         with self._lock:
-            self.calls.append(Call(method, metadata, request_id))
+            self.calls.append(Call(method, metadata, request_id, request))
             steps = self.script.get(method, [])
             step = steps.pop(0) if steps else None
         if isinstance(step, grpc.StatusCode):
@@ -118,7 +131,7 @@ class ScriptedRollout(rollout_pb2_grpc.RolloutServicer):
     def MakeExperience(
         self, request: pb.MakeExperienceRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.MakeExperienceResponse]:
-        step = self._enter("MakeExperience", context, request.request_id)
+        step = self._enter("MakeExperience", context, request)
         if step == ONE_THEN_HANG:
             # Registered before the first reply: once the client cancels, grpc may never
             # resume this generator, so a callback added after the yield could be missed.
@@ -135,7 +148,7 @@ class ScriptedRollout(rollout_pb2_grpc.RolloutServicer):
         self, request_iterator: Iterator[pb.UpdateWeightsRequest], context: grpc.ServicerContext
     ) -> pb.UpdateWeightsResponse:
         header = next(request_iterator).header  # recorded only once the header arrived
-        self._enter("UpdateWeights", context)
+        self._enter("UpdateWeights", context, header)
         received = sum(len(r.chunk.data) for r in request_iterator)
         return pb.UpdateWeightsResponse(
             target=header.target,
@@ -265,6 +278,82 @@ def test_token_metadata_and_request_ids_arrive_on_every_call(scripted) -> None:
     assert "x-request-id" not in health.metadata and "x-request-id" not in probe.metadata
     assert make.metadata["x-request-id"] == "exp-1" and make.request_id == "exp-1"
     assert update.metadata["x-request-id"] == "upd-1"
+
+
+# ---- request options: one dataclass each, shared by every client ------------------------------
+
+
+def test_experience_options_are_one_dataclass_or_its_keywords_for_every_client(scripted) -> None:
+    servicer, target = scripted
+    options = ExperienceOptions(
+        samples_per_prompt=2, rewards={"exact_match": 0.5}, algorithm={"kl_coef": 0.0}
+    )
+    keywords = dict(samples_per_prompt=2, rewards={"exact_match": 0.5}, algorithm={"kl_coef": 0.0})
+    expected = build_make_experience_request([[5, 6]], options, seed=9, request_id="opts")
+
+    async def from_asyncio() -> None:
+        async with AsyncRolloutClient(target, timeout_s=WAIT_S) as client:
+            await client.make_experience([[5, 6]], options, seed=9, request_id="opts")
+
+    with RolloutClient(target, timeout_s=WAIT_S) as client:
+        client.make_experience([[5, 6]], options, seed=9, request_id="opts")
+        client.make_experience([[5, 6]], **keywords, seed=9, request_id="opts")
+        list(client.stream_experience([[5, 6]], options, seed=9, request_id="opts"))
+        with pytest.raises(TypeError, match="sample_per_prompt"):
+            client.make_experience([[5]], sample_per_prompt=2)  # a misspelt option
+    asyncio.run(from_asyncio())
+    with ReplicatedRolloutClient([target], timeout_s=WAIT_S) as replicated:
+        replicated.make_experience([[5, 6]], options, seed=9, request_id="opts")
+        list(replicated.stream_experience([[5, 6]], **keywords, seed=9, request_id="opts"))
+    sent = [call for call in servicer.calls if call.method == "MakeExperience"]
+    assert [call.request for call in sent] == [expected] * 6
+    assert all(call.metadata["x-request-id"] == "opts" for call in sent)
+    assert options.seed is None  # keywords replace fields in a copy; the dataclass is frozen
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"chunk_bytes": 1}, "chunk_bytes"),
+        ({"transport": "carrier-pigeon"}, "transport: one of auto, grpc, shm, dist"),
+        ({"streams": 0}, "streams"),
+        ({"mode": "lora"}, "lora must be given"),
+        ({"lora": LoraAdapter(rank=2, alpha=4.0)}, "lora must be given"),
+        ({"mode": "sideways"}, "mode"),
+        ({"target": "policy"}, "target: unknown name 'policy'"),
+        ({"target": 42}, "target"),
+    ],
+)
+def test_bad_update_options_are_refused_when_made(fields: dict, match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        UpdateOptions(**fields)
+
+
+def test_update_options_are_one_dataclass_or_its_keywords_for_every_client(scripted) -> None:
+    servicer, target = scripted
+    weights = {"w": torch.ones(4)}
+    options = UpdateOptions(target="critic", mode="partial", transport="grpc", streams=1)
+
+    async def from_asyncio() -> None:
+        async with AsyncRolloutClient(target, timeout_s=WAIT_S) as client:
+            await client.update_weights(weights, version=2, options=options, request_id="u-2")
+
+    with RolloutClient(target, timeout_s=WAIT_S) as client:
+        first = client.update_weights(weights, version=1, options=options, request_id="u-1")
+        with pytest.raises(TypeError, match="strems"):
+            client.update_weights(weights, version=1, strems=2)  # a misspelt option
+    asyncio.run(from_asyncio())
+    with ReplicatedRolloutClient([target], timeout_s=WAIT_S) as replicated:
+        replicated.update_weights(
+            weights, version=3, target="critic", mode="partial", transport="grpc", streams=1
+        )
+    sent = [call for call in servicer.calls if call.method == "UpdateWeights"]
+    assert [(c.request.target, c.request.version) for c in sent] == [
+        (pb.MODEL_ROLE_CRITIC, version) for version in (1, 2, 3)
+    ]
+    assert {c.request.mode for c in sent} == {pb.UPDATE_MODE_PARTIAL}
+    assert [c.metadata.get("x-request-id") for c in sent] == ["u-1", "u-2", None]
+    assert (first.target, first.version, first.transport) == ("CRITIC", 1, "grpc")
 
 
 def test_no_token_sends_no_authorization(scripted) -> None:
@@ -456,7 +545,9 @@ def test_wait_until_ready_rides_out_a_server_that_starts_late(tiny_actor_dir) ->
             with pytest.raises(Unavailable):
                 client.health()  # nothing listens yet: retried, then a typed error
             released.set()
-            assert client.wait_until_ready(timeout_s=60).serving
+            ready = client.wait_until_ready(timeout_s=60)
+            assert ready.serving and ready.rollout is None  # no --rollout-prompts
+            assert ready.weight_transports == ("grpc", "shm", "dist")
             experience = client.make_experience(
                 [[5, 6, 7]], max_new_tokens=4, seed=1, rewards=["exact_match"], gt_answers=["x"]
             )
@@ -468,3 +559,40 @@ def test_wait_until_ready_rides_out_a_server_that_starts_late(tiny_actor_dir) ->
         released.set()
         starter.join(WAIT_S)
         server.stop(0)
+
+
+def test_health_carries_the_continuous_rollouts_progress(tiny_actor_dir, tmp_path) -> None:
+    from rollserve.server.config import ServerConfig
+    from rollserve.server.serving.app import RolloutServer
+
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [json.dumps({"prompt": f"q{i}=", "gt_answer": "x"}) for i in range(4)]
+    prompts.write_text("\n".join(lines) + "\n")
+    template = tmp_path / "request.json"
+    request = {"samplesPerPrompt": 2, "sampling": {"maxNewTokens": 4}}
+    template.write_text(json.dumps({**request, "rewards": [{"source": "exact_match"}]}))
+    config = ServerConfig(
+        host="127.0.0.1", port=0, device="cpu", log_level="WARNING", metrics_port=0,
+        actor=str(tiny_actor_dir), rollout_prompts=str(prompts), rollout_request=str(template),
+        rollout_prompts_per_batch=2,
+    )  # fmt: skip
+    with RolloutServer(config) as server, RolloutClient(server.address, timeout_s=WAIT_S) as client:
+        batches = list(client.subscribe("trainer"))  # the whole rollout: one epoch, 2 batches
+        health = client.health()
+        with grpc.insecure_channel(server.address) as channel:
+            sent = rollout_pb2_grpc.RolloutStub(channel).Health(pb.HealthRequest(), timeout=WAIT_S)
+    assert len(batches) == 2
+    assert health.rollout == RolloutProgress(
+        finished=True,
+        epoch=0,
+        step=2,
+        batches_delivered=2,
+        batches_dropped_stale=0,
+        queued_batches=0,
+        subscribers=0,
+    )
+    # Every field the RPC sends, as sent.
+    assert sent.rollout.enabled
+    assert dataclasses.asdict(health.rollout) == {
+        name: getattr(sent.rollout, name) for name in dataclasses.asdict(health.rollout)
+    }

@@ -1,14 +1,17 @@
 """The one table of rollserve's domain errors and their gRPC status codes.
 
 Server and client share it: the server raises these (its servicer turns them into
-`context.abort(code, message)` in one place, server/status.py; the auth interceptor refuses with
-the Unauthenticated / PermissionDenied that security.authorize returns), and the client turns a
-`grpc.RpcError` back into the same classes (`from_rpc_error`), so a trainer catches
-`FailedPrecondition` whether the model ran in-process or on another machine. A new error is a
-class here with its `code`; nothing else maps exceptions to statuses.
+`context.abort(code, message)` in one place, server/serving/status.py; the auth interceptor
+refuses with the Unauthenticated / PermissionDenied that security.authorize returns), and the
+client turns a `grpc.RpcError` back into the same classes (`from_rpc_error`, `typed_errors`), so
+a trainer catches `FailedPrecondition` whether the model ran in-process or on another machine. A
+new error is a class here with its `code`; nothing else maps exceptions to statuses.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 
@@ -27,6 +30,7 @@ __all__ = [
     "TensorCodecError",
     "error_for_status",
     "from_rpc_error",
+    "typed_errors",
 ]
 
 
@@ -127,3 +131,13 @@ def from_rpc_error(error: grpc.RpcError) -> RolloutError:
     if cls is RolloutError:
         exc.code = code
     return exc
+
+
+@contextmanager
+def typed_errors() -> Iterator[None]:
+    """Raise a grpc.RpcError (grpc.aio.AioRpcError included) leaving the block as its class of
+    this table."""
+    try:
+        yield
+    except grpc.RpcError as error:
+        raise from_rpc_error(error) from None

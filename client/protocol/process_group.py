@@ -36,9 +36,8 @@ _LOG = logging.getLogger(__name__)
 BACKENDS = ("gloo", "nccl")
 # Lanes: process groups over one rendezvous that the broadcasts of an update take in turn.
 # Gloo runs one broadcast at a time per pair connection and pays a fixed cost per broadcast;
-# with the ranges of a Llama (2-8 MiB each) two lanes moved 0.48 GB 15-35 % faster than one on
-# the 2-core VM (raw gloo, 3 alternating runs: 3.26-3.52 GB/s vs 2.93-3.10), four no faster
-# than two. NCCL keeps one: it pipelines on its own.
+# with the ranges of a Llama (2-8 MiB each) two lanes beat one and four were no faster than two
+# (bench/RESULTS.md). NCCL keeps one: it pipelines on its own.
 MAX_LANES = 8
 
 
@@ -148,14 +147,13 @@ def all_max(group: dist.ProcessGroup, value: int, device: torch.device | str = "
 
 
 # Bytes per broadcast at most. With ranges that follow the tensors (broadcast_spans), 8 MiB beat
-# 4, 16 and 64 MiB on the 2-core VM (0.48 GB, in-process, alternating runs: 203-233 ms vs
-# 234-251, 241-287 and 316-341); with fixed ranges 16 MiB had been best.
+# 4, 16 and 64 MiB (bench/RESULTS.md); with fixed ranges 16 MiB had been best.
 DEFAULT_BUCKET_BYTES = 8 * 1024 * 1024
 # Bytes per broadcast at most when the sender's data section is one run (contiguous spans).
 CONTIGUOUS_BUCKET_BYTES = 32 * 1024 * 1024
-# Broadcasts per update at most: each costs a fixed ~0.1 ms or more, and both sides list them
-# first, so a tiny bucket_bytes for a large file (1 byte: 5e8 broadcasts for 0.5 GB) is refused
-# rather than taken for minutes and GBs. 140 GB in 1 MiB buckets is 1.3e5.
+# Broadcasts per update at most: each has a fixed cost, and both sides list them first, so a
+# tiny bucket_bytes for a large file (1 byte: 5e8 broadcasts for 0.5 GB) is refused rather than
+# taken for minutes and GBs. 140 GB in 1 MiB buckets is 1.3e5.
 MAX_BROADCASTS = 1 << 18
 # Tensors smaller than this share a broadcast with their neighbours (one fill copy on the
 # sender); larger ones go alone, from their own memory.
@@ -178,8 +176,7 @@ def broadcast_spans(
     tensor and received straight into the arena, with no copy on either side. Runs of smaller
     tensors (and any bytes between tensors) are packed into ranges of at most bucket_bytes,
     which the sender fills into a buffer. Fixed buckets over the whole section made the
-    trainer copy every bucket that crossed a tensor boundary: 60 % of a Llama's bytes, ~70 ms
-    of a 0.26 s update of 0.48 GB on the 2-core VM.
+    trainer copy every bucket that crossed a tensor boundary: most of a Llama's bytes.
 
     Contiguous: rank 0 holds the whole data section as one run of memory (flat_weights.py), so
     the ranges are plain bucket_bytes slices of it: no copy on either side, and the fewest,

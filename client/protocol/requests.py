@@ -1,23 +1,147 @@
-"""Build MakeExperienceRequest messages from plain Python arguments.
+"""The options of the two requests a trainer makes, each written once as a frozen dataclass.
 
-The gRPC client and the server's in-process maker both go through this function, so the same
+`ExperienceOptions` holds every option of a MakeExperience request but the prompts,
+`UpdateOptions` every option of an UpdateWeights call but the weights, their version and the
+progress callback. The sync, asyncio and replicated clients take either the dataclass or its
+fields as keyword arguments (`make_experience(prompts, samples_per_prompt=4)`), and the server's
+in-process maker builds its requests with the same `build_make_experience_request`, so the same
 arguments mean the same request whether the experience is made locally or remotely.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from ...v1 import rollout_pb2 as pb
+from .errors import InvalidArgument
+from .roles import wire_role
+from .transports import AUTO, CLIENT_TRANSPORTS
 
-__all__ = ["build_make_experience_request", "Prompts", "RewardRecipe"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "MAX_CHUNK_BYTES",
+    "MAX_STREAMS",
+    "MIN_CHUNK_BYTES",
+    "ExperienceOptions",
+    "Progress",
+    "Prompts",
+    "RewardRecipe",
+    "UpdateOptions",
+    "build_make_experience_request",
+]
 
 # Token-id prompts (one list of ids per prompt) or text prompts.
 Prompts = Sequence[Sequence[int]] | Sequence[str]
 # {"exact_match": 1.0, "reward_model": 0.5} or ["exact_match"] (weight 1 each).
 RewardRecipe = Mapping[str, float] | Sequence[str]
+# progress(sent_bytes, total_bytes), called as an update's bytes go out.
+Progress = Callable[[int, int], None]
+
+# An update's file travels in chunks of this many bytes (the last one shorter).
+MIN_CHUNK_BYTES = 256 * 1024
+MAX_CHUNK_BYTES = 64 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 1024 * 1024
+# Parallel gRPC streams one update may take at most.
+MAX_STREAMS = 64
 
 _ALGORITHM_FIELDS = frozenset(pb.AlgorithmOptions.DESCRIPTOR.fields_by_name)
+_Options = TypeVar("_Options", "ExperienceOptions", "UpdateOptions")
+
+
+def _merged(cls: type[_Options], options: _Options | None, fields: Mapping[str, Any]) -> _Options:
+    """`options` (default: all defaults) with `fields` replaced; TypeError for an unknown name."""
+    base = cls() if options is None else options
+    return dataclasses.replace(base, **fields) if fields else base
+
+
+# ---- MakeExperience ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExperienceOptions:
+    """Every option of a MakeExperience request but the prompts; None means the server's
+    default (the preset's, for sampling and algorithm)."""
+
+    gt_answers: Sequence[str] | None = None  # one per prompt, for rule-based rewards
+    samples_per_prompt: int | None = None
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    stop_sequences: Sequence[Sequence[int]] = ()  # token-id sequences that end a response
+    stop_strings: Sequence[str] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+    logprobs_use_temperature: bool | None = None
+    apply_chat_template: bool = False  # text prompts only
+    preset: str | None = None
+    # AlgorithmOptions field names to values, e.g. {"advantage_estimator": "group_norm"}.
+    algorithm: Mapping[str, object] | None = None
+    rewards: RewardRecipe | None = None
+    micro_batch_size: int = 0  # 0: the server's
+    generate_batch_size: int = 0
+    forward_batch_size: int = 0
+    return_entropy: bool = False
+    return_texts: bool = False
+    min_policy_version: int = 0  # refuse (FailedPrecondition) while the server's is older
+    request_id: str = ""  # also sent as x-request-id call metadata
+
+    def __post_init__(self) -> None:
+        unknown = set(self.algorithm or {}) - _ALGORITHM_FIELDS
+        if unknown:
+            raise TypeError(f"unknown algorithm options {sorted(unknown)}; see AlgorithmOptions")
+
+    @classmethod
+    def of(cls, options: ExperienceOptions | None = None, **fields: Any) -> ExperienceOptions:
+        """`options` with `fields` replaced (keyword names as the fields'); the defaults when
+        `options` is None."""
+        return _merged(cls, options, fields)
+
+    def request(self, prompts: Prompts) -> pb.MakeExperienceRequest:
+        """The MakeExperienceRequest of `prompts` with these options."""
+        request = pb.MakeExperienceRequest(
+            min_policy_version=self.min_policy_version, request_id=self.request_id
+        )
+        _set_prompts(request, prompts, self.apply_chat_template)
+        if self.gt_answers is not None:
+            request.gt_answers.extend(self.gt_answers)
+        _set_optional(request, samples_per_prompt=self.samples_per_prompt)
+        self._set_sampling(request.sampling)
+        _set_optional(request.algorithm, preset=self.preset, **(self.algorithm or {}))
+        _set_rewards(request, self.rewards)
+        request.batching.micro_batch_size = self.micro_batch_size
+        request.batching.generate_batch_size = self.generate_batch_size
+        request.batching.forward_batch_size = self.forward_batch_size
+        request.outputs.action_entropy = self.return_entropy
+        request.outputs.response_texts = self.return_texts
+        return request
+
+    def _set_sampling(self, sampling: pb.SamplingOptions) -> None:
+        _set_optional(
+            sampling,
+            max_new_tokens=self.max_new_tokens,
+            min_new_tokens=self.min_new_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            logprobs_use_temperature=self.logprobs_use_temperature,
+        )
+        for sequence in self.stop_sequences:
+            sampling.stop_sequences.add(token_ids=[int(t) for t in sequence])
+        sampling.stop_strings.extend(self.stop_strings)
+        sampling.ignore_eos = self.ignore_eos
+
+
+def build_make_experience_request(
+    prompts: Prompts, options: ExperienceOptions | None = None, **fields: Any
+) -> pb.MakeExperienceRequest:
+    """One MakeExperienceRequest: `options` and/or the fields of ExperienceOptions as keywords."""
+    return ExperienceOptions.of(options, **fields).request(prompts)
 
 
 def _set_prompts(request: pb.MakeExperienceRequest, prompts: Prompts, chat: bool) -> None:
@@ -54,66 +178,64 @@ def _set_optional(message, **fields: object) -> None:
             setattr(message, name, value)
 
 
-# Over 60 lines only through its signature: one keyword per request field, flat on purpose so
-# that RolloutClient.make_experience can forward them unchanged.
-def build_make_experience_request(
-    prompts: Prompts,
-    *,
-    gt_answers: Sequence[str] | None = None,
-    samples_per_prompt: int | None = None,
-    max_new_tokens: int | None = None,
-    min_new_tokens: int | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop_sequences: Sequence[Sequence[int]] = (),
-    stop_strings: Sequence[str] = (),
-    seed: int | None = None,
-    ignore_eos: bool = False,
-    logprobs_use_temperature: bool | None = None,
-    apply_chat_template: bool = False,
-    preset: str | None = None,
-    algorithm: Mapping[str, object] | None = None,
-    rewards: RewardRecipe | None = None,
-    micro_batch_size: int = 0,
-    generate_batch_size: int = 0,
-    forward_batch_size: int = 0,
-    return_entropy: bool = False,
-    return_texts: bool = False,
-    min_policy_version: int = 0,
-    request_id: str = "",
-) -> pb.MakeExperienceRequest:
-    """One MakeExperienceRequest. `algorithm` maps AlgorithmOptions field names to values
-    (e.g. {"advantage_estimator": "group_norm", "kl_coef": 0.0}); None means the preset's."""
-    request = pb.MakeExperienceRequest(min_policy_version=min_policy_version, request_id=request_id)
-    _set_prompts(request, prompts, apply_chat_template)
-    if gt_answers is not None:
-        request.gt_answers.extend(gt_answers)
-    _set_optional(request, samples_per_prompt=samples_per_prompt)
-    sampling = request.sampling
-    _set_optional(
-        sampling,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=min_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        logprobs_use_temperature=logprobs_use_temperature,
-    )
-    for sequence in stop_sequences:
-        sampling.stop_sequences.add(token_ids=[int(t) for t in sequence])
-    sampling.stop_strings.extend(stop_strings)
-    sampling.ignore_eos = ignore_eos
-    options = dict(algorithm or {})
-    unknown = set(options) - _ALGORITHM_FIELDS
-    if unknown:
-        raise TypeError(f"unknown algorithm options {sorted(unknown)}; see AlgorithmOptions")
-    _set_optional(request.algorithm, preset=preset, **options)
-    _set_rewards(request, rewards)
-    request.batching.micro_batch_size = micro_batch_size
-    request.batching.generate_batch_size = generate_batch_size
-    request.batching.forward_batch_size = forward_batch_size
-    request.outputs.action_entropy = return_entropy
-    request.outputs.response_texts = return_texts
-    return request
+# ---- UpdateWeights -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UpdateOptions:
+    """Every option of an UpdateWeights call but the weights, their version and the progress
+    callback; checked when made, so a bad one fails before a byte is read or sent."""
+
+    target: str | int = "actor"  # a role name (roles.py) or a ModelRole number
+    mode: str | int = "full"  # "full", "partial", "lora" or an UpdateMode number
+    lora: pb.LoraAdapter | None = None  # rank and alpha; given exactly when mode is "lora"
+    # The data plane (transports.py): "auto" is shared memory on the server's host, else gRPC;
+    # "dist" goes through the WeightsGroup given as group=.
+    transport: str = AUTO
+    streams: int | None = None  # parallel gRPC streams; None: one per 4 cores of this machine
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    timeout_s: float | None = None  # None: the client's deadline
+    request_id: str | None = None  # sent as x-request-id call metadata
+    crc32: bool = False  # a CRC-32 per chunk, which the server checks (update_file.py: why)
+    sha256: bool = False  # the whole file's SHA-256 in the header (reads every tensor twice)
+    allow_non_finite: bool = False  # let NaN and infinity through the server's value checks
+    manifest: bool = True  # every tensor's name, dtype and shape in the header
+
+    def __post_init__(self) -> None:
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidArgument(
+                f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], "
+                f"got {self.chunk_bytes}"
+            )
+        if self.transport not in CLIENT_TRANSPORTS:
+            raise InvalidArgument(
+                f"transport: one of {', '.join(CLIENT_TRANSPORTS)}, got {self.transport!r}"
+            )
+        if self.streams is not None and not 1 <= self.streams <= MAX_STREAMS:
+            raise InvalidArgument(f"streams: 1 to {MAX_STREAMS}, got {self.streams}")
+        if (self.update_mode == pb.UPDATE_MODE_LORA) != (self.lora is not None):
+            raise InvalidArgument("lora must be given exactly when mode is UPDATE_MODE_LORA")
+        wire_role(self.target)
+
+    @classmethod
+    def of(cls, options: UpdateOptions | None = None, **fields: Any) -> UpdateOptions:
+        """`options` with `fields` replaced (keyword names as the fields'); the defaults when
+        `options` is None."""
+        return _merged(cls, options, fields)
+
+    @property
+    def role(self) -> int:
+        """The target as a wire ModelRole."""
+        return wire_role(self.target)
+
+    @property
+    def update_mode(self) -> int:
+        """The mode as a wire UpdateMode."""
+        if isinstance(self.mode, str):
+            try:
+                return pb.UpdateMode.Value("UPDATE_MODE_" + self.mode.upper())
+            except ValueError:
+                raise InvalidArgument(f"mode: unknown name {self.mode!r}") from None
+        if isinstance(self.mode, bool) or self.mode not in pb.UpdateMode.values():
+            raise InvalidArgument(f"mode: unknown value {self.mode!r}")
+        return int(self.mode)

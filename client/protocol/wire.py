@@ -3,8 +3,7 @@
 The bytes are exactly the protobuf encoding of rollout.proto's UpdateWeightsRequest, so any
 protobuf client or server interoperates with these functions; only the copies differ. With upb,
 a 1 MiB chunk costs a copy into the message, a copy to serialize, and on the server a copy out of
-the parsed message on every `.data` read (reference/transport.md: "Decode with the fewest
-copies"). Here:
+the parsed message on every `.data` read. Here:
 
 * the client writes each chunk message with one `b"".join` of a few header bytes and memoryviews
   of the tensors' own memory (the only user-space copy it makes), and hands those bytes to gRPC
@@ -20,9 +19,8 @@ parser never raises: gRPC would turn that into INTERNAL; it returns a MalformedR
 which the stream consumer turns into InvalidArgument.
 
 CRC-32 (WeightsChunk.crc32, the zlib polynomial) is computed by ISA-L when the optional `isal`
-package is importable (about 11.7 GiB/s per core on the dev VM, i.e. ~0.09 CPU-s per GiB per
-side) and by zlib otherwise (about 3.5 GiB/s, ~0.3 CPU-s per GiB per side, a third of what gRPC
-itself costs); both give identical values.
+package is importable, and by zlib otherwise (several times slower; bench/RESULTS.md has both);
+both give identical values.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import datetime
 import functools
 import threading
@@ -31,7 +32,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -51,14 +52,14 @@ from ..protocol.process_group import (
     new_process_groups,
     shut_down,
 )
-from ..results import UpdateResult
+from ..protocol.requests import DEFAULT_CHUNK_BYTES, Progress, UpdateOptions
+from ..protocol.results import UpdateResult
+from ..protocol.transports import AUTO, DIST
 from .flat_weights import data_section_run, flatten_weights
-from .update_file import DEFAULT_CHUNK_BYTES, UpdateFile, WeightSpec, prepare_update
+from .server_calls import ServerCalls
+from .update_file import UpdateFile, WeightSpec, prepare_update
 
-if TYPE_CHECKING:
-    from ..calls import BaseClient
-
-__all__ = ["DEFAULT_BUCKET_BYTES", "WeightsGroup", "update_through_group"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "GroupMember", "WeightsGroup", "group_of"]
 
 _READY = 0
 # Broadcasts in flight per lane while the next is filled (the servers post as many receives).
@@ -72,6 +73,16 @@ _LOST_CODES = frozenset({
 _FOLLOWED_VOTE = "another rank of the group refused"
 
 
+class GroupMember(Protocol):
+    """What a WeightsGroup needs of a client (RolloutClient and AsyncRolloutClient are members):
+    its server's target and weights-side calls."""
+
+    target: str
+
+    @property
+    def weights_calls(self) -> ServerCalls: ...
+
+
 class WeightsGroup:
     """This trainer (rank 0) and the servers of `clients` (ranks 1..N) in one process group.
 
@@ -82,7 +93,7 @@ class WeightsGroup:
 
     def __init__(
         self,
-        clients: Sequence[BaseClient],
+        clients: Sequence[GroupMember],
         *,
         name: str | None = None,
         master_address: str = "127.0.0.1",
@@ -130,7 +141,7 @@ class WeightsGroup:
         pool = ThreadPoolExecutor(world_size, thread_name_prefix="weights-group")
         joins = [
             pool.submit(
-                client._init_weights_group,
+                client.weights_calls.init_weights_group,
                 pb.InitWeightsGroupRequest(
                     group=self.name,
                     master_address=master_address,
@@ -171,33 +182,29 @@ class WeightsGroup:
         weights: Mapping[str, torch.Tensor] | torch.nn.Module,
         *,
         version: int,
-        target: str = "actor",
-        mode: str = "full",
-        timeout_s: float | None = None,
-        request_id: str | None = None,
-        progress: Callable[[int, int], None] | None = None,
-        **stream_options: object,
+        progress: Progress | None = None,
+        options: UpdateOptions | None = None,
+        **fields: Any,
     ) -> list[UpdateResult]:
         """One broadcast to every server; their results in the order of `clients`.
 
-        `stream_options` as for RolloutClient.update_weights (sha256, lora, allow_non_finite,
-        manifest). Raises the first server's error if any refused or failed.
+        `options` and/or the fields of UpdateOptions as keywords, as for
+        RolloutClient.update_weights (target, mode, lora, sha256, allow_non_finite, manifest,
+        timeout_s, request_id; the broadcast has no chunks, so no crc32). Raises the first
+        server's error if any refused or failed.
         """
+        options = UpdateOptions.of(options, **fields)
         update = prepare_update(
             weights,
-            target=target,
             version=version,
-            mode=mode,
-            chunk_bytes=DEFAULT_CHUNK_BYTES,
-            crc32=False,
-            **stream_options,  # type: ignore[arg-type]
+            options=dataclasses.replace(options, chunk_bytes=DEFAULT_CHUNK_BYTES, crc32=False),
         )
         with self._lock:
             if self._broken:
                 raise FailedPrecondition(f"weights group {self.name!r} is broken; make a new one")
             started_s = time.monotonic()
             plan = _BroadcastPlan.of(update, self.device, self.bucket_bytes)
-            calls = self._start_calls(update, plan, timeout_s, request_id)
+            calls = self._start_calls(update, plan, options.timeout_s, options.request_id)
             failure = self._vote_and_broadcast(calls, plan, progress)
             if failure is not None:
                 # Outside the except block: its traceback no longer holds the broadcast's
@@ -210,11 +217,17 @@ class WeightsGroup:
         wall_s = time.monotonic() - started_s
         return [UpdateResult.from_proto(reply, wall_s=wall_s) for reply in replies]
 
+    def index(self, member: GroupMember) -> int:
+        """Where `member` stands in `clients` (and its result in update_weights')."""
+        if member not in self.clients:
+            raise InvalidArgument(f"group {self.name!r} does not hold this client's server")
+        return self.clients.index(member)
+
     def _vote_and_broadcast(
         self,
         calls: list[grpc.Future],
         plan: _BroadcastPlan,
-        progress: Callable[[int, int], None] | None,
+        progress: Progress | None,
     ) -> str | None:
         """The vote, then the broadcast if every rank is ready; why they failed, else None."""
         try:
@@ -237,9 +250,9 @@ class WeightsGroup:
         header.distributed.bucket_bytes = plan.bucket_bytes
         header.distributed.contiguous = plan.run is not None
         return [
-            client._start_update(
+            client.weights_calls.start_update(
                 update.messages(header, 0, plan.head_bytes), timeout_s, request_id
-            )  # fmt: skip
+            )
             for client in self.clients
         ]
 
@@ -264,7 +277,7 @@ class WeightsGroup:
         work.wait()
         return int(flag.item()) == _READY
 
-    def _broadcast(self, plan: _BroadcastPlan, progress: Callable[[int, int], None] | None) -> None:
+    def _broadcast(self, plan: _BroadcastPlan, progress: Progress | None) -> None:
         """The data section in broadcasts of at most bucket_bytes (broadcast_spans: the servers
         post their receives with the same ranges), broadcast i over lane i % lanes, with up to
         two per lane in flight while the next is filled.
@@ -303,7 +316,7 @@ class WeightsGroup:
         """Every server leaves the group (errors ignored: a dead server left already)."""
         for client in self.clients:
             try:
-                client._destroy_weights_group(self.name, 10.0)
+                client.weights_calls.destroy_weights_group(self.name, 10.0)
             except Exception:
                 pass
         self._close_lanes()
@@ -420,7 +433,7 @@ def _bucket(
 
 def _finish(
     in_flight: tuple[dist.Work, int],
-    progress: Callable[[int, int], None] | None,
+    progress: Progress | None,
     head_bytes: int,
     total_bytes: int,
 ) -> None:
@@ -440,7 +453,7 @@ def _as_bytes(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _copy_bytes(destination: torch.Tensor, source: torch.Tensor) -> None:
     # numpy for host memory: torch's copy wakes its OpenMP pool, whose spinning threads take the
-    # cores that gloo and the servers need (measured: ~10x the CPU of the copy itself).
+    # cores that gloo and the servers need (measured: many times the CPU of the copy itself).
     if destination.device.type == "cpu" and source.device.type == "cpu":
         np.copyto(destination.numpy(), source.numpy())
     else:
@@ -455,18 +468,11 @@ def _member_lost(call: grpc.Future) -> bool:
     return isinstance(error, grpc.RpcError) and error.code() in _LOST_CODES
 
 
-def update_through_group(
-    client: BaseClient,
-    group: WeightsGroup | None,
-    transport: str,
-    weights: Mapping[str, torch.Tensor] | torch.nn.Module,
-    **options: Any,
-) -> UpdateResult:
-    """A client's update_weights with transport "dist": one broadcast to the whole group, and
-    this client's own result."""
-    if group is None or transport not in ("dist", "auto"):
+def group_of(group: WeightsGroup | None, transport: str) -> WeightsGroup | None:
+    """The group an update goes through (transport "dist", or "auto" with a group), None when it
+    goes another way; InvalidArgument when transport and group disagree."""
+    if group is None and transport != DIST:
+        return None
+    if group is None or transport not in (DIST, AUTO):
         raise InvalidArgument("transport 'dist' and group= go together (group: a WeightsGroup)")
-    if client not in group.clients:
-        raise InvalidArgument(f"group {group.name!r} does not hold this client's server")
-    results = group.update_weights(weights, **options)
-    return results[group.clients.index(client)]
+    return group

@@ -2,28 +2,27 @@
 
 The safetensors file (8-byte little-endian header length, JSON header, data section) is never
 built whole: it is produced tensor by tensor and cut at fixed byte offsets regardless of tensor
-boundaries (reference/transport.md: 1 MiB messages are the fastest here, and a Python object of
-32 MiB or more costs a page-faulting pass). A chunk is a list of memoryviews of the tensors' own
-memory; `update_weights_messages` joins each with its protobuf framing (client/wire.py), the one
-copy this side makes. At any moment the generator holds one chunk plus at most one contiguous
-host copy of the tensor being read (none for contiguous CPU tensors).
+boundaries. Chunks of 1 MiB (DEFAULT_CHUNK_BYTES) keep gRPC's per-message cost small without
+making a Python object so large that building it costs a page-faulting pass (bench/RESULTS.md
+has the measurements). A chunk is a list of memoryviews of the tensors' own memory;
+`update_weights_messages` joins each with its protobuf framing (protocol/wire.py), the one copy
+this side makes. At any moment the generator holds one chunk plus at most one contiguous host
+copy of the tensor being read (none for contiguous CPU tensors).
 
 Checksums are verification the caller asks for; neither is on by default.
 
 * Per-chunk CRC-32 (crc32=True; the server verifies every CRC it is sent). It guards the path
   between the two processes: gRPC's and the kernel's copies, host memory, and any HTTP/2 proxy
   that re-frames the stream, which HTTP/2 (no checksum) and TCP (a 16-bit sum, usually checked
-  by the NIC) do not cover; Ethernet's CRC covers only the wire, TLS's MAC nearly all of it. Its
-  price is large on small machines: measured end to end on the 2-core dev VM, it cuts the
-  applied throughput by about a fifth (median ratio to raw TCP 0.265 without, 0.217 with,
-  paired rounds, ISA-L on both sides; bench/RESULTS.md), i.e. ~0.08 CPU-s per GiB on the client
-  and ~0.15 on the server, where the data is read from memory rather than cache. zlib instead of
-  ISA-L (the optional `isal` package) costs 3.3x more. Ask for it across proxies you do not
+  by the NIC) do not cover; Ethernet's CRC covers only the wire, TLS's MAC nearly all of it. It
+  costs CPU on both sides for every byte, read from memory rather than cache, which shows in the
+  applied throughput of a machine with few cores (bench/RESULTS.md); ISA-L (the optional `isal`
+  package) computes it several times faster than zlib. Ask for it across proxies you do not
   control and on hosts without ECC memory; the server's value checks (NaN, infinity, range)
   run regardless.
 * The whole-file SHA-256 (sha256=True): the hash must sit in the header, before the first chunk,
-  so it costs a complete extra read of every tensor (about 1.5 GiB/s per core with SHA-NI, plus
-  an extra device-to-host copy of each GPU tensor); it also proves the file end to end.
+  so it costs a complete extra read of every tensor (plus an extra device-to-host copy of each
+  GPU tensor); it also proves the file end to end.
 """
 
 from __future__ import annotations
@@ -31,14 +30,22 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ...v1 import rollout_pb2 as pb
 from ..protocol.dtypes import PROTO_DTYPES, SAFETENSORS_NAMES
 from ..protocol.errors import InvalidArgument
+from ..protocol.requests import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    Progress,
+    UpdateOptions,
+)
 from ..protocol.wire import crc32_of_pieces, encode_chunk
 
 __all__ = [
@@ -47,6 +54,7 @@ __all__ = [
     "MIN_CHUNK_BYTES",
     "UpdateFile",
     "WeightSpec",
+    "Weights",
     "iter_chunk_pieces",
     "iter_safetensors_bytes",
     "prepare_update",
@@ -54,11 +62,10 @@ __all__ = [
     "update_weights_messages",
 ]
 
-MIN_CHUNK_BYTES = 256 * 1024
-MAX_CHUNK_BYTES = 64 * 1024 * 1024
-DEFAULT_CHUNK_BYTES = 1024 * 1024
 
 StateDict = Mapping[str, torch.Tensor]
+# What update_weights takes: a state dict, or a module whose state dict is sent.
+Weights = StateDict | torch.nn.Module
 
 
 @dataclass(frozen=True)
@@ -216,18 +223,6 @@ def iter_safetensors_bytes(
         yield b"".join(pieces)
 
 
-def _enum_value(enum: object, prefix: str, value: int | str, field: str) -> int:
-    """Accept an enum number or a short name ("actor", "partial")."""
-    if isinstance(value, str):
-        try:
-            return enum.Value(prefix + value.upper())  # type: ignore[attr-defined]
-        except ValueError:
-            raise InvalidArgument(f"{field}: unknown name {value!r}") from None
-    if value not in enum.values():  # type: ignore[attr-defined]
-        raise InvalidArgument(f"{field}: unknown value {value!r}")
-    return int(value)
-
-
 def _sha256_hex(state_dict: StateDict) -> str:
     digest = hashlib.sha256()
     header, specs = safetensors_header(state_dict)
@@ -258,7 +253,7 @@ class UpdateFile:
         header: pb.WeightsHeader | None = None,
         begin: int = 0,
         end: int | None = None,
-        progress: Callable[[int, int], None] | None = None,
+        progress: Progress | None = None,
     ) -> Iterator[bytes]:
         """Encoded requests: `header` (default: this file's), then the chunks of bytes
         [begin, end) of the file; `progress(sent, total)` as gRPC takes each message."""
@@ -279,73 +274,52 @@ class UpdateFile:
 def prepare_update(
     weights: StateDict | torch.nn.Module,
     *,
-    target: int | str,
     version: int,
-    mode: int | str,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    crc32: bool = False,
-    sha256: bool = False,
-    lora: pb.LoraAdapter | None = None,
-    allow_non_finite: bool = False,
-    manifest: bool = True,
+    options: UpdateOptions | None = None,
+    **fields: Any,
 ) -> UpdateFile:
-    """Validate the arguments of an update and build its header (see update_weights_messages)."""
-    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
-        raise InvalidArgument(
-            f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}"
-        )
+    """Check an update and build its header; `options` and/or the fields of UpdateOptions as
+    keywords (only those that shape the file count here: target, mode, lora, chunk_bytes, crc32,
+    sha256, allow_non_finite, manifest)."""
+    options = UpdateOptions.of(options, **fields)
     if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**64:
         raise InvalidArgument(f"version must be an unsigned 64-bit int, got {version!r}")
-    role = _enum_value(pb.ModelRole, "MODEL_ROLE_", target, "target")
-    update_mode = _enum_value(pb.UpdateMode, "UPDATE_MODE_", mode, "mode")
-    if (update_mode == pb.UPDATE_MODE_LORA) != (lora is not None):
-        raise InvalidArgument("lora must be given exactly when mode is UPDATE_MODE_LORA")
     state_dict = _as_state_dict(weights)
     header_bytes, specs = safetensors_header(state_dict)
     header = pb.WeightsHeader(
-        target=role,
+        target=options.role,
         version=version,
-        mode=update_mode,
+        mode=options.update_mode,
         total_bytes=len(header_bytes) + (specs[-1].end if specs else 0),
-        allow_non_finite=allow_non_finite,
+        allow_non_finite=options.allow_non_finite,
     )
-    if manifest:
+    if options.manifest:
         header.manifest.extend(
             pb.TensorSpec(name=s.name, dtype=PROTO_DTYPES[s.dtype], shape=s.shape) for s in specs
         )
-    if lora is not None:
-        header.lora.CopyFrom(lora)
-    if sha256:
+    if options.lora is not None:
+        header.lora.CopyFrom(options.lora)
+    if options.sha256:
         header.sha256 = _sha256_hex(state_dict)
-    return UpdateFile(header, state_dict, chunk_bytes, crc32)
+    return UpdateFile(header, state_dict, options.chunk_bytes, options.crc32)
 
 
 def update_weights_messages(
     weights: StateDict | torch.nn.Module,
     *,
-    target: int | str,
     version: int,
-    mode: int | str,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    crc32: bool = False,
-    sha256: bool = False,
-    lora: pb.LoraAdapter | None = None,
-    allow_non_finite: bool = False,
-    manifest: bool = True,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
+    options: UpdateOptions | None = None,
+    **fields: Any,
 ) -> Iterator[bytes]:
     """The UpdateWeights request stream, encoded: one header message, then the chunks, each as
-    the protobuf bytes of an UpdateWeightsRequest.
+    the protobuf bytes of an UpdateWeightsRequest (options: see prepare_update).
 
-    Arguments are validated here, before the first message. target and mode take enum values or
+    Arguments are checked here, before the first message. target and mode take enum values or
     short names ("actor", "full" / "partial" / "lora"). sha256=True reads every tensor twice.
     Each chunk message is one join of a few framing bytes and views of the tensors (wire.py), so
     its payload is copied once; send them with wire.update_weights_callable (a raw-bytes
     serializer). `progress(sent_bytes, total_bytes)` is called as gRPC takes each message.
     """
-    update = prepare_update(
-        weights, target=target, version=version, mode=mode, chunk_bytes=chunk_bytes,
-        crc32=crc32, sha256=sha256, lora=lora, allow_non_finite=allow_non_finite,
-        manifest=manifest,
-    )  # fmt: skip
+    update = prepare_update(weights, version=version, options=options, **fields)
     return update.messages(progress=progress)

@@ -1,17 +1,20 @@
-"""How an update's bytes leave the client: one gRPC stream, several, shared memory, or a broadcast.
+"""How an update's bytes leave the client: one gRPC stream, several, or shared memory.
 
 Every transport sends the same WeightsHeader and gets the same UpdateWeightsResponse; the server
-verifies, versions and swaps the same way (server/weights/). What differs is the data plane:
+verifies, versions and swaps the same way (server/weights/). What differs is the data plane
+(protocol/transports.py names them):
 
 * "grpc": chunks on one UpdateWeights stream, or on `streams` parallel streams over separate
   TCP connections (each carries a byte range of the file);
-* "shm": the file in a sealed memfd on the server's host (client/shared_memory.py); the call
-  carries the header, then how much of the file is written so far: the server copies each
-  part as soon as it is written;
-* "dist": a torch.distributed broadcast to every server of a WeightsGroup (client/distributed.py);
+* "shm": the file in a sealed memfd on the server's host (shared_memory.py); the call carries
+  the header, then how much of the file is written so far: the server copies each part as soon
+  as it is written;
 * "auto": "shm" when the server says it shares this host (Health.shm_host_id), else "grpc". Auto
   is the only mode that falls back: when shared memory fails before any byte is staged (the
   server cannot open the memfd) it logs a warning and sends the update over gRPC.
+
+The fourth, "dist", is a torch.distributed broadcast to every server of a WeightsGroup
+(distributed.py); it does not pass through here.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any
 
@@ -29,59 +31,50 @@ import grpc
 import torch
 
 from ...v1 import rollout_pb2 as pb
-from ..protocol.errors import FailedPrecondition, InvalidArgument
+from ..protocol.errors import FailedPrecondition
+from ..protocol.requests import Progress
 from ..protocol.shared_memory import shm_host_id
+from ..protocol.transports import AUTO, SHM
+from .server_calls import CallOptions, ServerCalls
 from .shared_memory import SharedMemoryFile
 from .update_file import UpdateFile, prepare_update
 
-__all__ = ["TRANSPORTS", "CallOptions", "Uploads", "default_streams"]
+__all__ = ["Uploads", "default_streams"]
 
 _LOG = logging.getLogger(__name__)
-TRANSPORTS = ("auto", "grpc", "shm", "dist")
-MAX_STREAMS = 64
 # The server's shm refusals that mean "this data plane cannot work here", not "bad update".
 _SHM_UNREACHABLE = "shared_memory: "
 # A streamed shared-memory update tells the server about every this many more written bytes.
 _WRITTEN_STEP_BYTES = 8 << 20
 
-Progress = Callable[[int, int], None]
 StartCall = Callable[..., Any]  # a raw-bytes UpdateWeights callable (wire.update_weights_callable)
 
 
 def default_streams(cpu_count: int | None = None) -> int:
     """Parallel gRPC streams when none are asked for: one per 4 cores, 1 to 8.
 
-    On a 2-core machine a second stream only adds contention (reference/transport.md: two gRPC
-    streams moved 0.42 of raw TCP together against 0.49 for one); with 16 cores each stream
-    gets its own cores on both ends.
+    A stream costs a core or so on each end: on a small machine a second one only adds
+    contention (bench/RESULTS.md), on a large one each stream gets its own cores.
     """
     cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
     return max(1, min(8, cores // 4))
 
 
-@dataclass(frozen=True)
-class CallOptions:
-    timeout_s: float
-    metadata: tuple[tuple[str, str | bytes], ...]
-
-
 class Uploads:
     """A client's upload side: its UpdateWeights callables, memfd and what it knows of the server.
 
-    `open_stream` opens one more sync UpdateWeights callable on a connection of its own (for
-    parallel streams); `health` asks the server's Health (sync).
+    `calls` are the server's weights-side calls on the client's upload channel; `open_stream`
+    opens one more sync UpdateWeights callable on a connection of its own (for parallel
+    streams).
     """
 
     def __init__(
-        self,
-        first: StartCall,
-        open_stream: Callable[[], tuple[StartCall, grpc.Channel]],
-        health: Callable[[float], pb.HealthResponse],
+        self, calls: ServerCalls, open_stream: Callable[[], tuple[StartCall, grpc.Channel]]
     ) -> None:
-        self._calls: list[StartCall] = [first]
+        self._calls: list[StartCall] = [calls.update_weights]
         self._extra_channels: list[grpc.Channel] = []
         self._open_stream = open_stream
-        self._health = health
+        self._health = calls.health
         self._shm = SharedMemoryFile()
         # Held from writing the memfd to the server's reply: the server reads it during the call,
         # so a second update from this client (another thread) must not overwrite it meanwhile.
@@ -97,20 +90,13 @@ class Uploads:
         streams: int | None,
         progress: Progress | None,
     ) -> pb.UpdateWeightsResponse:
-        """Send one update over `transport` ("auto", "grpc" or "shm"; "dist" goes through a
-        WeightsGroup) and return the server's reply."""
-        if transport not in ("auto", "grpc", "shm"):
-            raise InvalidArgument(
-                f"transport: one of {', '.join(TRANSPORTS)}, got {transport!r}"
-                + (" (pass group= for 'dist')" if transport == "dist" else "")
-            )
-        if streams is not None and not 1 <= streams <= MAX_STREAMS:
-            raise InvalidArgument(f"streams: 1 to {MAX_STREAMS}, got {streams}")
-        if transport == "shm" or (transport == "auto" and self._auto_shm(update, streams)):
+        """Send one update over `transport` ("auto", "grpc" or "shm", checked by UpdateOptions)
+        and return the server's reply."""
+        if transport == SHM or (transport == AUTO and self._auto_shm(update, streams)):
             try:
                 return self._send_shm(update, options, progress)
             except grpc.RpcError as error:
-                if transport == "shm" or not _shm_unreachable(error):
+                if transport == SHM or not _shm_unreachable(error):
                     raise
                 self._server_shares_host = False
                 _LOG.warning(
@@ -121,7 +107,7 @@ class Uploads:
 
     def share(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Move the CPU tensors of `state_dict` into this client's memfd (see SharedMemoryFile)."""
-        update = prepare_update(state_dict, target="actor", version=0, mode="full")
+        update = prepare_update(state_dict, version=0)
         head, specs = update.layout()
         with self._shm_lock:
             self._shm.share(head, [(spec.begin, state_dict[spec.name]) for spec in specs])
@@ -149,7 +135,7 @@ class Uploads:
         except grpc.RpcError:
             return False  # the update itself will report why the server is unreachable
         local = shm_host_id()
-        return "shm" in health.weight_transports and bool(local) and health.shm_host_id == local
+        return SHM in health.weight_transports and bool(local) and health.shm_host_id == local
 
     def _send_shm(
         self, update: UpdateFile, options: CallOptions, progress: Progress | None

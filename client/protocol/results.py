@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from ..v1 import rollout_pb2 as pb
+from google.protobuf.message import Message
 
-__all__ = ["ModelStatus", "HealthStatus", "UpdateResult"]
+from ...v1 import rollout_pb2 as pb
+from .transports import GRPC
+
+__all__ = ["ModelStatus", "HealthStatus", "RolloutProgress", "UpdateResult"]
+
+_Result = TypeVar("_Result")
 
 
 def _enum_suffix(enum_type, value: int, prefix: str) -> str:
@@ -16,6 +23,16 @@ def _enum_suffix(enum_type, value: int, prefix: str) -> str:
         return enum_type.Name(value).removeprefix(prefix)
     except ValueError:
         return str(value)
+
+
+def _from_fields(cls: type[_Result], msg: Message, **given: Any) -> _Result:
+    """A `cls` whose fields are `given`, or else read from the message field of the same name."""
+    read = {
+        field.name: getattr(msg, field.name)
+        for field in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if field.name not in given
+    }
+    return cls(**read, **given)
 
 
 @dataclass(frozen=True)
@@ -31,14 +48,25 @@ class ModelStatus:
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelStatus:
-        return cls(
-            role=_enum_suffix(pb.ModelRole, msg.role, "MODEL_ROLE_"),
-            source=msg.source,
-            architecture=msg.architecture,
-            dtype=msg.dtype,
-            num_parameters=msg.num_parameters,
-            policy_version=msg.policy_version,
-        )
+        return _from_fields(cls, msg, role=_enum_suffix(pb.ModelRole, msg.role, "MODEL_ROLE_"))
+
+
+@dataclass(frozen=True)
+class RolloutProgress:
+    """Where the server's continuous rollout (--rollout-prompts) stands."""
+
+    finished: bool  # every epoch / step was made and delivered or dropped
+    epoch: int  # the pass over the prompt source being made, from 0
+    step: int  # batches made so far
+    batches_delivered: int
+    batches_dropped_stale: int  # made, then dropped: its policy fell too far behind the newest
+    queued_batches: int  # made, waiting for a subscriber
+    subscribers: int
+
+    @classmethod
+    def from_proto(cls, msg: pb.RolloutProgress) -> RolloutProgress | None:
+        """None for a server that runs no continuous rollout."""
+        return _from_fields(cls, msg) if msg.enabled else None
 
 
 @dataclass(frozen=True)
@@ -55,6 +83,10 @@ class HealthStatus:
     default_preset: str
     vocab_size: int
     max_context_tokens: int
+    # The continuous rollout's progress; None when the server runs none.
+    rollout: RolloutProgress | None = None
+    # The UpdateWeights data planes the server accepts (protocol/transports.py).
+    weight_transports: tuple[str, ...] = ()
 
     @property
     def serving(self) -> bool:
@@ -62,17 +94,13 @@ class HealthStatus:
 
     @classmethod
     def from_proto(cls, msg: pb.HealthResponse) -> HealthStatus:
-        return cls(
+        return _from_fields(
+            cls,
+            msg,
             status=_enum_suffix(pb.ServingStatus, msg.status, "SERVING_STATUS_"),
-            policy_version=msg.policy_version,
             models=tuple(ModelStatus.from_proto(m) for m in msg.models),
-            device=msg.device,
-            queue_depth=msg.queue_depth,
-            uptime_s=msg.uptime_s,
-            server_version=msg.server_version,
-            default_preset=msg.default_preset,
-            vocab_size=msg.vocab_size,
-            max_context_tokens=msg.max_context_tokens,
+            rollout=RolloutProgress.from_proto(msg.rollout),
+            weight_transports=tuple(msg.weight_transports),
         )
 
 
@@ -86,7 +114,8 @@ class UpdateResult:
     bytes: int
     server_seconds: float  # from the header's arrival to the swap
     wall_s: float  # on the client, from the first message to the reply
-    transport: str = "grpc"  # the data plane: "grpc", "grpc-parallel", "shm" or "dist"
+    # The data plane that carried it (protocol/transports.py: REPLY_TRANSPORTS).
+    transport: str = GRPC
 
     @property
     def gb_per_s(self) -> float:
@@ -95,12 +124,11 @@ class UpdateResult:
 
     @classmethod
     def from_proto(cls, msg: pb.UpdateWeightsResponse, *, wall_s: float) -> UpdateResult:
-        return cls(
+        return _from_fields(
+            cls,
+            msg,
             target=_enum_suffix(pb.ModelRole, msg.target, "MODEL_ROLE_"),
-            version=msg.version,
-            tensors=msg.tensors,
-            bytes=msg.bytes,
             server_seconds=msg.seconds,
             wall_s=wall_s,
-            transport=msg.transport or "grpc",
+            transport=msg.transport or GRPC,
         )
