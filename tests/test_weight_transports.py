@@ -461,7 +461,7 @@ def test_flattened_weights_are_broadcast_in_plain_slices_over_every_lane(
     trainer that did not sends the ranges that follow the tensors. Both land bit for bit."""
     actor = models.actor.module
     sent_headers: list[pb.WeightsHeader] = []
-    start_update = client._start_update
+    start_update = client.weights_calls.start_update
 
     def recording(messages, timeout_s, request_id):  # type: ignore[no-untyped-def]
         messages = iter(messages)
@@ -469,7 +469,7 @@ def test_flattened_weights_are_broadcast_in_plain_slices_over_every_lane(
         sent_headers.append(pb.UpdateWeightsRequest.FromString(first).header)
         return start_update(itertools.chain([first], messages), timeout_s, request_id)
 
-    monkeypatch.setattr(client, "_start_update", recording)
+    monkeypatch.setattr(client.weights_calls, "start_update", recording)
     trainer = copy.deepcopy(actor).requires_grad_(True)
     with WeightsGroup([client], timeout_s=WAIT_S, bucket_bytes=64 * KIB, lanes=4) as group:
         assert group.lanes == 4
