@@ -1,5 +1,5 @@
-# The two commands of the README: `make serve` and `make test` (and `make lint` for style).
-# All create .venv on first use.
+# The two commands of the README: `make serve` and `make test` (and `make lint` for style;
+# `make test-gpu` for the GPU tests on a CUDA machine). All create .venv on first use.
 # torch is installed first, pinned: the CPU wheel on our machines (a plain `torch` requirement
 # would pull a multi-GB CUDA build); pyproject's range accepts it, so pip keeps it.
 PYTHON ?= python3
@@ -7,12 +7,14 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
-# glibc malloc settings from shared/reference/transport.md: deterministic, no page-fault storms.
+# glibc malloc settings, fixed so that every run behaves the same: buffers of 32 MiB and more
+# come from mmap and go back at free; the heap keeps up to 1 GiB free rather than trimming it
+# (no page-fault storm on the next weight update).
 export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_TRIM_THRESHOLD_ ?= 1073741824
 export MALLOC_TOP_PAD_ ?= 67108864
 
-.PHONY: serve test lint install proto bench clean
+.PHONY: serve test test-gpu lint install proto bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +27,15 @@ install: $(BIN)/.installed
 serve: $(BIN)/.installed
 	$(BIN)/rollserve serve $(ARGS)
 
+# The whole suite, then its 15 slowest tests. `gpu` tests skip without CUDA (tests/conftest.py);
+# ROLLSERVE_TEST_CPU_COUNT=16 runs it as if on 16 cores.
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q --durations=15 $(ARGS)
+
+# Only the tests marked `gpu`: needs a CUDA device and a CUDA build of torch in $(VENV) (PyPI's
+# default Linux wheel); without CUDA every one of them is skipped.
+test-gpu: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -m gpu --durations=15 $(ARGS)
 
 # `ruff format` clean over the whole tree, and the lint rules of pyproject.toml.
 lint: $(BIN)/.installed

@@ -227,14 +227,15 @@ def test_both_clients_put_the_hand_encoded_messages_on_the_wire(raw_update_weigh
     base = torch.randn(300, 500)  # 600,000 bytes: chunks cut across tensors
     weights = {"w": base, "t": base.T, "h": torch.randn(999).half(), "n": torch.tensor(3)}
     options = dict(version=1, chunk_bytes=MIN_CHUNK_BYTES, crc32=True, sha256=True)
+    one_stream = dict(transport="grpc", streams=1)  # the messages of one stream, on any machine
 
     async def main():
         async with AsyncRolloutClient(raw_update_weights.target, timeout_s=WAIT_S) as client:
-            return await client.update_weights(weights, **options)
+            return await client.update_weights(weights, **options, **one_stream)
 
     asyncio.run(main())
     with RolloutClient(raw_update_weights.target, timeout_s=WAIT_S) as sync_client:
-        sync_client.update_weights(weights, **options)
+        sync_client.update_weights(weights, **options, **one_stream)
     encoded = list(update_weights_messages(weights, target="actor", mode="full", **options))
     assert len(encoded) == 1 + 5  # the header, then 1.2 MB in five chunks
     sent_async, sent_sync = raw_update_weights.calls

@@ -190,10 +190,7 @@ def test_iteration_is_a_snapshot_of_the_rows_held_at_the_call() -> None:
         "cpu",
         pytest.param(
             "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-            ],
+            marks=pytest.mark.gpu,
         ),
     ],
 )

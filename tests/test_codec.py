@@ -360,7 +360,6 @@ def test_byte_swap_for_big_endian_hosts_reverses_each_element() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tensor_encodes_like_its_cpu_copy() -> None:
     t = torch.randn(33, 17, device="cuda").T
     assert encode_tensor(t).data == encode_tensor(t.cpu()).data

@@ -340,6 +340,23 @@ def test_the_loop_pauses_when_the_queue_is_full(
         assert rollout.stats().subscribers == 0
 
 
+def _watch_declines(rollout) -> threading.Event:
+    """An event set when the rollout loop's thread asks whether it may make a batch and hears
+    no: it then waits for a phase change. (Observes ContinuousRollout._can_make; the answer is
+    unchanged. The engine thread's own check is not the loop's wait and is left out.)"""
+    declined = threading.Event()
+    can_make = rollout._can_make
+
+    def watched() -> bool:
+        answer = can_make()
+        if not answer and threading.current_thread().name == "rollserve-rollout":
+            declined.set()
+        return answer
+
+    rollout._can_make = watched
+    return declined
+
+
 def _versions(response: pb.SubscribeResponse) -> set[int]:
     return set(experience_from_proto(response.experience).policy_version.tolist())
 
@@ -352,7 +369,7 @@ def test_no_batch_is_made_on_weights_that_fail_their_probe(
         serving(models, files, rollout_epochs=0, rollout_queue_batches=1) as server,
         RolloutClient(server.address) as client,
     ):
-        rollout, engine = server.rollout, server.state.runtime.engine
+        rollout, engine = server.rollout, server.runtime.engine
         idle = rollout.subscribe("idle", 0, lambda: True)
         _wait_until(lambda: rollout.stats().queued == 1, "the queue fills up: the loop pauses")
         # Hold the engine; queue the swap of weights that produce NaN, then make room so that
@@ -371,12 +388,17 @@ def test_no_batch_is_made_on_weights_that_fail_their_probe(
         assert _versions(next(batches)) == {0}
         _wait_until(lambda: engine.queue_depth == 2, "the loop queues a batch behind the swap")
         made = rollout.stats().made
+        declined = _watch_declines(rollout)
         gate.set()
         held.result()
         pushed.join(WAIT_S)
         _wait_until(lambda: server.state.phase.value == "waiting_for_weights", "probe failed")
-        _wait_until(lambda: engine.queue_depth == 0, "the queued batch job ran")
-        time.sleep(0.3)  # time enough for a batch the loop should not make
+        # The queued batch job has run and the loop is back waiting for a phase it may make in:
+        # from here on only new weights (a phase change) let it make a batch.
+        _wait_until(
+            lambda: declined.is_set() or rollout.stats().made != made,
+            "the loop declines to make a batch while waiting for weights",
+        )
         assert rollout.stats().made == made, "a batch was made on weights that failed the probe"
         client.update_weights({norm: actor_weights[norm]}, version=2, mode="partial")
         assert _versions(next(batches)) == {2}
@@ -420,7 +442,7 @@ def test_stale_batches_are_dropped_and_counted(
         ) as server,
         RolloutClient(server.address) as client,
     ):
-        engine = server.state.runtime.engine
+        engine = server.runtime.engine
         stream = client.subscribe("first", timeout_s=WAIT_S)
         assert next(stream).experience.policy_version.tolist() == [0] * PER_BATCH * GROUP
         # Hold the engine, so the loop's next batch waits behind the gate and is made by

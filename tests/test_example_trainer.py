@@ -1,8 +1,10 @@
 """examples/train_grpo.py really learns through a real server process.
 
-The learning test runs a short GRPO run against a server started with no flags at all (what
-docker-compose's trainer meets), and asserts the mean reward of the last steps is clearly above
-that of the first ones. The CLI test runs the script as a user would, spawning its own server.
+The learning test runs a short GRPO run against a server started with the built-in tiny actor
+(what docker-compose's trainer meets), and asserts the mean reward of the last steps is clearly
+above that of the first ones. The CLI test runs the script as a user would, spawning its own
+server. The trainer's policy is float32 on the CPU, so the server is pinned to the same: on a
+GPU node the default (cuda, bfloat16) would score outside float32 tolerance.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ def trainer() -> Iterator[ModuleType]:
 
 @pytest.fixture(scope="module")
 def default_server() -> Iterator[str]:
-    """A server started with no flags: the built-in tiny actor, its frozen copy as reference."""
-    proc, port = start_server_process()
+    """A server with the built-in tiny actor and its frozen copy as reference, on the CPU in
+    float32 like the trainer's policy (the numbers are compared at float32 tolerance)."""
+    proc, port = start_server_process("--device", "cpu", "--dtype", "float32")
     try:
         yield f"127.0.0.1:{port}"
     finally:

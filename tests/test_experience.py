@@ -490,7 +490,6 @@ def test_pin_memory_without_cuda_is_a_no_op() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pin_memory_pins_and_to_device_moves_to_cuda() -> None:
     exp = wire_round_trip(build_batch([2, 4, 1], [3, 1, 5]).experience)
     pinned = exp.pin_memory()

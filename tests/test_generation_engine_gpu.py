@@ -14,10 +14,7 @@ from rollserve.server.experience.generation import SamplingParams, generate, lef
 from rollserve.server.experience.scoring import action_log_probs
 from rollserve.server.generation import Engine, engine_for, engine_path, read_family
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 PAD = 0
 VOCAB = 2048

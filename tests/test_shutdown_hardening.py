@@ -6,14 +6,20 @@ period and is applied whole, or, stalled past the grace period, ends with a stat
 applied), and a MakeExperience that outlasts the grace period (it ends with a status, and the
 engine thread is joined before exit, so no std::terminate). Every case: exit code 0, a log
 without tracebacks, and the client never hangs.
+
+No case depends on the machine's speed: the upload stalls in the test's own request iterator,
+and the MakeExperience stalls on the engine thread inside a reward endpoint that the test
+serves and holds, until the grace period has ended.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
@@ -24,6 +30,7 @@ from rollserve.client.protocol.wire import update_weights_callable
 from rollserve.client.weights.update_file import update_weights_messages
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import load_models
+from rollserve.server.serving.cli import check_health
 from rollserve.v1 import rollout_pb2 as pb
 
 WAIT_S = 60.0  # bound on every wait; never reached when things work
@@ -41,12 +48,57 @@ def weights(tiny_actor_dir: Path) -> dict[str, torch.Tensor]:
     }
 
 
-def start(actor_dir: Path) -> tuple[ServerProcess, str]:
+def start(actor_dir: Path, *flags: str) -> tuple[ServerProcess, str]:
     proc, port = start_server_process(
         "--actor", str(actor_dir), "--device", "cpu", "--metrics-port", "0",
-        "--shutdown-grace-s", str(GRACE_S),
+        "--shutdown-grace-s", str(GRACE_S), *flags,
     )  # fmt: skip
     return proc, f"127.0.0.1:{port}"
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline_s = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline_s, f"still not true after {WAIT_S} s: {what}"
+        time.sleep(0.02)
+
+
+class HeldRewards:
+    """A reward endpoint (server/experience/rewards.py's JSON protocol, all rewards 0) that
+    answers its first call and holds every later one until `release` (bounded): `held` is set
+    once the engine thread waits inside it."""
+
+    def __init__(self) -> None:
+        self.held = threading.Event()
+        self.release = threading.Event()
+        self._answered_first = threading.Event()
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if endpoint._answered_first.is_set():
+                    endpoint.held.set()
+                    endpoint.release.wait(WAIT_S)
+                endpoint._answered_first.set()
+                payload = json.dumps({"rewards": [0.0] * len(body["responses"])}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/score"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.release.set()
+        self._server.shutdown()
+        self._server.server_close()
 
 
 class Gate:
@@ -88,7 +140,9 @@ def test_sigterm_mid_upload_lets_the_upload_finish_and_apply(tiny_actor_dir: Pat
             future = update_weights_callable(channel).future(iter(gate), timeout=WAIT_S)
             assert gate.reached.wait(WAIT_S)
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.5)  # the server is stopping: no new calls, in-flight ones continue
+            # The server is stopping once it refuses new calls; the in-flight one continues.
+            serving = {"SERVING", "NOT_SERVING"}
+            wait_until(lambda: check_health(target, "", timeout_s=1.0) not in serving, "stop")
             gate.release.set()
             response = future.result(timeout=WAIT_S)
         assert (response.version, response.tensors) == (1, len(weights))
@@ -98,17 +152,16 @@ def test_sigterm_mid_upload_lets_the_upload_finish_and_apply(tiny_actor_dir: Pat
         proc.terminate_and_wait()
 
 
-def long_experience_request() -> pb.MakeExperienceRequest:
-    """Many small micro-batches, streamed as they are made (no whitening across the request)."""
+def held_experience_request() -> pb.MakeExperienceRequest:
+    """Two generation batches rewarded by the held endpoint: the first is streamed (no
+    whitening across the request), the second waits for its rewards."""
     request = pb.MakeExperienceRequest(samples_per_prompt=2)
-    request.token_ids.values.extend([1, 5] * 32)
-    request.token_ids.lengths.extend([2] * 32)
-    request.sampling.max_new_tokens = 64
-    request.sampling.ignore_eos = True
+    request.token_ids.values.extend([1, 5] * 4)
+    request.token_ids.lengths.extend([2] * 4)
+    request.sampling.max_new_tokens = 8
     request.sampling.seed = 1
     request.algorithm.whitening = "none"
-    request.rewards.add(source="numeric_match")
-    request.gt_answers.extend(["1"] * 32)
+    request.rewards.add(source="held")
     request.batching.micro_batch_size = 2
     request.batching.generate_batch_size = 2
     return request
@@ -118,7 +171,14 @@ def test_sigterm_ends_a_stalled_upload_and_a_long_make_experience_with_statuses(
     tiny_actor_dir: Path, weights
 ) -> None:
     """Both calls outlast the grace period: each ends with a status, nothing is applied."""
-    proc, target = start(tiny_actor_dir)
+    rewards = HeldRewards()
+    proc, target = start(
+        tiny_actor_dir,
+        "--reward-endpoint",
+        f"held={rewards.url}",
+        "--reward-timeout-s",
+        str(WAIT_S),
+    )
     try:
         gate = Gate(encoded_update(weights, version=1), at=2, finish=False)
         with grpc.insecure_channel(target) as channel:
@@ -127,9 +187,10 @@ def test_sigterm_ends_a_stalled_upload_and_a_long_make_experience_with_statuses(
                 "/rollserve.v1.Rollout/MakeExperience",
                 request_serializer=pb.MakeExperienceRequest.SerializeToString,
                 response_deserializer=pb.MakeExperienceResponse.FromString,
-            )(long_experience_request(), timeout=WAIT_S)
+            )(held_experience_request(), timeout=WAIT_S)
             try:
-                assert next(stream).micro_batch_index == 0  # the engine is generating
+                assert next(stream).micro_batch_index == 0  # the first batch is out
+                assert rewards.held.wait(WAIT_S)  # the engine waits for the second's rewards
                 assert gate.reached.wait(WAIT_S)  # the upload is half way and stalls
                 signalled_s = time.monotonic()
                 proc.send_signal(signal.SIGTERM)
@@ -139,6 +200,7 @@ def test_sigterm_ends_a_stalled_upload_and_a_long_make_experience_with_statuses(
                 upload_error = upload.exception(timeout=WAIT_S)
             finally:
                 gate.release.set()
+                rewards.release.set()  # the engine finishes its batch; the server joins it
         assert info.value.code() in CLEAR_STATUSES, info.value
         assert upload_error is not None and upload_error.code() in CLEAR_STATUSES, upload_error
         assert time.monotonic() - signalled_s < GRACE_S + 15
@@ -146,3 +208,4 @@ def test_sigterm_ends_a_stalled_upload_and_a_long_make_experience_with_statuses(
         assert "updated actor to version 1" not in proc.log_text()  # nothing was swapped in
     finally:
         proc.terminate_and_wait()
+        rewards.close()

@@ -103,6 +103,11 @@ def sender(client: RolloutClient, transport: str) -> Iterator[Send]:
             weights, transport="grpc", streams=3, chunk_bytes=256 * KIB, **options
         )
         return
+    if transport == "grpc":  # one stream, whatever the core count would pick
+        yield lambda weights, **options: client.update_weights(
+            weights, transport="grpc", streams=1, **options
+        )
+        return
     yield lambda weights, **options: client.update_weights(weights, transport=transport, **options)
 
 
@@ -217,12 +222,18 @@ def test_wait_for_weights_serves_after_the_first_update(actor_dir: Path, transpo
 # ---- transport "auto" and explicit transports that cannot work --------------------------------
 
 
-def test_auto_uses_shared_memory_on_the_same_host(models: ModelSet, client: RolloutClient) -> None:
+def test_auto_uses_shared_memory_on_the_same_host(
+    models: ModelSet, client: RolloutClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     result = client.update_weights(perturbed(models.actor.module, seed=1), version=1)
     assert result.transport == "shm"
-    # A per-chunk CRC is a stream feature: auto sends such an update over gRPC.
-    result = client.update_weights(perturbed(models.actor.module, seed=2), version=2, crc32=True)
-    assert result.transport == "grpc"
+    # A per-chunk CRC is a stream feature: auto sends such an update over gRPC, on one stream
+    # per 4 cores (default_streams), so the same call is parallel on a bigger machine.
+    for version, cores, expected in ((2, 2, "grpc"), (3, 16, "grpc-parallel")):
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        weights = perturbed(models.actor.module, seed=version)
+        result = client.update_weights(weights, version=version, crc32=True)
+        assert (result.version, result.transport) == (version, expected)
 
 
 def test_unknown_transports_and_a_dist_without_group_are_refused(client: RolloutClient) -> None:

@@ -1,5 +1,6 @@
-"""GPU data planes (skipped without CUDA; CI has none): shared memory and gloo into a CUDA
-server (staged in pinned host memory, applied host-to-device), and NCCL between two GPUs."""
+"""GPU data planes (marked `gpu`: skipped without CUDA; `make test-gpu` runs them): shared memory
+and gloo into a CUDA server (staged in pinned host memory, applied host-to-device), and NCCL
+between two GPUs."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from rollserve.server.models import load_models
 from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm
 from rollserve.server.serving.app import RolloutServer
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 WAIT_S = 60.0
 
 
