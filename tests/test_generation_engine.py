@@ -354,3 +354,15 @@ def test_engine_reads_the_live_parameters(tmp_path: Path) -> None:
             tensor.data = torch.randn_like(tensor) * 0.5
     swapped = run(model, params)
     assert torch.equal(swapped.sequences, hf())
+
+
+def test_a_compiler_failure_falls_back_to_eager() -> None:
+    from rollserve.server.generation.compiling import maybe_compiled
+
+    def data_dependent(x: torch.Tensor) -> torch.Tensor:  # fullgraph cannot trace .item()
+        return x * 2 if x.sum().item() > 0 else x
+
+    fn = maybe_compiled(data_dependent, True)
+    assert torch.equal(fn(torch.ones(3)), torch.full((3,), 2.0))
+    assert fn.compiled is None  # eager from now on
+    assert maybe_compiled(data_dependent, False) is data_dependent

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import decode_attention, prefill_attention, prefill_mask
+from .compiling import maybe_compiled
 from .families import Family, Layer
 from .rotary import RopeTable, apply_rope
 
@@ -99,11 +100,8 @@ class Forward:
     def __init__(self, family: Family, rope: RopeTable, *, compiled: bool = False) -> None:
         self.family = family
         self.rope = rope
-        self._inputs: Callable = attention_inputs
-        self._mlp: Callable = mlp_block
-        if compiled:
-            self._inputs = torch.compile(attention_inputs, fullgraph=True)
-            self._mlp = torch.compile(mlp_block, fullgraph=True)
+        self._inputs = maybe_compiled(attention_inputs, compiled)
+        self._mlp = maybe_compiled(mlp_block, compiled)
 
     def _layer_inputs(
         self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn: Callable

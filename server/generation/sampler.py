@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .compiling import maybe_compiled
+
 __all__ = ["Sampler"]
 
 
@@ -57,7 +59,7 @@ class Sampler:
         self.stops = _stops(tuple(params.stop_sequences), vocab, device)
         # Compiled (CUDA): the float cast, softmax and log-sum-exp over (b, V) fuse into a
         # few passes over the logits instead of one pass per operation.
-        self.sample = torch.compile(self._sample, fullgraph=True) if compiled else self._sample
+        self._prepared = maybe_compiled(self._prepare, compiled)
 
     @property
     def window(self) -> int:
@@ -68,9 +70,25 @@ class Sampler:
             return raw
         return raw / self.temperature
 
-    def _draw(self, scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-        """Token ids (b,) from softmax(scores (b, V)) after top-k / top-p, by inverse CDF."""
-        vocab = scores.shape[-1]
+    def _prepare(
+        self, logits: torch.Tensor, step: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The element-wise part over (b, V): (greedy token (b,) or candidate probabilities
+        (b, n), their token ids (None: n = V in id order), log-sum-exp of the log-prob
+        distribution (b,)).
+
+        Candidates follow HF's order: top-k, then top-p over the survivors' softmax (at least
+        one token is kept); the min_new_tokens ban applies before both.
+        """
+        raw = logits.float()
+        scaled = self._scaled(raw)
+        lse = torch.logsumexp(scaled if self.logprobs_use_temperature else raw, dim=-1)
+        scores = scaled
+        if self.min_new_tokens > 0 and self.stops.single is not None:
+            banned = self.stops.single[None] & (step < self.min_new_tokens)  # (1, V)
+            scores = scores.masked_fill(banned, float("-inf"))
+        if self.greedy:
+            return scores.argmax(dim=-1), None, lse
         ids = None
         values = scores
         if self.top_k:
@@ -82,29 +100,27 @@ class Sampler:
             mass_before = torch.cumsum(probs, dim=-1) - probs
             # Index 0 always survives: its mass_before is 0 < top_p.
             values = values.masked_fill(mass_before >= self.top_p, float("-inf"))
-        # float64 cumsum keeps the tail of a large vocabulary exact enough; the first index
-        # whose CDF exceeds u is taken, so a probability-0 token is never picked.
-        cdf = torch.softmax(values, dim=-1).cumsum(-1, dtype=torch.float64)  # (b, n)
-        pick = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)
-        pick = pick.clamp_max(values.shape[-1] - 1)  # (b, 1)
-        if ids is None:
-            return pick.squeeze(1).clamp_max(vocab - 1)
-        return ids.gather(-1, pick).squeeze(1)
+        return torch.softmax(values, dim=-1), ids, lse
 
-    def _sample(
+    def sample(
         self, logits: torch.Tensor, uniform: torch.Tensor, step: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token (b,) int64 and its log-prob (b,) float32 from logits (b, V) at `step` (0-d)."""
-        raw = logits.float()
-        scaled = self._scaled(raw)
-        base = scaled if self.logprobs_use_temperature else raw
-        scores = scaled
-        if self.min_new_tokens > 0 and self.stops.single is not None:
-            banned = self.stops.single[None] & (step < self.min_new_tokens)  # (1, V)
-            scores = scores.masked_fill(banned, float("-inf"))
-        token = scores.argmax(dim=-1) if self.greedy else self._draw(scores, uniform)
-        log_prob = base.gather(-1, token[:, None]).squeeze(1) - torch.logsumexp(base, dim=-1)
-        return token, log_prob
+        first, ids, lse = self._prepared(logits, step)
+        if self.greedy:
+            token = first
+        else:
+            # Inverse CDF, eager (a float64 scan over the vocabulary is where the compiler
+            # stumbles): float64 keeps the tail of a large vocabulary exact enough, and the
+            # first index whose CDF exceeds u is taken, so a probability-0 token never is.
+            cdf = first.cumsum(-1, dtype=torch.float64)  # (b, n)
+            pick = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)
+            pick = pick.clamp_max(first.shape[-1] - 1)  # (b, 1)
+            token = pick.squeeze(1) if ids is None else ids.gather(-1, pick).squeeze(1)
+        chosen = logits.gather(-1, token[:, None]).squeeze(1).float()
+        if self.logprobs_use_temperature:
+            chosen = self._scaled(chosen)
+        return token, chosen - lse
 
     def stop_hits(self, window: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """Rows (b,) whose window (b, W), ending with the token of `step`, ends a stop sequence

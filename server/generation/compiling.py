@@ -1,0 +1,44 @@
+"""torch.compile for the decode step's pure functions, with the eager function as fallback.
+
+Compilation happens on a function's first call for a shape (the eager warm-up run before a
+CUDA graph is captured). A compiler failure there (an Inductor bug for some shape) must not
+fail the request: the function falls back to eager for good, and says so in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["maybe_compiled"]
+
+_log = logging.getLogger("rollserve.generation")
+
+
+class _Compiled:
+    """A torch.compile'd function that turns into the eager one after a compiler failure."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.eager = fn
+        self.compiled: Callable[..., Any] | None = torch.compile(fn, fullgraph=True)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as error:  # noqa: BLE001 - any compiler failure: run eager
+                _log.warning(
+                    "torch.compile of %s failed (%s: %s); running it eagerly",
+                    getattr(self.eager, "__qualname__", self.eager), type(error).__name__,
+                    str(error).splitlines()[0] if str(error) else "",
+                )  # fmt: skip
+                self.compiled = None
+        return self.eager(*args)
+
+
+def maybe_compiled(fn: Callable[..., Any], enabled: bool) -> Callable[..., Any]:
+    """fn compiled when enabled (falling back to fn on a compiler failure), else fn."""
+    return _Compiled(fn) if enabled else fn
