@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_weights import update_in_place, update_weights_requests
+from helpers_weights import in_place_updates, update_weights_requests
 from rollserve.client.protocol.errors import InvalidArgument
-from rollserve.server.weights import lora_state
+from rollserve.server.weights import LoraState
 from rollserve.server.weights.lora import merged_weight
 from rollserve.v1 import rollout_pb2 as pb
 from transformers import LlamaForCausalLM
@@ -50,18 +50,35 @@ def adapter(
     return tensors
 
 
+class Receiver:
+    """A model behind the server's update path (a test's own updater); each send is the next
+    version, and `bases` are the LoRA bases the updater keeps for the model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.updates = in_place_updates(model)
+        self.version = 0
+
+    @property
+    def bases(self) -> LoraState:
+        return self.updates.lora["actor"]
+
+    def send(self, tensors: dict[str, torch.Tensor], **header: object) -> None:
+        self.version += 1
+        requests = update_weights_requests(tensors, target="actor", version=self.version, **header)
+        self.updates.update(iter(requests))
+
+
 def send_lora(
-    model: torch.nn.Module,
+    receiver: Receiver,
     tensors: dict[str, torch.Tensor],
     *,
     rank: int = RANK,
     alpha: float = ALPHA,
     fan_in_fan_out: bool = False,
 ) -> None:
-    """One LoRA update through the server's update path (the model's bases: lora_state)."""
     lora = pb.LoraAdapter(rank=rank, alpha=alpha, fan_in_fan_out=fan_in_fan_out)
-    requests = update_weights_requests(tensors, target="actor", version=1, mode="lora", lora=lora)
-    update_in_place(model, requests)
+    receiver.send(tensors, mode="lora", lora=lora)
 
 
 def expected(
@@ -83,9 +100,10 @@ Q0, V1 = "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj"
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_merge_is_base_plus_scaled_b_a(actor: LlamaForCausalLM, dtype: torch.dtype) -> None:
     model = copy.deepcopy(actor).to(dtype)
+    receiver = Receiver(model)
     base = weights_of(model)
     tensors = adapter(model, [Q0, V1], seed=0)
-    send_lora(model, tensors)
+    send_lora(receiver, tensors)
     after = weights_of(model)
     for module in (Q0, V1):
         a, b = (
@@ -109,22 +127,22 @@ def test_merge_is_base_plus_scaled_b_a(actor: LlamaForCausalLM, dtype: torch.dty
 
 def test_the_same_adapter_twice_is_idempotent(actor: LlamaForCausalLM) -> None:
     model = copy.deepcopy(actor)
-    state = lora_state(model)  # the model's LoRA bases, as the update path keeps them
+    receiver = Receiver(model)
     tensors = adapter(model, [Q0, V1], seed=0)
-    send_lora(model, tensors)
+    send_lora(receiver, tensors)
     once = state_hash(model)
-    send_lora(model, tensors)
+    send_lora(receiver, tensors)
     assert state_hash(model) == once
-    assert state.names() == {f"{Q0}.weight", f"{V1}.weight"}
+    assert receiver.bases.names() == {f"{Q0}.weight", f"{V1}.weight"}
 
 
 def test_a_second_adapter_replaces_the_first(actor: LlamaForCausalLM) -> None:
     model = copy.deepcopy(actor)
-    state = lora_state(model)  # the model's LoRA bases, as the update path keeps them
+    receiver = Receiver(model)
     base = weights_of(model)
-    send_lora(model, adapter(model, [Q0, V1], seed=0))
+    send_lora(receiver, adapter(model, [Q0, V1], seed=0))
     second = adapter(model, [Q0], seed=1, prefix="")  # names without the PEFT prefix work too
-    send_lora(model, second)
+    send_lora(receiver, second)
     after = weights_of(model)
     want_q = merged_weight(
         base[f"{Q0}.weight"],
@@ -135,21 +153,18 @@ def test_a_second_adapter_replaces_the_first(actor: LlamaForCausalLM) -> None:
     )
     assert torch.equal(after[f"{Q0}.weight"], want_q)  # from the base, not on top of adapter 1
     assert torch.equal(after[f"{V1}.weight"], base[f"{V1}.weight"])  # adapter 2 leaves v_proj alone
-    assert state.names() == {f"{Q0}.weight"}
+    assert receiver.bases.names() == {f"{Q0}.weight"}
 
 
 def test_a_partial_update_resets_the_base_of_what_it_writes(actor: LlamaForCausalLM) -> None:
     model = copy.deepcopy(actor)
-    state = lora_state(model)  # the model's LoRA bases, as the update path keeps them
+    receiver = Receiver(model)
     tensors = adapter(model, [Q0], seed=0)
-    send_lora(model, tensors)
+    send_lora(receiver, tensors)
     new_base = torch.full_like(model.get_submodule(Q0).weight, 0.25)
-    requests = update_weights_requests(
-        {f"{Q0}.weight": new_base}, target="actor", version=2, mode="partial"
-    )
-    update_in_place(model, requests)
-    assert torch.equal(model.get_submodule(Q0).weight, new_base) and len(state) == 0
-    send_lora(model, tensors)  # now merges onto the new base
+    receiver.send({f"{Q0}.weight": new_base}, mode="partial")
+    assert torch.equal(model.get_submodule(Q0).weight, new_base) and len(receiver.bases) == 0
+    send_lora(receiver, tensors)  # now merges onto the new base
     want = merged_weight(
         new_base,
         tensors[f"{PREFIX}{Q0}.lora_A.weight"],
@@ -172,10 +187,11 @@ class GPT2Block(torch.nn.Module):
 
 def test_fan_in_fan_out_transposes_the_delta() -> None:
     model = GPT2Block()
+    receiver = Receiver(model)
     base = model.c_attn.weight.detach().clone()  # (in 8, out 24)
     generator = torch.Generator().manual_seed(3)
     a, b = torch.randn(RANK, 8, generator=generator), torch.randn(24, RANK, generator=generator)
-    send_lora(model, {"c_attn.lora_A.weight": a, "c_attn.lora_B.weight": b}, fan_in_fan_out=True)
+    send_lora(receiver, {"c_attn.lora_A.weight": a, "c_attn.lora_B.weight": b}, fan_in_fan_out=True)
     torch.testing.assert_close(
         model.c_attn.weight.double(), expected(base, a, b, transpose=True), rtol=1e-5, atol=1e-5
     )
@@ -187,10 +203,11 @@ def test_fan_in_fan_out_transposes_the_delta() -> None:
 
 def test_fan_in_fan_out_shapes_are_checked() -> None:
     model = GPT2Block()
+    receiver = Receiver(model)
     a, b = torch.randn(RANK, 8), torch.randn(24, RANK)
     with pytest.raises(InvalidArgument, match="lora_A.weight: shape"):
         send_lora(
-            model,
+            receiver,
             {"c_attn.lora_A.weight": a, "c_attn.lora_B.weight": b},
             fan_in_fan_out=False,
         )
@@ -229,19 +246,20 @@ def test_bad_adapters_are_refused_and_change_nothing(
     actor: LlamaForCausalLM, case: str, match: str
 ) -> None:
     model = copy.deepcopy(actor)
-    state = lora_state(model)  # the model's LoRA bases, as the update path keeps them
-    send_lora(model, adapter(model, [Q0], seed=5))  # an adapter already merged
+    receiver = Receiver(model)
+    send_lora(receiver, adapter(model, [Q0], seed=5))  # an adapter already merged
     before = state_hash(model)
     with pytest.raises(InvalidArgument, match=match):
-        send_lora(model, mutilate(adapter(model, [Q0, V1], seed=0), case))
-    assert state_hash(model) == before and state.names() == {f"{Q0}.weight"}
+        send_lora(receiver, mutilate(adapter(model, [Q0, V1], seed=0), case))
+    assert state_hash(model) == before and receiver.bases.names() == {f"{Q0}.weight"}
 
 
 def test_the_rank_must_match_the_header(actor: LlamaForCausalLM) -> None:
     model = copy.deepcopy(actor)
+    receiver = Receiver(model)
     before = state_hash(model)
     with pytest.raises(InvalidArgument, match="rank 4"):
-        send_lora(model, adapter(model, [Q0], seed=0, rank=8), rank=4)
+        send_lora(receiver, adapter(model, [Q0], seed=0, rank=8), rank=4)
     with pytest.raises(InvalidArgument, match="rank must be positive"):
-        send_lora(model, adapter(model, [Q0], seed=0), rank=0)
+        send_lora(receiver, adapter(model, [Q0], seed=0), rank=0)
     assert state_hash(model) == before

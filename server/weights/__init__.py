@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .arena import StagingArena, staging_arena
 from .header import DEFAULT_MAX_HEADER_BYTES
-from .lora import LoraState, lora_state
+from .lora import LoraState
 from .planes import Planes
 from .staging import (
     AppliedUpdate,
@@ -40,7 +40,6 @@ __all__ = [
     "UpdateStager",
     "WeightUpdates",
     "iter_chunks",
-    "lora_state",
     "read_header",
     "staging_arena",
 ]

@@ -16,8 +16,6 @@ fan_in_fan_out the weight is stored (in, out) (GPT-2's Conv1D) and the delta is 
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,7 +31,6 @@ __all__ = [
     "LoraState",
     "LoraTarget",
     "apply_lora",
-    "lora_state",
     "merged_weight",
     "plan_lora",
 ]
@@ -141,8 +138,7 @@ def merged_weight(
 class LoraState:
     """Host copies of the base weights of the modules the current adapter modifies, per model.
 
-    Used only by apply, on the engine thread; not thread-safe. One instance per model
-    (`lora_state`).
+    Used only by apply, on the engine thread; not thread-safe. One instance per model.
     """
 
     def __init__(self) -> None:
@@ -166,21 +162,6 @@ class LoraState:
     def forget(self, name: str) -> None:
         """Drop the base of `name`: its current value is the truth from now on."""
         self._bases.pop(name, None)
-
-
-# Keyed weakly by the model module: the bases belong to the model's weights, so servers sharing
-# one loaded model (tests do) share them, as they share its staging arena (arena.py).
-_STATES: weakref.WeakKeyDictionary[torch.nn.Module, LoraState] = weakref.WeakKeyDictionary()
-_STATES_LOCK = threading.Lock()
-
-
-def lora_state(model: torch.nn.Module) -> LoraState:
-    """The LoRA bases of `model` (created empty on first use; dropped with the model)."""
-    with _STATES_LOCK:
-        state = _STATES.get(model)
-        if state is None:
-            state = _STATES[model] = LoraState()
-        return state
 
 
 def apply_lora(

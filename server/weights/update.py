@@ -30,7 +30,7 @@ from ..models import ModelSet
 from ..state import ServerState
 from .arena import staging_arena
 from .header import DEFAULT_MAX_HEADER_BYTES
-from .lora import lora_state
+from .lora import LoraState
 from .planes import DataPlane, Follower, Planes
 from .staging import AppliedUpdate, Request, StagedUpdate, UpdateStager, read_header
 
@@ -61,6 +61,8 @@ class WeightUpdates:
         self._state = state
         self._swap = swap
         self._max_header_bytes = max_header_bytes
+        # The LoRA bases of each target (lora.py): what an adapter is merged onto.
+        self.lora = {role: LoraState() for role in self._targets}
         self._update_lock = threading.Lock()  # one weight stream at a time
         # One stream updating, one more waiting; see _update_turn.
         self._update_slots = threading.BoundedSemaphore(2)
@@ -117,7 +119,7 @@ class WeightUpdates:
             stager = UpdateStager(
                 header,
                 module,
-                lora_state(module),
+                self.lora[role],
                 max_header_bytes=self._max_header_bytes,
                 arena=arena,
             )
