@@ -12,7 +12,7 @@ from concurrent import futures
 import grpc
 import pytest
 import torch
-from helpers_weights import update_weights_requests
+from helpers_weights import in_place_updates, update_in_place, update_weights_requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rollserve.client.protocol.errors import InvalidArgument
@@ -38,8 +38,7 @@ from rollserve.server.serving.handlers import (
     rollout_method_handlers,
 )
 from rollserve.server.serving.status import handles_errors
-from rollserve.server.weights import LoraState, read_header, stage_chunks, stage_update
-from rollserve.server.weights.staging import UpdateStager
+from rollserve.server.weights import read_header
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
@@ -265,18 +264,16 @@ def test_handlers_cover_every_method_and_parse_update_weights_by_hand() -> None:
 
 
 class StagingServicer(rollout_pb2_grpc.RolloutServicer):
-    """UpdateWeights through the real staging and apply into a real module (no engine)."""
+    """UpdateWeights through the server's update path into a real module (no engine)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.seen: list[type] = []
+        self.updates = in_place_updates(model)
 
     @handles_errors
     def UpdateWeights(self, request_iterator, context):  # noqa: N802 (gRPC's name)
-        requests = (self.seen.append(type(r)) or r for r in request_iterator)
-        staged = stage_update(requests, self.model, LoraState())
-        applied = staged.apply(self.model)
-        return pb.UpdateWeightsResponse(version=staged.version, bytes=applied.bytes)
+        return self.updates.update(self.seen.append(type(r)) or r for r in request_iterator)
 
 
 @pytest.fixture()
@@ -349,9 +346,7 @@ def test_in_process_streams_of_parsed_messages_stage_like_protobuf_ones() -> Non
     model = torch.nn.Linear(64, 32)
     sender = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
     messages = update_weights_messages(sender, target="actor", version=2, mode="full")
-    stream = map(parse_update_request, messages)
-    stager = UpdateStager(read_header(stream), model, LoraState())
-    stage_chunks(stager, stream).apply(model)
+    update_in_place(model, map(parse_update_request, messages))
     for name, tensor in sender.items():
         assert torch.equal(model.state_dict()[name], tensor), name
     with pytest.raises(InvalidArgument, match="first UpdateWeights message must be a header"):
