@@ -137,3 +137,30 @@ def test_weight_updates_reach_the_graphs(model, tmp_path: Path) -> None:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.data = saved[name]
+
+
+@pytest.mark.parametrize(
+    "filters", [{}, {"top_p": 0.9}, {"top_k": 50, "top_p": 0.95}], ids=["plain", "top_p", "top_k_p"]
+)
+def test_a_large_vocabulary_at_a_small_batch(tmp_path: Path, filters: dict) -> None:
+    """A Qwen-sized vocabulary (151936) at batch 32: the compiled sampler's shapes that once
+    broke Inductor (a split float64 scan); recorded log-probs still match re-scoring."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        pad_token_id=PAD, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    out = run(model, prompts(32, samples=8), SamplingParams(max_new_tokens=24, **filters))
+    rescored, _ = action_log_probs(
+        model, out.sequences, out.attention_mask, out.action_mask.shape[1], forward_batch_size=32
+    )
+    gap = (rescored - out.action_log_probs)[out.action_mask].abs()
+    assert gap.mean() < 0.05, gap.mean()
+    engine = engine_for(model)
+    assert engine.forward._inputs.compiled is not None, "the layer functions fell back to eager"
+    sampler = next(iter(engine._workspaces.values())).sampler
+    assert sampler._prepared.compiled is not None, "the sampler fell back to eager"
