@@ -6,7 +6,7 @@
 # tests/test_deploy_files.py checks this file against the CLI, docker-compose.yml and deploy/k8s.
 
 # Official PyTorch CUDA runtime image, pinned: it brings CUDA, cuDNN, Python and torch 2.13, so
-# the project's `torch>=2.4` requirement is already met and pip never downloads another torch.
+# the project's `torch>=2.11` requirement is already met and pip never downloads another torch.
 # CUDA 12.6 runs on drivers >= 560; pass --build-arg BASE_IMAGE=... for another CUDA build.
 ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime
 FROM ${BASE_IMAGE}
