@@ -15,7 +15,7 @@ FROM ${BASE_IMAGE}
 # so docker-compose.yml's trainer runs from the same image.
 ARG EXTRAS=server,examples
 
-# MALLOC_*: the glibc settings measured in shared/reference/transport.md (same as the Makefile):
+# MALLOC_*: the glibc settings measured in docs/reference/transport.md (same as the Makefile):
 # no mmap/munmap page-fault storm for every ~1 MiB gRPC message of a weight stream.
 # HF_HUB_OFFLINE: models come from directories under /models; never reach for a hub.
 ENV PYTHONUNBUFFERED=1 \

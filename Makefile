@@ -14,7 +14,7 @@ export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_TRIM_THRESHOLD_ ?= 1073741824
 export MALLOC_TOP_PAD_ ?= 67108864
 
-.PHONY: serve test test-gpu lint install proto bench clean
+.PHONY: serve test test-gpu bench-gpu lint install proto bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,10 +32,20 @@ serve: $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q --durations=15 $(ARGS)
 
-# Only the tests marked `gpu`: needs a CUDA device and a CUDA build of torch in $(VENV) (PyPI's
-# default Linux wheel); without CUDA every one of them is skipped.
-test-gpu: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -m gpu --durations=15 $(ARGS)
+# GPU checks. On a GPU node whose python already has a CUDA torch (and the project installed
+# with `pip install --no-deps -e .`), name it: `make test-gpu GPU_PYTHON=python3`; otherwise the
+# venv is used (set TORCH_SPEC to a CUDA build). Without CUDA every gpu test is skipped.
+GPU_PYTHON ?=
+GPU_PY := $(or $(GPU_PYTHON),$(BIN)/python)
+GPU_DEPS := $(if $(GPU_PYTHON),,$(BIN)/.installed)
+
+# Only the tests marked `gpu`.
+test-gpu: $(GPU_DEPS)
+	$(GPU_PY) -m pytest -q -m gpu --durations=15 $(ARGS)
+
+# Generation on the GPU: HF generate against the engine on the same rows (bench/bench_gpu.py).
+bench-gpu: $(GPU_DEPS)
+	$(GPU_PY) bench/bench_gpu.py $(ARGS)
 
 # `ruff format` clean over the whole tree, and the lint rules of pyproject.toml.
 lint: $(BIN)/.installed

@@ -1,7 +1,7 @@
 """GAE, cumulative returns, group estimators, whitening and the advantage clip.
 
 Expected numbers are derived by hand (shown in comments) or with plain Python loops that
-follow experience_math.md, never by calling the function under test.
+follow docs/reference/experience_math.md, never by calling the function under test.
 """
 
 from __future__ import annotations

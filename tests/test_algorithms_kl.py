@@ -1,7 +1,7 @@
 """KL estimators, the clamp, mask-before-transform, coati's logged KL and the sequence KL term.
 
 Expected values are computed here with plain Python floats from the formulas of
-experience_math.md, never by calling the function under test.
+docs/reference/experience_math.md, never by calling the function under test.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def test_coati_logged_kl_orientation_and_guard() -> None:
     torch.testing.assert_close(
         got, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12
     )
-    # The guard: d = 12.9 gives -d, a negative "KL" (experience_math.md 5.3).
+    # The guard: d = 12.9 gives -d, a negative "KL" (docs/reference/experience_math.md 5.3).
     assert got[1, 0].item() == pytest.approx(-12.9)
     # Orientation: for d = 0.2 it is e^0.2 - 1.2, not the usual e^-0.2 - 0.8.
     assert got[0, 0].item() == pytest.approx(math.exp(0.2) - 1.2)

@@ -258,7 +258,7 @@ def test_environment_defaults(dockerfile: Dockerfile) -> None:
     check_env_names(env)
     assert env["ROLLSERVE_HOST"] == "0.0.0.0"
     assert env["PYTHONUNBUFFERED"] == "1"
-    # Same tuned malloc as the Makefile's `make serve` (shared/reference/transport.md).
+    # Same tuned malloc as the Makefile's `make serve` (docs/reference/transport.md).
     makefile = (ROOT / "Makefile").read_text()
     for name in MALLOC_VARS:
         make_value = re.search(rf"^export {name} \?= (\d+)$", makefile, re.M)

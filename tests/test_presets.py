@@ -1,6 +1,6 @@
 """Option resolution, and each preset end to end through shape_experience.
 
-The end-to-end references below are each framework's formulas (experience_math.md sections
+The end-to-end references below are each framework's formulas (docs/reference/experience_math.md sections
 1-3) written out as plain Python loops over lists; they never call the functions under test.
 """
 
