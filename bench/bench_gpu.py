@@ -4,10 +4,11 @@ The model is the random Qwen2-0.5B-shaped model of bench_generation.py (no downl
 bfloat16. Rows are GRPO-shaped (distinct prompts x samples per prompt); the model has no EOS,
 so every lane produces rows x new_tokens tokens. Per case it prints tokens/s of HF `generate`
 (dynamic cache, sampling at temperature 1 with top-k and top-p off) and of the engine:
-with CUDA graphs and its compiled layers and sampler (the default on CUDA), with graphs only
-(engine_uncompiled) and with neither (engine_eager); first call (compilation and graph capture
-included) and steady state, and the peak memory the caching allocator saw. A failing lane
-prints its error and the run goes on. One command, under 8 minutes on one H100/H200:
+with CUDA graphs and its compiled layers and sampler (the default on CUDA), after a warm-up
+call on dummy prompts of the same shape (engine_warm_up: what a server runs before it reports
+SERVING), with graphs only (engine_uncompiled) and with neither (engine_eager); first call and
+steady state, and the peak memory the caching allocator saw. A failing lane prints its error
+and the run goes on. One command, under 8 minutes on one H100/H200:
 
     python bench/bench_gpu.py
     python bench/bench_gpu.py --device cpu --quick     # a smoke test of the script (< 1 min)
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generation import build_model, grouped_prompts  # noqa: E402
 from rollserve.server.experience.generation import SamplingParams, generate, left_pad  # noqa: E402
-from rollserve.server.generation import Engine, read_family  # noqa: E402
+from rollserve.server.generation import Engine, engine_for, read_family  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ def lanes(model, case: Case, device: str) -> dict[str, Callable[[], None]]:
                 top_p=1.0, pad_token_id=0,
             )  # fmt: skip
 
+    def engine_warm_up() -> None:  # what a server would run before reporting SERVING
+        engine_for(model, "rollserve").warm_up(params, len(prompts), ids.shape[1], pad_token_id=0)
+
     def engine() -> None:
         g = torch.Generator(device=device).manual_seed(0)
         generate(model, prompts, params, pad_token_id=0, generator=g, path="rollserve")
@@ -106,7 +110,8 @@ def lanes(model, case: Case, device: str) -> dict[str, Callable[[], None]]:
         eager.generate(ids, mask, params, pad_token_id=0, generator=g)
 
     return {
-        "hf": hf, "engine": engine, "engine_uncompiled": engine_uncompiled,
+        "hf": hf, "engine_warm_up": engine_warm_up, "engine": engine,
+        "engine_uncompiled": engine_uncompiled,
         "engine_eager": engine_eager,
     }  # fmt: skip
 
@@ -121,6 +126,10 @@ def run_case(model, case: Case, device: str, reps: int) -> list[list[str]]:
         try:
             reset_memory(device)
             first = timed(fn, device)
+            if name == "engine_warm_up":  # once: its cost is the first call's
+                rows.append([case.name, name, "-", f"{first:.2f}", "-", memory(device), "-"])
+                print(" | ".join(rows[-1]), flush=True)
+                continue
             count = 1 if name == "engine_eager" else reps
             steady = statistics.median(timed(fn, device) for _ in range(count))
         except Exception as error:  # noqa: BLE001 - one failing lane must not end the run

@@ -366,3 +366,13 @@ def test_a_compiler_failure_falls_back_to_eager() -> None:
     assert torch.equal(fn(torch.ones(3)), torch.full((3,), 2.0))
     assert fn.compiled is None  # eager from now on
     assert maybe_compiled(data_dependent, False) is data_dependent
+
+
+def test_warm_up_builds_the_workspace_later_requests_reuse(llama) -> None:
+    engine = Engine(llama, read_family(llama))
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    assert engine.warm_up(params, len(PROMPTS), 7, pad_token_id=PAD) > 0
+    (warmed,) = engine._workspaces.values()
+    ids, mask = pad_prompts(PROMPTS, PAD, torch.device("cpu"))  # width 7, the same layout
+    engine.generate(ids, mask, params, pad_token_id=PAD, generator=torch.Generator())
+    assert list(engine._workspaces.values()) == [warmed]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -219,6 +220,22 @@ class Engine:
                 ids, mask = prompt_ids[rows], prompt_mask[rows]
                 parts.append(self._batch(ws, ids, mask, u, steps, share_prefill))
         return EngineResult(*(torch.cat(p, dim=0) for p in zip(*parts, strict=True)))
+
+    def warm_up(self, params: object, rows: int, prompt_width: int, *, pad_token_id: int) -> float:
+        """Run one request of this shape on dummy prompts, so that compiling the step and
+        capturing its graphs happen now (before a server reports SERVING) instead of in the
+        first real request; returns the seconds it took. Later requests with the same
+        sampling settings and layout (prompt width + max_new_tokens, rounded up to
+        WIDTH_QUANTUM) reuse what it built."""
+        start = time.perf_counter()
+        ids = torch.ones((rows, prompt_width), dtype=torch.long, device=self.device)
+        ids[:, 0] = torch.arange(rows, device=self.device) % self.family.vocab
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        self.generate(ids, mask, params, pad_token_id=pad_token_id, generator=generator)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def workspace(
         self, batch: int, prompt_width: int, params: object, pad_token_id: int
