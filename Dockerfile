@@ -41,8 +41,8 @@ WORKDIR /app
 # The constraint pins the base image's torch, so a resolver change can never swap it out.
 COPY pyproject.toml README.md ./
 RUN mkdir -p client/protocol/experience client/weights server/algorithms server/config \
-        server/continuous server/engine server/experience server/models server/serving \
-        server/weights protos/rollserve/v1 \
+        server/continuous server/engine server/experience server/generation server/models \
+        server/serving server/weights protos/rollserve/v1 \
     && python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch.txt \
     && pip install --no-cache-dir --constraint /tmp/torch.txt ".[${EXTRAS}]" \
     && pip uninstall --yes rollserve \

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_generation import expected_cut, responses
 from rollserve.client.protocol.errors import InvalidArgument
 from rollserve.server.experience.generation import (
     GenerationOutput,
@@ -31,12 +32,6 @@ def run(actor, params: SamplingParams, seed: int = 0, prompts=PROMPTS) -> Genera
     return generate(
         actor, prompts, params, pad_token_id=PAD, generator=torch.Generator().manual_seed(seed)
     )
-
-
-def responses(out: GenerationOutput) -> list[list[int]]:
-    """Valid response tokens of each row."""
-    actions = out.sequences[:, out.prompt_width :]
-    return [row[mask].tolist() for row, mask in zip(actions, out.action_mask, strict=True)]
 
 
 def check_layout(out: GenerationOutput, prompts=PROMPTS) -> None:
@@ -140,16 +135,6 @@ def test_greedy_with_eos_and_min_new_tokens_equals_hf_generate(actor, min_new_to
         # min_new_tokens tokens come before the stop token (HF's MinNewTokens rule).
         assert (tokens[-1] == eos) == bool(stopped[row])
         assert eos not in tokens[: max(min_new_tokens, len(tokens) - 1)]
-
-
-def expected_cut(tokens: list[int], stops, min_new_tokens: int) -> tuple[list[int], bool]:
-    """Reference rule: cut after the earliest complete occurrence ending at index >= min_new."""
-    for end in range(min_new_tokens, len(tokens)):
-        for stop in stops:
-            start = end + 1 - len(stop)
-            if start >= 0 and tuple(tokens[start : end + 1]) == tuple(stop):
-                return tokens[: end + 1], True
-    return tokens, False
 
 
 @pytest.mark.parametrize("min_new_tokens", [0, 4])

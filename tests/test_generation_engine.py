@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_generation import expected_cut, responses
 from rollserve.server.experience.generation import GenerationOutput, SamplingParams, generate
 from rollserve.server.experience.generation import left_pad as pad_prompts
 from rollserve.server.experience.scoring import action_log_probs
@@ -80,11 +81,6 @@ def run(model, params: SamplingParams, seed: int = 0, prompts=PROMPTS, **kw) -> 
     return generate(
         model, prompts, params, pad_token_id=PAD, generator=generator, path="rollserve", **kw
     )
-
-
-def responses(out: GenerationOutput) -> list[list[int]]:
-    actions = out.sequences[:, out.prompt_width :]
-    return [row[mask].tolist() for row, mask in zip(actions, out.action_mask, strict=True)]
 
 
 def rescored(model, out: GenerationOutput, temperature: float | None = None) -> torch.Tensor:
@@ -169,16 +165,6 @@ def test_shared_prefill_equals_a_prefill_of_every_row(llama) -> None:
     assert torch.equal(shared.sequences, every.sequences)
     torch.testing.assert_close(shared.action_log_probs, every.action_log_probs, atol=1e-6, rtol=0)
     assert len({tuple(r) for r in responses(shared)[:3]}) > 1  # a group's samples differ
-
-
-def expected_cut(tokens: list[int], stops, min_new_tokens: int) -> tuple[list[int], bool]:
-    """Cut after the earliest complete occurrence ending at index >= min_new_tokens."""
-    for end in range(min_new_tokens, len(tokens)):
-        for stop in stops:
-            start = end + 1 - len(stop)
-            if start >= 0 and tuple(tokens[start : end + 1]) == tuple(stop):
-                return tokens[: end + 1], True
-    return tokens, False
 
 
 @pytest.mark.parametrize("min_new_tokens", [0, 4])

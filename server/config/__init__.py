@@ -1,23 +1,9 @@
-"""Server settings: the ground floor every other server package imports."""
+"""Server settings: the ground floor every other server package imports.
 
-from .settings import (
-    DTYPES,
-    ENV_PREFIX,
-    LOG_LEVELS,
-    ConfigError,
-    ServerConfig,
-    build_parser,
-    env_name,
-    flag_name,
-)
+`settings.py` holds ServerConfig and its parser, `flags.py` one row per flag, `values.py` the
+parsers of single values; this face names what the rest of the server uses.
+"""
 
-__all__ = [
-    "ConfigError",
-    "ServerConfig",
-    "ENV_PREFIX",
-    "DTYPES",
-    "LOG_LEVELS",
-    "build_parser",
-    "env_name",
-    "flag_name",
-]
+from .settings import ConfigError, ServerConfig, build_parser, env_name, flag_name
+
+__all__ = ["ConfigError", "ServerConfig", "build_parser", "env_name", "flag_name"]

@@ -1,23 +1,6 @@
-"""Loading the actor, reference, critic and reward model (and the built-in tiny default)."""
+"""The models one server hosts: loading (`loading.py`), the built-in tiny default
+(`default_model.py`) and a CPU model's weights in one buffer (`memory.py`)."""
 
-from .loading import (
-    ROLES,
-    LoadedModel,
-    ModelLoadError,
-    ModelSet,
-    check_model_dirs,
-    load_models,
-    resolve_device,
-    resolve_dtype,
-)
+from .loading import LoadedModel, ModelLoadError, ModelSet, check_model_dirs, load_models
 
-__all__ = [
-    "ROLES",
-    "ModelLoadError",
-    "LoadedModel",
-    "ModelSet",
-    "check_model_dirs",
-    "load_models",
-    "resolve_device",
-    "resolve_dtype",
-]
+__all__ = ["LoadedModel", "ModelLoadError", "ModelSet", "check_model_dirs", "load_models"]
