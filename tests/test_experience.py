@@ -92,6 +92,7 @@ def build_batch(
         advantages=randn(b, a),
         returns=randn(b, a),
         action_entropy=randn(b, a).abs() if optional else None,
+        rollout_log_probs=-randn(b, a).abs() if optional else None,
         info={
             "response_length": torch.tensor(response_lens, dtype=torch.float32),
             "truncated": torch.tensor([n == a for n in response_lens]),

@@ -62,6 +62,8 @@ def to_experience(
         advantages=_cpu(shaped.advantages).float(),
         returns=_cpu(shaped.returns).float(),
         action_entropy=_float(_cpu(scored.entropy)) if return_entropy else None,
+        # The behaviour log-probs, recorded by the generation forward while sampling.
+        rollout_log_probs=_cpu(generation.action_log_probs).float(),
         info=info,
         policy_version=torch.full((rows,), policy_version, dtype=torch.int64),
         prompt_index=scored.prompt_index.clone(),

@@ -14,6 +14,8 @@ Where each Experience field is computed:
   info response_length, total_length,    steps.generate_rows; copied by batches.to_experience
     truncated
   action_log_probs, action_entropy       steps.score_rows: the actor (scoring.action_log_probs)
+  rollout_log_probs                      steps.generate_rows: recorded while sampling; copied
+                                           by batches.to_experience
   base_action_log_probs                  steps.score_rows: the reference
   values                                 steps.score_rows: the critic (scoring.critic_values)
   response_texts                         steps.decode_responses

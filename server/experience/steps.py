@@ -56,8 +56,9 @@ def generate_rows(
 ) -> GenerationOutput:
     """Sample one response per row with the actor.
 
-    Fields: sequences, attention_mask, the action mask before filters, info response_length,
-    total_length and truncated. Rows of one group share their prompt's prefill.
+    Fields: sequences, attention_mask, the action mask before filters, rollout_log_probs
+    (the behaviour log-probs), info response_length, total_length and truncated. Rows of one
+    group share their prompt's prefill.
     """
     return generate(
         models.actor.module,

@@ -32,7 +32,8 @@ class FieldSpec:
     optional: bool = False
 
 
-# Tensor fields shared by Experience (with a leading B) and BufferItem, in proto order.
+# Tensor fields shared by Experience (with a leading B) and BufferItem, in proto order (the
+# per-row indices below sit between action_entropy and rollout_log_probs on the wire).
 STEP_SPECS: tuple[FieldSpec, ...] = (
     FieldSpec("sequences", "S", torch.int64),
     FieldSpec("attention_mask", "S", torch.bool),
@@ -45,6 +46,7 @@ STEP_SPECS: tuple[FieldSpec, ...] = (
     FieldSpec("advantages", "A", torch.float32),
     FieldSpec("returns", "A", torch.float32),
     FieldSpec("action_entropy", "A", torch.float32, optional=True),
+    FieldSpec("rollout_log_probs", "A", torch.float32, optional=True),
 )
 # Per-row indices: (B,) int64 tensors on an Experience, plain ints on a BufferItem.
 INDEX_SPECS: tuple[FieldSpec, ...] = (

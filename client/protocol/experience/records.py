@@ -31,7 +31,7 @@ class Experience:
     sequences: torch.Tensor  # (B, S) prompt + response token ids
     attention_mask: torch.Tensor  # (B, S) true on real tokens
     action_mask: torch.Tensor  # (B, A) true on valid response tokens
-    action_log_probs: torch.Tensor  # (B, A)
+    action_log_probs: torch.Tensor  # (B, A) re-scored by the actor after generation
     base_action_log_probs: torch.Tensor | None = None  # (B, A) without a reference model: None
     values: torch.Tensor | None = None  # (B, A) without a critic: None
     reward: torch.Tensor  # (B,)
@@ -39,6 +39,8 @@ class Experience:
     advantages: torch.Tensor  # (B, A)
     returns: torch.Tensor  # (B, A)
     action_entropy: torch.Tensor | None = None  # (B, A) only when requested
+    # (B, A) behaviour log-probs recorded while sampling; None from servers that predate them
+    rollout_log_probs: torch.Tensor | None = None
     info: dict[str, torch.Tensor] = field(default_factory=dict)  # each (B, ...)
     policy_version: torch.Tensor  # (B,) int64
     prompt_index: torch.Tensor  # (B,) int64
@@ -102,6 +104,7 @@ class BufferItem:
     advantages: torch.Tensor  # (A,)
     returns: torch.Tensor  # (A,)
     action_entropy: torch.Tensor | None = None  # (A,)
+    rollout_log_probs: torch.Tensor | None = None  # (A,)
     info: dict[str, torch.Tensor] = field(default_factory=dict)  # each the row's slice
     policy_version: int
     prompt_index: int

@@ -218,7 +218,7 @@ class MakeExperienceRequest(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[RaggedTokenIds, _Mapping]] = ..., texts: _Optional[_Union[TextPrompts, _Mapping]] = ..., gt_answers: _Optional[_Iterable[str]] = ..., samples_per_prompt: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., algorithm: _Optional[_Union[AlgorithmOptions, _Mapping]] = ..., rewards: _Optional[_Iterable[_Union[RewardTerm, _Mapping]]] = ..., batching: _Optional[_Union[BatchingOptions, _Mapping]] = ..., outputs: _Optional[_Union[OutputOptions, _Mapping]] = ..., min_policy_version: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Experience(_message.Message):
-    __slots__ = ("sequences", "attention_mask", "action_mask", "action_log_probs", "base_action_log_probs", "values", "reward", "kl", "advantages", "returns", "action_entropy", "info", "policy_version", "prompt_index", "response_texts")
+    __slots__ = ("sequences", "attention_mask", "action_mask", "action_log_probs", "base_action_log_probs", "values", "reward", "kl", "advantages", "returns", "action_entropy", "info", "policy_version", "prompt_index", "response_texts", "rollout_log_probs")
     class InfoEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,7 @@ class Experience(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_TEXTS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
     sequences: Tensor
     attention_mask: Tensor
     action_mask: Tensor
@@ -256,7 +257,8 @@ class Experience(_message.Message):
     policy_version: Tensor
     prompt_index: Tensor
     response_texts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sequences: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., action_mask: _Optional[_Union[Tensor, _Mapping]] = ..., action_log_probs: _Optional[_Union[Tensor, _Mapping]] = ..., base_action_log_probs: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[_Union[Tensor, _Mapping]] = ..., kl: _Optional[_Union[Tensor, _Mapping]] = ..., advantages: _Optional[_Union[Tensor, _Mapping]] = ..., returns: _Optional[_Union[Tensor, _Mapping]] = ..., action_entropy: _Optional[_Union[Tensor, _Mapping]] = ..., info: _Optional[_Mapping[str, Tensor]] = ..., policy_version: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_index: _Optional[_Union[Tensor, _Mapping]] = ..., response_texts: _Optional[_Iterable[str]] = ...) -> None: ...
+    rollout_log_probs: Tensor
+    def __init__(self, sequences: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., action_mask: _Optional[_Union[Tensor, _Mapping]] = ..., action_log_probs: _Optional[_Union[Tensor, _Mapping]] = ..., base_action_log_probs: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[_Union[Tensor, _Mapping]] = ..., kl: _Optional[_Union[Tensor, _Mapping]] = ..., advantages: _Optional[_Union[Tensor, _Mapping]] = ..., returns: _Optional[_Union[Tensor, _Mapping]] = ..., action_entropy: _Optional[_Union[Tensor, _Mapping]] = ..., info: _Optional[_Mapping[str, Tensor]] = ..., policy_version: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_index: _Optional[_Union[Tensor, _Mapping]] = ..., response_texts: _Optional[_Iterable[str]] = ..., rollout_log_probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class MakeExperienceResponse(_message.Message):
     __slots__ = ("experience", "micro_batch_index", "num_micro_batches", "pad_token_id")

@@ -1,0 +1,138 @@
+"""The generation engine wired into the service, over real gRPC on 127.0.0.1:0 (tiny models, CPU).
+
+Behaviour log-probs (Experience.rollout_log_probs) next to the re-scored action_log_probs, and
+their wire compatibility with clients and servers that predate the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from rollserve.client.client import RolloutClient
+from rollserve.client.protocol.experience import (
+    Experience,
+    concat_experiences,
+    experience_from_proto,
+    experience_to_proto,
+    make_experience_batch,
+    split_experience_batch,
+)
+from rollserve.server.config import ServerConfig
+from rollserve.server.models import ModelSet, load_models
+from rollserve.server.serving.app import RolloutServer
+from rollserve.v1 import rollout_pb2 as pb
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [40], [70, 71]]
+GRPO = dict(
+    samples_per_prompt=2,
+    max_new_tokens=8,
+    algorithm={"advantage_estimator": "group_norm"},
+    rewards=["exact_match"],
+    gt_answers=["a", "b", "c", "d"],
+    seed=3,
+)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_actor_dir) -> ModelSet:
+    return load_models(ServerConfig(actor=str(tiny_actor_dir), device="cpu"))
+
+
+def _serve(models: ModelSet, **config: object) -> RolloutServer:
+    server = RolloutServer(
+        ServerConfig(host="127.0.0.1", port=0, device="cpu", log_level="WARNING", **config),
+        models=models,
+    )
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(models: ModelSet) -> Iterator[RolloutServer]:
+    server = _serve(models, micro_batch_size=4)
+    yield server
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def client(server: RolloutServer) -> Iterator[RolloutClient]:
+    with RolloutClient(server.address, timeout_s=60) as client:
+        yield client
+
+
+# ---- behaviour log-probs ---------------------------------------------------------------------
+
+
+def _assert_behaviour_matches_rescored(e: Experience) -> None:
+    """Recorded while sampling == re-scored by teacher forcing, on every valid action column
+    (the same float32 forward on the CPU, up to rounding); 0 after each response."""
+    assert e.rollout_log_probs is not None
+    assert e.rollout_log_probs.shape == e.action_log_probs.shape
+    assert e.rollout_log_probs.dtype == torch.float32
+    mask = e.action_mask
+    assert mask.any()
+    torch.testing.assert_close(
+        e.rollout_log_probs[mask], e.action_log_probs[mask], atol=1e-4, rtol=1e-4
+    )
+    assert (e.rollout_log_probs[~mask] == 0).all()
+    assert (e.rollout_log_probs[mask] < 0).any()  # real log-probs, not a zero table
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["sampled", "greedy"])
+def test_behaviour_log_probs_come_back_over_grpc_equal_to_the_rescored_ones(
+    client: RolloutClient, temperature: float
+) -> None:
+    streamed = list(client.stream_experience(PROMPTS, temperature=temperature, **GRPO))
+    assert len(streamed) == 2  # 8 rows in micro-batches of 4
+    for micro_batch in streamed:
+        _assert_behaviour_matches_rescored(micro_batch)
+    _assert_behaviour_matches_rescored(concat_experiences(streamed))
+
+
+def test_behaviour_log_probs_follow_rows_through_the_buffer(client: RolloutClient) -> None:
+    e = client.make_experience(PROMPTS, **GRPO)
+    items = split_experience_batch(e)
+    assert all(item.rollout_log_probs is not None for item in items)
+    again = make_experience_batch(items)
+    assert torch.equal(again.rollout_log_probs, e.rollout_log_probs)
+
+
+# ---- compatibility with peers that predate the field ----------------------------------------
+
+
+def _old_experience_class() -> type:
+    """rollserve.v1.Experience as a peer built before rollout_log_probs had it: the same file
+    descriptor without that field, in a pool of its own."""
+    file_proto = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(file_proto)
+    experience = next(m for m in file_proto.message_type if m.name == "Experience")
+    kept = [f for f in experience.field if f.name != "rollout_log_probs"]
+    assert len(kept) == len(experience.field) - 1
+    del experience.field[:]
+    experience.field.extend(kept)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file_proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("rollserve.v1.Experience"))
+
+
+def test_an_old_peer_and_a_new_one_read_each_others_experience(client: RolloutClient) -> None:
+    new = client.make_experience(PROMPTS, **GRPO)
+    old_class = _old_experience_class()
+    # An old client reads a new server's message (the unknown field is skipped).
+    old_message = old_class.FromString(experience_to_proto(new).SerializeToString())
+    assert torch.equal(
+        experience_from_proto(pb.Experience.FromString(old_message.SerializeToString())).sequences,
+        new.sequences,
+    )
+    # A new client reads an old server's message: an Experience without the field decodes.
+    without = dataclasses.replace(new, rollout_log_probs=None)
+    stripped = old_class.FromString(experience_to_proto(without).SerializeToString())
+    decoded = experience_from_proto(pb.Experience.FromString(stripped.SerializeToString()))
+    assert decoded.rollout_log_probs is None
+    assert torch.equal(decoded.action_log_probs, new.action_log_probs)
+    # Rows without it batch like rows of any optional field left unset.
+    assert make_experience_batch(split_experience_batch(decoded)).rollout_log_probs is None
