@@ -1,7 +1,8 @@
 """The generation engine wired into the service, over real gRPC on 127.0.0.1:0 (tiny models, CPU).
 
 Behaviour log-probs (Experience.rollout_log_probs) next to the re-scored action_log_probs, and
-their wire compatibility with clients and servers that predate the field.
+their wire compatibility with clients and servers that predate the field; the phase timings in
+info["time/..."] and in the metrics.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rollserve.client.protocol.experience import (
     split_experience_batch,
 )
 from rollserve.server.config import ServerConfig
+from rollserve.server.experience.timing import PHASES, TOKENS_PER_S_KEY, phase_key
 from rollserve.server.models import ModelSet, load_models
 from rollserve.server.serving.app import RolloutServer
 from rollserve.v1 import rollout_pb2 as pb
@@ -136,3 +138,50 @@ def test_an_old_peer_and_a_new_one_read_each_others_experience(client: RolloutCl
     assert torch.equal(decoded.action_log_probs, new.action_log_probs)
     # Rows without it batch like rows of any optional field left unset.
     assert make_experience_batch(split_experience_batch(decoded)).rollout_log_probs is None
+
+
+# ---- phase timings ---------------------------------------------------------------------------
+
+
+def _request_seconds(e: Experience) -> dict[str, float]:
+    return {phase: float(e.info[phase_key(phase)].double().sum()) for phase in PHASES}
+
+
+def test_phase_timings_come_back_per_row_and_sum_to_the_request_in_metrics(
+    server: RolloutServer, client: RolloutClient
+) -> None:
+    registry = server.metrics.registry
+    count = "rollserve_phase_seconds_count"
+    before = {p: registry.get_sample_value(count, {"phase": p}) or 0.0 for p in PHASES}
+    before_sum = registry.get_sample_value("rollserve_phase_seconds_sum", {"phase": "generate"})
+    rates_before = registry.get_sample_value("rollserve_generation_tokens_per_second_count") or 0
+    # 8 rows in generation batches of 4 (two batches), streamed in micro-batches of 4.
+    e = client.make_experience(PROMPTS, generate_batch_size=4, **GRPO)
+    seconds = _request_seconds(e)
+    for phase in ("generate", "score_actor", "decode", "rewards", "shape"):
+        assert seconds[phase] > 0, phase
+    assert seconds["score_critic"] == 0 and seconds["score_reward_model"] == 0  # none loaded
+    for key in [phase_key(p) for p in PHASES] + [TOKENS_PER_S_KEY]:
+        assert e.info[key].shape == (8,) and e.info[key].dtype == torch.float32, key
+    # One value per generation batch: its seconds / its 4 rows on each of its rows.
+    generate = e.info[phase_key("generate")]
+    assert torch.equal(generate[:4], generate[:1].expand(4))
+    assert torch.equal(generate[4:], generate[4:5].expand(4))
+    rate = e.info[TOKENS_PER_S_KEY]
+    first_tokens = float(e.info["response_length"][:4].sum())
+    assert float(rate[0]) == pytest.approx(first_tokens / float(generate[:4].sum()), rel=1e-4)
+    # Metrics: one observation per request and phase that ran, of the request's seconds.
+    for phase in PHASES:
+        observed = registry.get_sample_value(count, {"phase": phase}) or 0.0
+        assert observed - before[phase] == (1.0 if seconds[phase] > 0 else 0.0), phase
+    after_sum = registry.get_sample_value("rollserve_phase_seconds_sum", {"phase": "generate"})
+    assert after_sum - (before_sum or 0.0) == pytest.approx(seconds["generate"], rel=1e-4)
+    rates = registry.get_sample_value("rollserve_generation_tokens_per_second_count")
+    assert rates - rates_before == 1
+
+
+def test_whitened_requests_spread_the_shaping_over_every_row(client: RolloutClient) -> None:
+    options = dict(GRPO, algorithm={"advantage_estimator": "group_norm", "whitening": "global"})
+    e = client.make_experience(PROMPTS, generate_batch_size=4, **options)
+    shape = e.info[phase_key("shape")]
+    assert (shape > 0).all() and torch.equal(shape, shape[:1].expand(8))  # one shaping, 8 rows

@@ -8,7 +8,7 @@ bool masks).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,6 +32,8 @@ class ScoredBatch:
     rewards: torch.Tensor  # (B,) weighted sum of the recipe
     reward_info: dict[str, torch.Tensor]  # "reward/<source>": (B,) raw values
     texts: tuple[str, ...]  # decoded responses
+    # "time/<phase>_s" and "time/generated_tokens_per_s": (B,) float32 (timing.py)
+    times: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def to_experience(
@@ -47,6 +49,7 @@ def to_experience(
     rows = generation.sequences.shape[0]
     info = {key: _cpu(value) for key, value in shaped.info.items()}
     info.update(scored.reward_info)
+    info.update(scored.times)
     info["response_length"] = _cpu(generation.response_lengths).to(torch.int64)
     info["total_length"] = _cpu(generation.attention_mask).sum(-1).to(torch.int64)
     info["truncated"] = _cpu(generation.truncated).to(torch.bool)
@@ -105,6 +108,7 @@ def merge_batches(batches: list[ScoredBatch], pad_token_id: int) -> ScoredBatch:
             key: torch.cat([b.reward_info[key] for b in padded]) for key in padded[0].reward_info
         },
         texts=tuple(t for b in padded for t in b.texts),
+        times={key: torch.cat([b.times[key] for b in padded]) for key in padded[0].times},
     )
 
 

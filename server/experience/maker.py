@@ -23,6 +23,8 @@ Where each Experience field is computed:
   reward, kl, advantages, returns,       steps.shape_batch (algorithms.shape_experience: the
     action_mask, other info                preset's KL, shaping, estimator, whitening, filters)
   policy_version, prompt_index           batches.to_experience
+  info time/<phase>_s,                   maker.make_batch and the steps it calls (timing.py:
+    time/generated_tokens_per_s            PhaseClock); time/shape_s: steps.shape_batch
 
 The gRPC servicer and the in-process API run this same code, so both give identical tensors
 for the same seed.
@@ -53,6 +55,7 @@ from .steps import (
     score_rows,
     shape_batch,
 )
+from .timing import PhaseClock, per_row_times
 
 __all__ = ["NaiveExperienceMaker"]
 
@@ -132,12 +135,16 @@ class NaiveExperienceMaker:
         """One generation batch of whole groups (rows: the prompt index of each row), generated,
         scored and rewarded; not shaped yet."""
         models, lock = self.models, self.tokenizer_lock
-        generation = generate_rows(models, spec, rows, seed)
-        scores = score_rows(models, spec, generation)
-        texts = decode_responses(models, generation, lock)
+        clock = PhaseClock(models.device)
+        with clock.phase("generate"):
+            generation = generate_rows(models, spec, rows, seed)
+        scores = score_rows(models, spec, generation, clock)
+        with clock.phase("decode"):
+            texts = decode_responses(models, generation, lock)
         rewards, reward_info = recipe_rewards(
-            models, self.rewards, spec, rows, generation, texts, lock
+            models, self.rewards, spec, rows, generation, texts, lock, clock
         )
+        tokens = int(generation.response_lengths.sum())
         return ScoredBatch(
             generation=generation,
             prompt_index=torch.tensor(rows, dtype=torch.int64),
@@ -148,4 +155,5 @@ class NaiveExperienceMaker:
             rewards=rewards,
             reward_info=reward_info,
             texts=texts,
+            times=per_row_times(clock.seconds, len(rows), tokens),
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,6 +20,7 @@ from .generation import GenerationOutput, generate
 from .request import ExperienceSpec
 from .rewards import REWARD_MODEL_SOURCE, RewardRegistry
 from .scoring import action_log_probs, critic_values, reward_scores
+from .timing import PhaseClock, phase_key
 
 __all__ = [
     "Scores",
@@ -79,13 +80,19 @@ class Scores:
     values: torch.Tensor | None  # when the estimator needs a critic
 
 
-def score_rows(models: ModelSet, spec: ExperienceSpec, generation: GenerationOutput) -> Scores:
+def score_rows(
+    models: ModelSet,
+    spec: ExperienceSpec,
+    generation: GenerationOutput,
+    clock: PhaseClock | None = None,
+) -> Scores:
     """Re-score the generated rows with actor, reference and critic (teacher forced).
 
     Fields: action_log_probs and action_entropy (actor), base_action_log_probs (reference),
     values (critic); the log-probs divide the logits by the temperature only under
-    logprobs_use_temperature (never for greedy decoding).
+    logprobs_use_temperature (never for greedy decoding). `clock` times each model's scoring.
     """
+    clock = clock or PhaseClock(models.device)
     cfg, sampling = spec.algorithm, spec.sampling
     seqs, mask = generation.sequences, generation.attention_mask
     actions = generation.action_mask.shape[1]
@@ -94,22 +101,31 @@ def score_rows(models: ModelSet, spec: ExperienceSpec, generation: GenerationOut
         forward_batch_size=spec.forward_batch_rows,
         temperature=sampling.temperature if use_temperature else None,
     )
-    actor, entropy = action_log_probs(
-        models.actor.module,
-        seqs,
-        mask,
-        actions,
-        with_entropy=spec.return_entropy or cfg.needs_entropy,
-        **log_probs,
-    )
+    with clock.phase("score_actor"):
+        actor, entropy = action_log_probs(
+            models.actor.module,
+            seqs,
+            mask,
+            actions,
+            with_entropy=spec.return_entropy or cfg.needs_entropy,
+            **log_probs,
+        )
     reference = None
     if models.reference is not None and (cfg.needs_reference or cfg.kl_mode == "loss"):
-        reference, _ = action_log_probs(models.reference.module, seqs, mask, actions, **log_probs)
+        with clock.phase("score_reference"):
+            reference, _ = action_log_probs(
+                models.reference.module, seqs, mask, actions, **log_probs
+            )
     values = None
     if cfg.needs_critic:
-        values = critic_values(
-            models.critic.module, seqs, mask, actions, forward_batch_size=spec.forward_batch_rows
-        )
+        with clock.phase("score_critic"):
+            values = critic_values(
+                models.critic.module,
+                seqs,
+                mask,
+                actions,
+                forward_batch_size=spec.forward_batch_rows,
+            )
     return Scores(actor, entropy, reference, values)
 
 
@@ -135,33 +151,38 @@ def recipe_rewards(
     generation: GenerationOutput,
     texts: tuple[str, ...],
     tokenizer_lock: threading.Lock,
+    clock: PhaseClock | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The request's reward recipe: sum of weight x source, (B,) float32 on the CPU.
 
     Fields: info reward/<source> (each source's raw values) and the reward before shaping.
     The reward model reads the generated rows; rules and user functions get decoded prompt
-    and response texts and the ground-truth answers.
+    and response texts and the ground-truth answers. `clock` times the reward model
+    (score_reward_model) apart from the other sources (rewards).
     """
+    clock = clock or PhaseClock(models.device)
     prompts: list[str] = []
     if any(source != REWARD_MODEL_SOURCE for source, _ in spec.rewards):
-        with tokenizer_lock:
+        with clock.phase("rewards"), tokenizer_lock:
             decoded = {p: models.tokenizer.decode(spec.prompts[p]) for p in set(rows)}
         prompts = [decoded[p] for p in rows]
     total = torch.zeros(len(rows), dtype=torch.float32)
     info: dict[str, torch.Tensor] = {}
     for source, weight in spec.rewards:
         if source == REWARD_MODEL_SOURCE:
-            raw = reward_scores(
-                models.reward.module,
-                generation.sequences,
-                generation.attention_mask,
-                forward_batch_size=spec.forward_batch_rows,
-            ).cpu()
+            with clock.phase("score_reward_model"):
+                raw = reward_scores(
+                    models.reward.module,
+                    generation.sequences,
+                    generation.attention_mask,
+                    forward_batch_size=spec.forward_batch_rows,
+                ).cpu()
         else:
             gts = [spec.gt_answers[p] for p in rows]
-            raw = torch.tensor(
-                rewards.score(source, prompts, list(texts), gts), dtype=torch.float32
-            )
+            with clock.phase("rewards"):
+                raw = torch.tensor(
+                    rewards.score(source, prompts, list(texts), gts), dtype=torch.float32
+                )
         info[f"reward/{source}"] = raw
         total += weight * raw
     return total, info
@@ -172,23 +193,29 @@ def shape_batch(spec: ExperienceSpec, scored: ScoredBatch, policy_version: int) 
     Experience.
 
     Fields: reward, kl, advantages, returns, the final action_mask and the algorithm's info
-    (algorithms.shape_experience); policy_version, prompt_index (to_experience).
+    (algorithms.shape_experience); policy_version, prompt_index (to_experience); info
+    time/shape_s (its seconds, spread over the rows).
     """
     generation = scored.generation
     device = generation.action_log_probs.device
-    shaped = shape_experience(
-        spec.algorithm,
-        action_log_probs=scored.actor_log_probs,
-        base_action_log_probs=scored.reference_log_probs,
-        action_mask=generation.action_mask,
-        values=scored.values,
-        rewards=scored.rewards.to(device),
-        group_size=spec.samples_per_prompt,
-        max_new_tokens=spec.sampling.max_new_tokens,
-        entropy=scored.entropy,
-    )
+    clock = PhaseClock(device)
+    with clock.phase("shape"):
+        shaped = shape_experience(
+            spec.algorithm,
+            action_log_probs=scored.actor_log_probs,
+            base_action_log_probs=scored.reference_log_probs,
+            action_mask=generation.action_mask,
+            values=scored.values,
+            rewards=scored.rewards.to(device),
+            group_size=spec.samples_per_prompt,
+            max_new_tokens=spec.sampling.max_new_tokens,
+            entropy=scored.entropy,
+        )
+    times, key = dict(scored.times), phase_key("shape")
+    if key in times:  # spread over the rows shaped together (the whole request when whitened)
+        times[key] = times[key] + clock.seconds["shape"] / times[key].numel()
     return to_experience(
-        scored,
+        replace(scored, times=times),
         shaped,
         policy_version=policy_version,
         return_entropy=spec.return_entropy,

@@ -12,6 +12,14 @@ servers in one process (tests, benchmarks) keep separate numbers. What is export
                                                            rate(rollserve_generated_tokens_total[1m])
   rollserve_micro_batch_rows, rollserve_request_rows       rows per streamed micro-batch / per
                                                            completed MakeExperience (histograms)
+  rollserve_phase_seconds{phase}                           seconds of one completed MakeExperience
+                                                           (or one Subscribe batch) in each phase:
+                                                           generate, score_actor, score_reference,
+                                                           score_critic, decode,
+                                                           score_reward_model, rewards, shape
+                                                           (histogram; phases that ran only)
+  rollserve_generation_tokens_per_second                   its response tokens per second of
+                                                           generation (histogram)
   rollserve_weight_updates_total{role,transport}, _weight_update_bytes_total{role},
   rollserve_weight_update_duration_seconds{role} (histogram),
   rollserve_weight_update_gigabytes_per_second{role,transport} the last update's throughput
@@ -38,6 +46,7 @@ from prometheus_client.registry import Collector
 from ...client.protocol.codec import decode_tensor
 from ...client.protocol.roles import ROLE_NAMES as _ROLE_NAMES
 from ...v1 import rollout_pb2 as pb
+from ..experience.timing import PHASES, phase_key
 from ..state import Phase, ServerState
 
 if TYPE_CHECKING:
@@ -51,6 +60,7 @@ _RPC = ("service", "method")
 _DURATION_BUCKETS_S = (0.001, 0.005, 0.025, 0.1, 0.25, 1.0, 2.5, 10.0, 30.0, 60.0, 180.0, 600.0)
 _ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 _UPDATE_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0, 600.0)
+_TOKENS_PER_S_BUCKETS = (10.0, 100.0, 1e3, 3e3, 1e4, 3e4, 1e5, 3e5, 1e6)
 
 
 def role_name(role: int) -> str:
@@ -109,6 +119,19 @@ class ServerMetrics:
             buckets=_ROWS_BUCKETS,
             registry=r,
         )
+        self.phase_seconds = Histogram(
+            "rollserve_phase_seconds",
+            "seconds of one request (or rollout batch) in one phase of making experience",
+            ("phase",),
+            buckets=_DURATION_BUCKETS_S,
+            registry=r,
+        )
+        self.generation_tokens_per_second = Histogram(
+            "rollserve_generation_tokens_per_second",
+            "response tokens per second of generation, per request (or rollout batch)",
+            buckets=_TOKENS_PER_S_BUCKETS,
+            registry=r,
+        )
         self.weight_updates = Counter(
             "rollserve_weight_updates", "weight updates applied", ("role", "transport"), registry=r
         )
@@ -137,29 +160,48 @@ class ServerMetrics:
         """Export the continuous rollout's counts, read from `stats()` at scrape time."""
         self.registry.register(_RolloutCollector(stats))
 
-    def observe_micro_batch(self, response: pb.MakeExperienceResponse) -> int:
-        """Count one streamed micro-batch; returns its rows."""
-        return self.observe_experience(response.experience)
+    def observe_experience(
+        self, experience: pb.Experience, request: _PhaseTotals | None = None
+    ) -> int:
+        """Count the rows and generated tokens of one streamed Experience; returns its rows.
 
-    def observe_experience(self, experience: pb.Experience) -> int:
-        """Count the rows and generated tokens of one streamed Experience; returns its rows."""
+        Its phase timings add to `request` (one MakeExperience); without one, the Experience
+        is a whole unit of work (a Subscribe batch) and they are observed now.
+        """
         rows = int(experience.sequences.shape[0]) if experience.sequences.shape else 0
         self.micro_batch_rows.observe(rows)
+        tokens = 0
         lengths = experience.info.get("response_length")
         if lengths is not None:
             # The generated lengths, not the action mask: dynamic sampling may zero a mask.
-            self.generated_tokens.inc(int(decode_tensor(lengths, name="response_length").sum()))
+            tokens = int(decode_tensor(lengths, name="response_length").sum())
+            self.generated_tokens.inc(tokens)
+        totals = _PhaseTotals() if request is None else request
+        totals.add(experience, tokens)
+        if request is None:
+            self.observe_phases(totals)
         return rows
+
+    def observe_phases(self, totals: _PhaseTotals) -> None:
+        """One request's seconds per phase (those that ran) and its generation rate."""
+        for phase, seconds in totals.seconds.items():
+            if seconds > 0:
+                self.phase_seconds.labels(phase).observe(seconds)
+        generate_s = totals.seconds.get("generate", 0.0)
+        if generate_s > 0:
+            self.generation_tokens_per_second.observe(totals.tokens / generate_s)
 
     def record_stream(
         self, responses: Iterator[pb.MakeExperienceResponse]
     ) -> Iterator[pb.MakeExperienceResponse]:
-        """Pass a MakeExperience stream through, counting rows and tokens as it goes."""
+        """Pass a MakeExperience stream through, counting rows, tokens and phase seconds."""
         rows = 0
+        totals = _PhaseTotals()
         for response in responses:
-            rows += self.observe_micro_batch(response)
+            rows += self.observe_experience(response.experience, totals)
             yield response
         self.request_rows.observe(rows)  # completed requests only
+        self.observe_phases(totals)
 
     def observe_weight_update(self, response: pb.UpdateWeightsResponse) -> None:
         role = role_name(response.target)
@@ -181,6 +223,23 @@ class ServerMetrics:
         service, method = split_method(full_method)
         self.received_bytes.labels(service, method).inc(received)
         self.sent_bytes.labels(service, method).inc(sent)
+
+
+class _PhaseTotals:
+    """Seconds per phase and generated tokens summed over the Experiences of one request: each
+    row's info["time/<phase>_s"] is its share of its batch's seconds (rollout.proto)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.tokens = 0
+
+    def add(self, experience: pb.Experience, tokens: int) -> None:
+        self.tokens += tokens
+        for phase in PHASES:
+            tensor = experience.info.get(phase_key(phase))
+            if tensor is not None:  # absent from servers that predate the timings
+                seconds = float(decode_tensor(tensor, name=phase_key(phase)).double().sum())
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
 
 class _StateCollector(Collector):
