@@ -44,6 +44,9 @@ SAMPLES = {
     "reward_model": ("/models/rm", "/models/rm"),
     "device": ("cuda:1", "cuda:1"),
     "dtype": ("bf16", "bfloat16"),
+    "generation_path": ("RollServe", "rollserve"),
+    "kv_cache_tokens": ("4096", 4096),
+    "gpu_memory_utilization": ("0.8", 0.8),
     "max_message_bytes": ("16MiB", 16 * MIB),
     "max_new_tokens": ("7", 7),
     "default_preset": ("coati", "coati"),
@@ -179,6 +182,11 @@ def test_from_args_reads_only_its_arguments(monkeypatch: pytest.MonkeyPatch) -> 
         ["--host", ""],
         ["--actor", ""],
         ["--no-such-flag", "1"],
+        ["--generation-path", "vllm"],
+        ["--kv-cache-tokens", "-1"],
+        ["--gpu-memory-utilization", "0"],
+        ["--gpu-memory-utilization", "1.5"],
+        ["--gpu-memory-utilization", "most"],
     ],
 )
 def test_invalid_flags_are_rejected(argv: list[str]) -> None:

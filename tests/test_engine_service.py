@@ -2,7 +2,8 @@
 
 Behaviour log-probs (Experience.rollout_log_probs) next to the re-scored action_log_probs, and
 their wire compatibility with clients and servers that predate the field; the phase timings in
-info["time/..."] and in the metrics.
+info["time/..."] and in the metrics; the generation path and KV capacity in Health, set by the
+server's flags; the engine's warm-up before SERVING (the engine path forced on the CPU).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from rollserve.client.protocol.experience import (
 )
 from rollserve.server.config import ServerConfig
 from rollserve.server.experience.timing import PHASES, TOKENS_PER_S_KEY, phase_key
+from rollserve.server.generation import GenerationSettings, built_engine
 from rollserve.server.models import ModelSet, load_models
 from rollserve.server.serving.app import RolloutServer
+from rollserve.server.state import Phase
 from rollserve.v1 import rollout_pb2 as pb
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [40], [70, 71]]
@@ -185,3 +188,86 @@ def test_whitened_requests_spread_the_shaping_over_every_row(client: RolloutClie
     e = client.make_experience(PROMPTS, generate_batch_size=4, **options)
     shape = e.info[phase_key("shape")]
     assert (shape > 0).all() and torch.equal(shape, shape[:1].expand(8))  # one shaping, 8 rows
+
+
+# ---- the generation path in Health, its flags, the warm-up before SERVING ------------------
+
+
+def test_health_says_hf_with_no_kv_cache_on_the_cpu_by_default(client: RolloutClient) -> None:
+    health = client.health()
+    assert health.generation_path == "hf" and health.kv_cache_tokens == 0
+
+
+def test_the_flags_are_the_one_source_of_the_generation_settings() -> None:
+    config = ServerConfig.from_args(
+        ["--generation-path", "rollserve", "--kv-cache-tokens", "2048"],
+        {"ROLLSERVE_GPU_MEMORY_UTILIZATION": "0.7"},
+    )
+    assert GenerationSettings.from_config(config) == GenerationSettings("rollserve", 2048, 0.7)
+    assert GenerationSettings.from_config(ServerConfig()) == GenerationSettings()
+    with pytest.raises(ValueError, match="generation path"):
+        GenerationSettings(path="vllm")
+
+
+@pytest.fixture()
+def fresh_models(tiny_actor_dir) -> ModelSet:
+    """Models of their own, so that no engine was built for them by another test."""
+    return load_models(ServerConfig(actor=str(tiny_actor_dir), device="cpu"))
+
+
+def test_the_engine_path_is_warmed_up_before_serving_and_reported_in_health(
+    fresh_models: ModelSet,
+) -> None:
+    actor = fresh_models.actor.module
+    config = ServerConfig(
+        host="127.0.0.1",
+        port=0,
+        device="cpu",
+        log_level="WARNING",
+        generation_path="rollserve",
+        kv_cache_tokens=8192,
+        generate_batch_size=8,
+        max_new_tokens=8,
+    )
+    server = RolloutServer(config, models=fresh_models)
+    # What the engine held at the moment each phase was reported (Health reads the phase).
+    seen: list[tuple[Phase, int]] = []
+
+    def note(phase: Phase) -> None:
+        engine = built_engine(actor)
+        seen.append((phase, 0 if engine is None else len(engine._workspaces)))
+
+    server.state.on_phase_change(note)
+    assert built_engine(actor) is None
+    server.start()
+    try:
+        serving = [workspaces for phase, workspaces in seen if phase is Phase.SERVING]
+        assert serving and serving[0] >= 1  # the warm-up's workspace existed before SERVING
+        engine = built_engine(actor)
+        assert engine is not None and engine.capacity_tokens == 8192
+        warmed = next(iter(engine._workspaces.values()))
+        assert warmed.rows == 8  # generate_batch_size rows, the server's default shape
+        with RolloutClient(server.address, timeout_s=60) as client:
+            health = client.health()
+            assert health.serving
+            assert health.generation_path == "rollserve" and health.kv_cache_tokens == 8192
+            # Requests run on the engine: behaviour log-probs from its own forward still
+            # equal the HF scoring forward within float32 rounding.
+            e = client.make_experience(PROMPTS, **dict(GRPO, max_new_tokens=8))
+            _assert_behaviour_matches_rescored(e)
+    finally:
+        server.stop(0)
+
+
+def test_without_a_token_budget_the_cpu_engine_takes_its_fixed_budget(
+    fresh_models: ModelSet,
+) -> None:
+    server = _serve(fresh_models, generation_path="rollserve", generate_batch_size=4)
+    try:
+        with RolloutClient(server.address, timeout_s=60) as client:
+            health = client.health()
+        assert health.generation_path == "rollserve"
+        assert health.kv_cache_tokens == built_engine(fresh_models.actor.module).capacity_tokens
+        assert health.kv_cache_tokens > 0
+    finally:
+        server.stop(0)

@@ -87,6 +87,11 @@ class HealthStatus:
     rollout: RolloutProgress | None = None
     # The UpdateWeights data planes the server accepts (protocol/transports.py).
     weight_transports: tuple[str, ...] = ()
+    # How the actor generates: "rollserve" (the server's engine) or "hf"; "" while loading or
+    # from a server that predates the field.
+    generation_path: str = ""
+    # Tokens the engine's KV cache holds; 0 on the "hf" path.
+    kv_cache_tokens: int = 0
 
     @property
     def serving(self) -> bool:

@@ -48,6 +48,21 @@ FLAGS: dict[str, Flag] = {
     "dtype": Flag(
         parse.dtype, "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16", "DTYPE"
     ),
+    "generation_path": Flag(
+        parse.generation_path,
+        "auto (the rollserve engine for supported models on CUDA), rollserve or hf",
+        "PATH",
+    ),
+    "kv_cache_tokens": Flag(
+        parse.non_negative_int,
+        "KV cache budget of the generation engine, in tokens; 0: from --gpu-memory-utilization",
+        "N",
+    ),
+    "gpu_memory_utilization": Flag(
+        parse.fraction,
+        "share of total GPU memory that memory in use plus the engine's KV cache may reach",
+        "F",
+    ),
     "max_message_bytes": Flag(parse.byte_size, "max gRPC message size, send and receive", "BYTES"),
     "max_new_tokens": Flag(parse.positive_int, "default response token budget", "N"),
     "default_preset": Flag(parse.preset, "algorithm preset when a request names none", "NAME"),

@@ -52,6 +52,12 @@ class ServerConfig:
     reward_model: str | None = None  # None: not loaded
     device: str = "auto"  # auto: cuda if available, else cpu
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    # Generation (server/generation/registry.py): the engine for supported models on CUDA under
+    # auto; the KV cache's token budget, 0: derived from gpu_memory_utilization (on CUDA, the
+    # share of total device memory that what is in use plus the KV cache may reach).
+    generation_path: str = "auto"
+    kv_cache_tokens: int = 0
+    gpu_memory_utilization: float = 0.5
     # Both directions; finite on purpose. 65 MiB: a 64 MiB weight chunk plus its framing fits.
     max_message_bytes: int = 65 * MIB
     max_new_tokens: int = 64

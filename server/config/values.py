@@ -14,6 +14,7 @@ import re
 MIB = 1 << 20
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+GENERATION_PATHS = ("auto", "rollserve", "hf")  # server/generation/registry.py reads them
 # gRPC message length options are C ints: anything above this cannot be represented.
 MAX_GRPC_MESSAGE_BYTES = (1 << 31) - 1
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -119,6 +120,27 @@ def log_level(raw: str) -> str:
         raise argparse.ArgumentTypeError(
             f"log level must be one of {', '.join(LOG_LEVELS)}, got {raw!r}"
         )
+    return value
+
+
+def generation_path(raw: str) -> str:
+    """auto, rollserve (the engine of server/generation) or hf (Hugging Face generate)."""
+    value = raw.strip().lower()
+    if value not in GENERATION_PATHS:
+        raise argparse.ArgumentTypeError(
+            f"generation path must be one of {', '.join(GENERATION_PATHS)}, got {raw!r}"
+        )
+    return value
+
+
+def fraction(raw: str) -> float:
+    """A share in (0, 1]."""
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {raw!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {value}")
     return value
 
 

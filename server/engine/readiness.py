@@ -8,18 +8,22 @@ weight update whose probe failed, and from the start of a drain on.
 The probe is a forward pass over two token ids on the engine thread (the one thread that uses
 the device), checking that it returns finite outputs: it catches a broken device, a model that
 does not run, and weights that produce NaN (e.g. an update sent with allow_non_finite). At start
-it probes every loaded model; after an update, the updated one, on the engine right after the
-swap and before any other job (Engine.call_then), without delaying the update's reply: no
-experience is made on weights that were not probed, and the verdict lands in the health status
-and in the phase that MakeExperience jobs check on the engine. A failed
-post-update probe moves the server to WAITING_FOR_WEIGHTS (NOT_SERVING; MakeExperience answers
-FAILED_PRECONDITION) until an update whose probe passes.
+it probes every loaded model, then warms the generation engine up (when the actor generates on
+it: one dummy request of the server's default shape, so that compiling the decode step and
+capturing its CUDA graphs happen before SERVING, on the thread where requests run). After an
+update it probes the updated model, on the engine right after the swap and before any other
+job (Engine.call_then), without delaying the update's reply: no experience is made on weights
+that were not probed, and the verdict lands in the health status and in the phase that
+MakeExperience jobs check on the engine. A failed post-update probe moves the server to
+WAITING_FOR_WEIGHTS (NOT_SERVING; MakeExperience answers FAILED_PRECONDITION) until an update
+whose probe passes.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -50,6 +54,15 @@ def probe_model(model: LoadedModel, models: ModelSet) -> None:
         raise ReadinessError(f"{model.role} model produced non-finite outputs")
 
 
+def _warm_up(warm_up: Callable[[], float | None]) -> None:
+    try:
+        seconds = warm_up()
+    except Exception as exc:  # a generation engine that cannot run is not ready
+        raise ReadinessError(f"the generation engine failed its warm-up: {exc}") from exc
+    if seconds is not None:
+        _LOG.info("generation engine warmed up in %.2f s", seconds)
+
+
 class Readiness:
     """Runs the probes on the engine and moves the server's phase on their verdicts."""
 
@@ -58,8 +71,12 @@ class Readiness:
         self._lock = threading.Lock()
         self._failed_roles: set[str] = set()
 
-    def check_startup(self, engine: Engine) -> None:
-        """Probe every loaded model on the engine thread; ReadinessError on the first failure."""
+    def check_startup(
+        self, engine: Engine, warm_up: Callable[[], float | None] | None = None
+    ) -> None:
+        """Probe every loaded model on the engine thread, then run `warm_up` there (the
+        maker's: the generation engine's KV cache, compiled step and CUDA graphs, built where
+        requests run and before SERVING); ReadinessError on the first failure."""
         models = self._state.models
         if models is None:
             raise ReadinessError("no models loaded")
@@ -67,6 +84,8 @@ class Readiness:
         def probe_all() -> None:
             for model in models.loaded():
                 probe_model(model, models)
+            if warm_up is not None:
+                _warm_up(warm_up)
 
         engine.call(probe_all)
 

@@ -28,10 +28,11 @@ recorded log-probs) may differ from a full prefill in the last bit (~1e-7).
 
 Paths. Supported Llama-family models run on rollserve's engine (server/generation: static KV
 cache, on-device sampling, CUDA graphs), the rest on the Hugging Face model with the code
-below; `path` (or ROLLSERVE_GENERATION) picks: "auto" (the engine on CUDA), "rollserve" or
-"hf". Both paths follow every rule above and give the same greedy tokens. They draw random
-numbers differently (the engine draws one (B, max_new_tokens) table of uniforms up front), so
-a seed gives reproducible tokens on each path, not the same tokens on both.
+below; `path` (a server's GenerationSettings, from --generation-path) picks: "auto" (the engine
+on CUDA), "rollserve" or "hf". Both paths follow every rule above and give the same greedy
+tokens. They draw random numbers differently (the engine draws one (B, max_new_tokens) table
+of uniforms up front), so a seed gives reproducible tokens on each path, not the same tokens
+on both.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from ...client.protocol.errors import InvalidArgument
-from ..generation import engine_for
+from ..generation import GenerationSettings, engine_for
 
 __all__ = ["SamplingParams", "GenerationOutput", "generate", "left_pad"]
 
@@ -292,13 +293,14 @@ def generate(
     pad_token_id: int,
     generator: torch.Generator,
     share_prefill: bool = True,
-    path: str | None = None,
+    path: GenerationSettings | str | None = None,
 ) -> GenerationOutput:
     """Sample responses for ragged prompts with a KV cache (`generator` on the model's device).
 
     share_prefill: rows with the same prompt (a GRPO group) share one prefill (see _prefill);
-    False prefills every row, for comparisons. Both give the same output. path: "auto",
-    "rollserve" or "hf" (None: $ROLLSERVE_GENERATION, else auto; see Paths above).
+    False prefills every row, for comparisons. Both give the same output. path: the server's
+    GenerationSettings, or a path name "auto", "rollserve" or "hf" with the default KV budget
+    (None: auto; see Paths above).
     """
     device = model.get_input_embeddings().weight.device
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (B, P)

@@ -41,6 +41,7 @@ from ...client.protocol.errors import FailedPrecondition
 from ...client.protocol.experience import Experience, concat_experiences
 from ...client.protocol.requests import Prompts, build_make_experience_request
 from ...v1 import rollout_pb2 as pb
+from ..generation import GenerationSettings, engine_for
 from ..models import ModelSet
 from .batches import ScoredBatch, merge_batches
 from .micro_batches import MicroBatcher
@@ -57,7 +58,10 @@ from .steps import (
 )
 from .timing import PhaseClock, per_row_times
 
-__all__ = ["NaiveExperienceMaker"]
+__all__ = ["WARM_UP_PROMPT_TOKENS", "NaiveExperienceMaker"]
+
+# Prompt tokens of the start-up warm-up's dummy rows (a typical RL prompt length).
+WARM_UP_PROMPT_TOKENS = 128
 
 
 class NaiveExperienceMaker:
@@ -71,10 +75,13 @@ class NaiveExperienceMaker:
         defaults: RequestDefaults,
         *,
         policy_version: Callable[[], int] = lambda: 0,
+        generation: GenerationSettings | None = None,
     ) -> None:
         # policy_version: reads the actor's version where it is held (ServerState); a maker
-        # outside a server serves version 0.
+        # outside a server serves version 0. generation: the server's path and KV budget
+        # (--generation-path, --kv-cache-tokens, --gpu-memory-utilization); None: the defaults.
         self.models = models
+        self.generation = generation or GenerationSettings()
         self.rewards = rewards
         self.defaults = defaults
         self.tokenizer_lock = threading.Lock()
@@ -83,6 +90,33 @@ class NaiveExperienceMaker:
     @property
     def pad_token_id(self) -> int:
         return int(self.models.tokenizer.pad_token_id)
+
+    def warm_up(self) -> float | None:
+        """Run the actor's generation engine once on dummy prompts of a representative shape,
+        so that its KV cache, compiled step and CUDA graphs are built before the server
+        reports SERVING rather than in the first request; returns its seconds, None on the
+        hf path (nothing to build).
+
+        The shape: a request with the server's defaults (its sampling settings, as decoding a
+        request without options resolves them), generate_batch_size rows of
+        WARM_UP_PROMPT_TOKENS prompt tokens (fewer when the context or the KV budget is
+        smaller). Requests of the same batch bucket and layout width reuse what it built.
+        """
+        actor = self.models.actor.module
+        engine = engine_for(actor, self.generation)
+        if engine is None:
+            return None
+        defaults = self.defaults
+        request = build_make_experience_request(
+            [[1]], rewards=["exact_match"], gt_answers=[""], max_new_tokens=defaults.max_new_tokens
+        )
+        sampling = self.decode(request).sampling
+        context = self.models.max_context_tokens
+        width = max(1, min(WARM_UP_PROMPT_TOKENS, context - sampling.max_new_tokens))
+        if not engine.fits(width, sampling.max_new_tokens):
+            return None  # such requests take the Hugging Face path
+        rows = defaults.generate_batch_size
+        return engine.warm_up(sampling, rows, width, pad_token_id=self.pad_token_id)
 
     def decode(self, request: pb.MakeExperienceRequest) -> ExperienceSpec:
         """Validate a MakeExperienceRequest against this maker's models and limits."""
@@ -137,7 +171,7 @@ class NaiveExperienceMaker:
         models, lock = self.models, self.tokenizer_lock
         clock = PhaseClock(models.device)
         with clock.phase("generate"):
-            generation = generate_rows(models, spec, rows, seed)
+            generation = generate_rows(models, spec, rows, seed, self.generation)
         scores = score_rows(models, spec, generation, clock)
         with clock.phase("decode"):
             texts = decode_responses(models, generation, lock)

@@ -14,6 +14,7 @@ import torch
 
 from ...client.protocol.experience import Experience
 from ..algorithms import shape_experience
+from ..generation import GenerationSettings
 from ..models import ModelSet
 from .batches import ScoredBatch, to_experience
 from .generation import GenerationOutput, generate
@@ -53,9 +54,14 @@ def batch_seed(seed: int, batch_index: int) -> int:
 
 
 def generate_rows(
-    models: ModelSet, spec: ExperienceSpec, rows: list[int], seed: int
+    models: ModelSet,
+    spec: ExperienceSpec,
+    rows: list[int],
+    seed: int,
+    settings: GenerationSettings | None = None,
 ) -> GenerationOutput:
-    """Sample one response per row with the actor.
+    """Sample one response per row with the actor, on the path `settings` pick (the server's
+    --generation-path and KV budget; None: auto).
 
     Fields: sequences, attention_mask, the action mask before filters, rollout_log_probs
     (the behaviour log-probs), info response_length, total_length and truncated. Rows of one
@@ -67,6 +73,7 @@ def generate_rows(
         spec.sampling,
         pad_token_id=int(models.tokenizer.pad_token_id),
         generator=torch.Generator(device=models.device).manual_seed(seed),
+        path=settings,
     )
 
 

@@ -2,7 +2,14 @@
 parameters, static KV cache, on-device sampling, CUDA graphs of the decode step."""
 
 from .families import SUPPORTED_ARCHITECTURES, read_family, unsupported_reason
-from .registry import GENERATION_MODES, engine_for, engine_path, generation_mode
+from .registry import (
+    GENERATION_MODES,
+    GenerationSettings,
+    built_engine,
+    engine_for,
+    engine_path,
+    generation_mode,
+)
 from .runner import Engine, EngineResult
 
 __all__ = [
@@ -10,6 +17,8 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "Engine",
     "EngineResult",
+    "GenerationSettings",
+    "built_engine",
     "engine_for",
     "engine_path",
     "generation_mode",

@@ -11,19 +11,28 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KVCache", "default_capacity_tokens"]
+__all__ = ["DEFAULT_GPU_MEMORY_UTILIZATION", "KVCache", "default_capacity_tokens"]
 
-# Without a budget: this fraction of the device memory free when the engine starts.
-DEFAULT_MEMORY_FRACTION = 0.5
-# Without a budget on the CPU (no free-memory figure to go by).
+# Without a token budget (--kv-cache-tokens 0), on CUDA: the share of the device's total memory
+# that the device's use when the engine starts (the loaded weights, any other process) plus
+# the KV cache may reach (--gpu-memory-utilization).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.5
+# Without a token budget on the CPU (no free-memory figure to go by).
 DEFAULT_CPU_BYTES = 4 << 30
 
 
-def default_capacity_tokens(token_bytes: int, device: torch.device, fraction: float) -> int:
-    """Tokens the cache may hold: `fraction` of free device memory, or a fixed CPU budget."""
+def default_capacity_tokens(token_bytes: int, device: torch.device, utilization: float) -> int:
+    """Tokens the cache may hold without a token budget.
+
+    On CUDA: utilization x total memory, less what is in use now (like vLLM's
+    gpu_memory_utilization, except that the activations of generation and scoring are not
+    profiled: the rest of the device is their headroom); 0 when the use already reaches the
+    share (generation then takes the Hugging Face path). Elsewhere a fixed budget.
+    """
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(1, int(free * fraction) // token_bytes)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * utilization) - (total - free)
+        return max(0, budget) // token_bytes
     return max(1, DEFAULT_CPU_BYTES // token_bytes)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .families import Family
-from .kv_cache import DEFAULT_MEMORY_FRACTION, KVCache, default_capacity_tokens
+from .kv_cache import DEFAULT_GPU_MEMORY_UTILIZATION, KVCache, default_capacity_tokens
 from .model import Forward
 from .rotary import RopeTable
 from .sampler import Sampler
@@ -131,7 +131,7 @@ class Engine:
         family: Family,
         *,
         kv_cache_tokens: int | None = None,
-        memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         cuda_graphs: bool = True,
         compiled: bool | None = None,
     ) -> None:
@@ -146,8 +146,9 @@ class Engine:
         self.forward = Forward(family, rope, compiled=compiled)
         layers = len(family.layers)
         probe = KVCache(layers, family.num_kv_heads, family.head_dim, self.dtype, self.device, 1)
+        # kv_cache_tokens None or 0: derived from the memory budget (kv_cache.py).
         capacity = kv_cache_tokens or default_capacity_tokens(
-            probe.token_bytes, self.device, memory_fraction
+            probe.token_bytes, self.device, gpu_memory_utilization
         )
         self.cache = KVCache(
             layers, family.num_kv_heads, family.head_dim, self.dtype, self.device, capacity

@@ -2,9 +2,10 @@
 
 Order of a start: bind and start serving first (health answers NOT_SERVING while models load, so
 probes see a live but unready process), then load the models, run the readiness probe (a tiny
-forward pass on the engine, readiness.py), then SERVING. Order of a stop: NOT_SERVING everywhere,
-keep answering for `drain_delay_s` so load balancers notice, then stop accepting calls and give
-in-flight ones `shutdown_grace_s` to finish, then exit 0.
+forward pass on the engine, readiness.py, then the generation engine's warm-up), then SERVING.
+Order of a stop: NOT_SERVING everywhere, keep answering for `drain_delay_s` so load balancers
+notice, then stop accepting calls and give in-flight ones `shutdown_grace_s` to finish, then
+exit 0.
 
 With --rollout-prompts the server also runs a continuous rollout (continuous/): the prompt file
 is read when the server is built, the request template is checked once the models are loaded
@@ -39,6 +40,7 @@ from ..engine.runtime import Runtime
 from ..experience.maker import NaiveExperienceMaker
 from ..experience.request import RequestDefaults
 from ..experience.rewards import RewardRegistry
+from ..generation import GenerationSettings
 from ..models import ModelSet, check_model_dirs, load_models
 from ..state import Phase, ServerState
 from ..weights import WeightUpdates
@@ -55,7 +57,7 @@ from .security import (
     security_warnings,
     server_credentials,
 )
-from .servicer import RolloutServicer
+from .servicer import RolloutServicer, generation_facts
 
 __all__ = ["BindError", "RolloutServer", "ROLLOUT_SERVICE", "grpc_server_options", "serve"]
 
@@ -180,14 +182,16 @@ class RolloutServer:
         if self._servicer is not None:
             self._servicer.serve_models(self.runtime, self.updates)
         # ReadinessError: never report SERVING on broken models.
-        self.readiness.check_startup(self.runtime.engine)
+        self.readiness.check_startup(self.runtime.engine, warm_up=self.runtime.maker.warm_up)
         if self.rollout is not None:
             self.rollout.start(self.runtime)  # RolloutSetupError on a bad template
         ready = Phase.WAITING_FOR_WEIGHTS if self.config.wait_for_weights else Phase.SERVING
         self.state.set_phase(ready)
         actor = models.actor
+        path, kv_tokens = generation_facts(self.state)
         _LOG.info(
-            "rollserve ready on %s: %s, actor %s (%s, %s, %d params) on %s, loaded in %.1f s",
+            "rollserve ready on %s: %s, actor %s (%s, %s, %d params) on %s, generation path %s "
+            "(KV cache %d tokens), loaded in %.1f s",
             self.address,
             ready.value,
             actor.source,
@@ -195,6 +199,8 @@ class RolloutServer:
             actor.dtype,
             actor.num_parameters,
             models.device_label,
+            path,
+            kv_tokens,
             time.monotonic() - started_s,
         )
 
@@ -268,7 +274,13 @@ def build_runtime(
         config.reward_fn, config.reward_endpoint, timeout_s=config.reward_timeout_s
     )
     defaults = RequestDefaults.from_config(config, default_preset=state.default_preset)
-    maker = NaiveExperienceMaker(models, rewards, defaults, policy_version=state.policy_version)
+    maker = NaiveExperienceMaker(
+        models,
+        rewards,
+        defaults,
+        policy_version=state.policy_version,
+        generation=GenerationSettings.from_config(config),
+    )
     after_update = None if readiness is None else readiness.check_updated
     runtime = Runtime(state, maker, after_update=after_update)
     return runtime, WeightUpdates.for_models(models, state, runtime.swap)

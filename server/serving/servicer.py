@@ -23,13 +23,20 @@ from ...v1 import rollout_pb2 as pb
 from ...v1 import rollout_pb2_grpc
 from ..continuous import ContinuousRollout, RolloutStats, serve_subscribe
 from ..engine.runtime import Runtime
+from ..generation import GenerationSettings, built_engine, engine_path
 from ..state import Phase, ServerState
 from ..weights import WeightUpdates
 from .idle_deadline import IdleDeadline
 from .metrics import ServerMetrics
 from .status import handles_errors
 
-__all__ = ["RolloutServicer", "health_response", "rollout_progress", "server_version"]
+__all__ = [
+    "RolloutServicer",
+    "generation_facts",
+    "health_response",
+    "rollout_progress",
+    "server_version",
+]
 
 T = TypeVar("T")
 
@@ -138,6 +145,7 @@ def health_response(
     response.weight_transports.extend(state.config.weight_transports.split(","))
     response.vocab_size = models.vocab_size
     response.max_context_tokens = models.max_context_tokens
+    response.generation_path, response.kv_cache_tokens = generation_facts(state)
     for model in models.loaded():
         response.models.add(
             role=_ROLE[model.role],
@@ -148,6 +156,19 @@ def health_response(
             policy_version=state.policy_version(model.role),
         )
     return response
+
+
+def generation_facts(state: ServerState) -> tuple[str, int]:
+    """The actor's generation path and its engine's KV capacity in tokens (0 on the hf path
+    and until the engine is built, which the start-up warm-up does before SERVING); pure:
+    builds nothing, touches no device."""
+    models = state.models
+    if models is None:
+        return "", 0
+    actor = models.actor.module
+    path = engine_path(actor, GenerationSettings.from_config(state.config))
+    engine = built_engine(actor) if path == "rollserve" else None
+    return path, 0 if engine is None else engine.capacity_tokens
 
 
 # Who may use a SharedMemorySource (Health.shm_host_id): computed once, it never changes.
