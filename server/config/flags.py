@@ -104,6 +104,9 @@ FLAGS: dict[str, Flag] = {
     "parallel_part_wait_s": Flag(
         parse.positive_seconds, "how long one stream of a parallel update waits for the others", "S"
     ),
+    "max_group_timeout_s": Flag(
+        parse.positive_seconds, "cap on InitWeightsGroup's timeout_s (the rendezvous wait)", "S"
+    ),
     "max_workers": Flag(parse.positive_int, "gRPC handler threads", "N"),
     "log_level": Flag(parse.log_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL", "LEVEL"),
     "wait_for_weights": Flag(parse.boolean, "report WAITING_FOR_WEIGHTS until the first update"),

@@ -88,6 +88,8 @@ class ServerConfig:
     # at an address the admin-token caller names). "grpc" alone turns both off.
     weight_transports: str = "grpc,shm,dist"
     parallel_part_wait_s: float = 30.0  # how long a part of a parallel update waits for others
+    # The longest an InitWeightsGroup rendezvous may wait, whatever timeout_s the caller asks for.
+    max_group_timeout_s: float = 120.0
     max_workers: int = 16
     log_level: str = "INFO"
     wait_for_weights: bool = False

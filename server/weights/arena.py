@@ -36,6 +36,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ...client.protocol.errors import ResourceExhausted
 from ..models.memory import take_load_buffer
 
 __all__ = ["StagingArena", "staging_arena"]
@@ -73,7 +74,13 @@ class StagingArena:
         """
         if nbytes > self.capacity_bytes:
             self._buffer = None  # free the old buffer first: never two arenas at once
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+            try:
+                self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+            except (RuntimeError, MemoryError) as error:  # torch's allocator: RuntimeError
+                raise ResourceExhausted(
+                    f"staging the update needs {nbytes} bytes of host memory, which cannot be "
+                    f"allocated now ({type(error).__name__})"
+                ) from None
             self.allocations += 1
         if self._buffer is None:  # nbytes == 0 and nothing allocated yet
             return torch.empty(0, dtype=torch.uint8)

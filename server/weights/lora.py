@@ -12,6 +12,11 @@ keeps a host copy of that module's weight (its base); every merge computes W fro
 Names: "base_model.model.<module>.lora_A.weight" and "...lora_B.weight" (the prefix is optional),
 where "<module>.weight" is a 2-D floating weight of the model. A is (r, in), B is (out, r); with
 fan_in_fan_out the weight is stored (in, out) (GPT-2's Conv1D) and the delta is transposed.
+
+Rank bound: r is at most min(in, out) of every module the adapter touches (a larger rank adds
+nothing a full-rank delta could not, and the header's rank sizes the staging arena: without the
+bound, rank 2**28 on a 64x64 projection claimed 137 GB). plan_lora checks it with the shapes,
+when the file's head is parsed, before the arena is allocated.
 """
 
 from __future__ import annotations
@@ -76,6 +81,12 @@ def _check_pair(
     rows, cols = weight.shape
     fan_in, fan_out = (rows, cols) if params.fan_in_fan_out else (cols, rows)
     rank = params.rank
+    if rank > min(fan_in, fan_out):
+        raise InvalidArgument(
+            f"header.lora.rank: {rank} is above min(in {fan_in}, out {fan_out}) = "
+            f"{min(fan_in, fan_out)} of {weight.name}; a LoRA rank is at most the smaller side of "
+            "every weight it adapts"
+        )
     if a.shape != (rank, fan_in):
         raise InvalidArgument(
             f"{a.name}: shape {list(a.shape)}, expected [rank {rank}, in {fan_in}] for "

