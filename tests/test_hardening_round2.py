@@ -20,20 +20,23 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers_server import rss_bytes
+from helpers_server import free_port, rss_bytes
 from helpers_weights import state_hash, update_weights_requests
 from rollserve.client.protocol.errors import ResourceExhausted
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, load_models
 from rollserve.server.serving.app import RolloutServer
 from rollserve.server.weights.arena import StagingArena
+from rollserve.server.weights.distributed import MAX_JOINING, WeightsGroups
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
@@ -228,3 +231,82 @@ def test_a_shared_memory_source_that_is_not_a_file_is_refused_unopened(
     requests = update_weights_requests(tensors, target="actor", version=version + 1, mode="partial")
     reply = _stub(channel).UpdateWeights(requests, metadata=ADMIN, timeout=CALL_S)
     assert reply.version == version + 1 == _version(channel)
+
+
+# ---- items 4 and 5: InitWeightsGroup -------------------------------------------------------------
+
+
+def _join_request(group: str, port: int) -> pb.InitWeightsGroupRequest:
+    return pb.InitWeightsGroupRequest(
+        group=group,
+        master_address="127.0.0.1",
+        master_port=port,
+        world_size=2,
+        rank=1,
+        timeout_s=3600.0,  # accepted, and capped by the server's --max-group-timeout-s
+    )
+
+
+def _groups(server: RolloutServer) -> WeightsGroups:
+    assert server.updates is not None
+    return server.updates.planes.groups
+
+
+def _until(condition: Callable[[], bool], within_s: float) -> bool:
+    """Whether `condition` became true within `within_s` (checked every 10 ms)."""
+    deadline = time.monotonic() + within_s
+    tick = threading.Event()
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        tick.wait(0.01)
+    return True
+
+
+def test_init_weights_group_waits_at_most_the_cap_and_few_at_once(
+    server: RolloutServer, channel: grpc.Channel
+) -> None:
+    # The attack: 16 calls (--max-workers) toward a closed port with timeout_s=3600. At most
+    # MAX_JOINING rendezvous run; the rest are refused at once, and the probes keep answering.
+    port = free_port()  # closed: nothing listens there
+    started = time.monotonic()
+    calls = [
+        _stub(channel).InitWeightsGroup.future(
+            _join_request(f"closed-{i}", port), metadata=ADMIN, timeout=60.0
+        )
+        for i in range(16)
+    ]
+    assert _until(lambda: _groups(server).joining == MAX_JOINING, GROUP_CAP_S)
+    _assert_probes_answer(channel)
+    codes = []
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as info:
+            call.result(timeout=GROUP_CAP_S + 5.0)
+        codes.append(info.value.code())
+    elapsed = time.monotonic() - started
+    waited = [c for c in codes if c is not grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(waited) == MAX_JOINING, codes
+    assert set(waited) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+    assert GROUP_CAP_S * 0.9 <= elapsed < GROUP_CAP_S + 3.0
+    assert _until(lambda: _groups(server).joining == 0, 1.0)
+    _assert_probes_answer(channel)
+
+
+def test_a_caller_that_leaves_frees_its_join_at_once(
+    server: RolloutServer, channel: grpc.Channel
+) -> None:
+    port = free_port()
+    calls = [
+        _stub(channel).InitWeightsGroup.future(
+            _join_request(f"left-{i}", port), metadata=ADMIN, timeout=60.0
+        )
+        for i in range(MAX_JOINING)
+    ]
+    assert _until(lambda: _groups(server).joining == MAX_JOINING, GROUP_CAP_S)
+    left = time.monotonic()
+    for call in calls:
+        call.cancel()
+    # Well before the cap: the handlers returned and the joins stopped trying.
+    assert _until(lambda: _groups(server).joining == 0, GROUP_CAP_S / 2)
+    assert time.monotonic() - left < GROUP_CAP_S / 2
+    _assert_probes_answer(channel)

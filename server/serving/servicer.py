@@ -96,7 +96,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         planes = self._loaded(self._updates).planes
         if not planes.accepts("distributed"):
             raise FailedPrecondition("this server does not accept dist (--weight-transports)")
-        return planes.groups.init(request)
+        # The rendezvous waits at most --max-group-timeout-s, and a caller that leaves frees
+        # this handler thread at once (weights/distributed.py, _Join).
+        return planes.groups.init(
+            request,
+            max_timeout_s=self._state.config.max_group_timeout_s,
+            on_cancel=context.add_callback,
+        )
 
     @handles_errors
     def DestroyWeightsGroup(

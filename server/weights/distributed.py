@@ -19,8 +19,10 @@ from __future__ import annotations
 import collections
 import logging
 import re
+import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -28,8 +30,11 @@ import torch
 import torch.distributed as dist
 
 from ...client.protocol.errors import (
+    Cancelled,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    ResourceExhausted,
     RolloutError,
     Unavailable,
 )
@@ -47,7 +52,13 @@ from ...v1 import rollout_pb2 as pb
 from .staging import Request, UpdateStager, iter_chunks
 from .stream import Lane
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "WeightsGroup", "WeightsGroups"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_MAX_GROUP_TIMEOUT_S",
+    "MAX_JOINING",
+    "WeightsGroup",
+    "WeightsGroups",
+]
 
 _LOG = logging.getLogger(__name__)
 MAX_BUCKET_BYTES = 1024 * 1024 * 1024
@@ -58,6 +69,12 @@ _GROUP_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _ADDRESS = re.compile(r"[A-Za-z0-9._:\[\]-]{1,255}")  # host names, IPv4, IPv6 (bracketed or not)
 MAX_WORLD_SIZE = 4096  # a trainer and its servers; far above any real deployment
 _READY, _REFUSED = 0, 1
+# The rendezvous of InitWeightsGroup: its wait is capped server-side (--max-group-timeout-s),
+# and at most MAX_JOINING run at once, each on its own daemon thread (see _Join).
+DEFAULT_MAX_GROUP_TIMEOUT_S = 120.0
+MAX_JOINING = 2
+_MASTER_RETRY_S = 0.2  # between connection attempts to a master that does not listen yet
+_JOIN_MARGIN_S = 5.0  # a rendezvous may overrun its timeout by a little (c10d's last retry)
 
 
 @dataclass
@@ -82,41 +99,65 @@ class WeightsGroups:
     """The groups of one server, by name."""
 
     def __init__(self, device: torch.device) -> None:
-        self._device = device  # where NCCL broadcasts land (the models' device)
+        self.device = device  # where NCCL broadcasts land (the models' device)
         self._groups: dict[str, WeightsGroup] = {}
         self._lock = threading.Lock()
+        self._joining = threading.BoundedSemaphore(MAX_JOINING)  # rendezvous in flight
 
-    def init(self, request: pb.InitWeightsGroupRequest) -> pb.InitWeightsGroupResponse:
-        """Join the trainer's group; blocks until every rank joined (or the timeout)."""
-        name, backend, timeout_s, lanes = _check_init(request, self._device)
-        with self._lock:
-            if name in self._groups:
-                raise FailedPrecondition(f"group: {name!r} exists; DestroyWeightsGroup it first")
-            self._groups[name] = None  # type: ignore[assignment]  # reserved while joining
-        try:
-            process_groups = new_process_groups(
-                group=name,
-                master_address=request.master_address,
-                master_port=request.master_port,
-                world_size=request.world_size,
-                rank=request.rank,
-                backend=backend,
-                timeout_s=timeout_s,
-                lanes=lanes,
+    def init(
+        self,
+        request: pb.InitWeightsGroupRequest,
+        *,
+        max_timeout_s: float = DEFAULT_MAX_GROUP_TIMEOUT_S,
+        on_cancel: Callable[[Callable[[], None]], bool] | None = None,
+    ) -> pb.InitWeightsGroupResponse:
+        """Join the trainer's group; blocks until every rank joined, the timeout (at most
+        max_timeout_s, whatever the request asks), or the caller leaves.
+
+        on_cancel(callback) registers a callback run when the caller leaves (gRPC's
+        context.add_callback; False: it already left). The rendezvous runs on a thread of its
+        own (_Join), so a caller that leaves frees its handler thread at once.
+        """
+        name, backend, timeout_s, lanes = _check_init(request, self.device)
+        timeout_s = min(timeout_s, max_timeout_s)
+        if not self._joining.acquire(blocking=False):
+            raise ResourceExhausted(
+                f"InitWeightsGroup: {MAX_JOINING} groups are being joined already; retry once "
+                "they finish"
             )
-        except Exception as error:
+        try:
             with self._lock:
-                del self._groups[name]
-            raise Unavailable(f"group {name!r}: rendezvous failed: {error}") from None
-        device = self._device if backend == "nccl" else torch.device("cpu")
-        group = WeightsGroup(
-            name, backend, device, process_groups, request.rank, request.world_size
-        )
-        with self._lock:
-            self._groups[name] = group
+                if name in self._groups:
+                    raise FailedPrecondition(
+                        f"group: {name!r} exists; DestroyWeightsGroup it first"
+                    )
+                self._groups[name] = None  # type: ignore[assignment]  # reserved while joining
+        except BaseException:
+            self._joining.release()
+            raise
+        join = _Join(self, request, backend, timeout_s, lanes)
+        threading.Thread(target=join.run, name=f"weights-group-{name}", daemon=True).start()
+        if on_cancel is not None and not on_cancel(join.abandon):
+            join.abandon()
+        group = join.wait()
         _LOG.info("joined weights group %s (%s, rank %d of %d, %d lanes)", name, backend,
                   group.rank, group.world_size, lanes)  # fmt: skip
-        return pb.InitWeightsGroupResponse(backend=backend, device=str(device), lanes=lanes)
+        return pb.InitWeightsGroupResponse(backend=backend, device=str(group.device), lanes=lanes)
+
+    @property
+    def joining(self) -> int:
+        """Rendezvous in flight (at most MAX_JOINING)."""
+        with self._lock:
+            return sum(1 for group in self._groups.values() if group is None)
+
+    def _settle(self, name: str, group: WeightsGroup | None) -> None:
+        """The end of a join: keep the group, or free its reserved name; free the join's slot."""
+        with self._lock:
+            if group is None:
+                self._groups.pop(name, None)
+            else:
+                self._groups[name] = group
+        self._joining.release()
 
     def destroy(self, name: str) -> None:
         with self._lock:
@@ -149,6 +190,125 @@ class WeightsGroups:
             if self._groups.get(group.name) is group:
                 del self._groups[group.name]
         _shutdown(group)
+
+
+class _Join:
+    """One InitWeightsGroup rendezvous, on a daemon thread of its own.
+
+    The rendezvous is torch's blocking C++ (TCPStore, then each lane's process group), which
+    nothing can interrupt; on a gRPC handler thread it held the thread until its timeout (up to
+    an hour, even after the caller left, and a stuck non-daemon handler thread kept the process
+    alive after SIGTERM). Here the handler waits on an event that the rendezvous or the caller
+    leaving sets, and returns at once when the caller leaves. The thread first connects to the
+    master itself, retrying every _MASTER_RETRY_S until the timeout, so a join toward a port
+    nobody listens on ends as soon as its caller leaves; past that, it ends by the timeout.
+    A group that forms after its caller left is shut down, not kept.
+    """
+
+    def __init__(
+        self,
+        groups: WeightsGroups,
+        request: pb.InitWeightsGroupRequest,
+        backend: str,
+        timeout_s: float,
+        lanes: int,
+    ) -> None:
+        self._groups = groups
+        self._request = request
+        self._backend = backend
+        self._timeout_s = timeout_s
+        self._lanes = lanes
+        self._deadline = time.monotonic() + timeout_s
+        self._lock = threading.Lock()
+        self._left = threading.Event()  # the caller left: stop trying
+        self._wake = threading.Event()  # the rendezvous ended or the caller left
+        self._result: WeightsGroup | RolloutError | None = None
+
+    def run(self) -> None:
+        """The join thread: rendezvous, then keep the group unless the caller left."""
+        result = self._rendezvous()
+        with self._lock:
+            keep = isinstance(result, WeightsGroup) and not self._left.is_set()
+            self._result = result
+        self._groups._settle(self._request.group, result if keep else None)  # type: ignore[arg-type]
+        if isinstance(result, WeightsGroup) and not keep:
+            _shutdown(result)
+        self._wake.set()
+
+    def abandon(self) -> None:
+        """The caller left (gRPC's callback thread, or the handler after its bound)."""
+        with self._lock:
+            if self._result is None:
+                self._left.set()
+        self._wake.set()
+
+    def wait(self) -> WeightsGroup:
+        """The joined group, or the error to answer with."""
+        self._wake.wait(self._timeout_s + _JOIN_MARGIN_S)
+        with self._lock:
+            result = self._result
+            if result is None:
+                self._left.set()  # run() drops the group should it still form
+        if isinstance(result, WeightsGroup):
+            return result
+        if isinstance(result, RolloutError):
+            raise result
+        if self._wake.is_set():  # woken by abandon: the caller left
+            raise Cancelled("InitWeightsGroup: the caller left; the join is abandoned")
+        raise DeadlineExceeded(
+            f"group {self._request.group!r}: the rendezvous did not end within "
+            f"{self._timeout_s:g} s (timeout_s, capped by --max-group-timeout-s)"
+        )
+
+    def _rendezvous(self) -> WeightsGroup | RolloutError:
+        request = self._request
+        try:
+            self._wait_for_master()
+            process_groups = new_process_groups(
+                group=request.group,
+                master_address=request.master_address,
+                master_port=request.master_port,
+                world_size=request.world_size,
+                rank=request.rank,
+                backend=self._backend,
+                timeout_s=max(self._deadline - time.monotonic(), 0.001),
+                lanes=self._lanes,
+            )
+        except RolloutError as error:
+            return error
+        except Exception as error:
+            # c10d's messages carry a C++ stack trace after the first line.
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            return Unavailable(
+                f"group {request.group!r}: rendezvous failed within {self._timeout_s:g} s "
+                f"(timeout_s, capped by --max-group-timeout-s): {reason}"
+            )
+        device = self._groups.device if self._backend == "nccl" else torch.device("cpu")
+        return WeightsGroup(
+            request.group, self._backend, device, process_groups, request.rank,
+            request.world_size,
+        )  # fmt: skip
+
+    def _wait_for_master(self) -> None:
+        """Until the master accepts a connection (closed at once; the store makes its own):
+        Cancelled when the caller leaves, Unavailable at the deadline."""
+        address = (self._request.master_address.strip("[]"), self._request.master_port)
+        while True:
+            remaining = self._deadline - time.monotonic()
+            if remaining <= 0:
+                raise Unavailable(
+                    f"group {self._request.group!r}: rendezvous failed: nothing accepted "
+                    "connections at "
+                    f"{self._request.master_address}:{self._request.master_port} within "
+                    f"{self._timeout_s:g} s (timeout_s, capped by --max-group-timeout-s)"
+                )
+            try:
+                with socket.create_connection(address, timeout=min(remaining, 1.0)):
+                    return
+            except OSError:
+                pass
+            if self._left.wait(min(_MASTER_RETRY_S, max(remaining, 0.0))):
+                raise Cancelled("InitWeightsGroup: the caller left")
 
 
 class _NotFound(RolloutError):
