@@ -37,6 +37,7 @@ from rollserve.server.models import ModelSet, load_models
 from rollserve.server.serving.app import RolloutServer
 from rollserve.server.weights.arena import StagingArena
 from rollserve.server.weights.distributed import MAX_JOINING, WeightsGroups
+from rollserve.server.weights.parallel import MAX_WAITING_PARTS
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
@@ -47,6 +48,7 @@ DATA = (("authorization", f"Bearer {DATA_TOKEN}"),)
 CALL_S = 5.0  # bound on a call that must answer at once
 HEALTH_S = 1.0  # a probe must answer within this while an attack runs
 GROUP_CAP_S = 2.0  # the server's --max-group-timeout-s in these tests
+PART_WAIT_S = 2.0  # the server's --parallel-part-wait-s in these tests
 Q0 = "model.layers.0.self_attn.q_proj"
 MIB = 1 << 20
 
@@ -66,6 +68,7 @@ def server(models: ModelSet) -> Iterator[RolloutServer]:
         data_token=DATA_TOKEN,
         admin_token=ADMIN_TOKEN,
         max_group_timeout_s=GROUP_CAP_S,
+        parallel_part_wait_s=PART_WAIT_S,
     )
     with RolloutServer(config, models=models) as running:
         yield running
@@ -310,3 +313,53 @@ def test_a_caller_that_leaves_frees_its_join_at_once(
     assert _until(lambda: _groups(server).joining == 0, GROUP_CAP_S / 2)
     assert time.monotonic() - left < GROUP_CAP_S / 2
     _assert_probes_answer(channel)
+
+
+# ---- item 3: parallel parts ----------------------------------------------------------------------
+
+
+def test_parts_waiting_for_an_unknown_leader_are_bounded(
+    models: ModelSet, server: RolloutServer, channel: grpc.Channel
+) -> None:
+    # The attack: 16 headers of part 1 of updates whose part 0 never comes, each stream held open.
+    assert server.updates is not None
+    parallel = server.updates.planes.parallel
+    release = threading.Event()
+
+    def part(update_id: str) -> Iterator[pb.UpdateWeightsRequest]:
+        header = pb.WeightsHeader(target=pb.MODEL_ROLE_ACTOR, version=1, total_bytes=1000)
+        header.parallel.update_id = update_id
+        header.parallel.streams, header.parallel.index = 2, 1
+        header.parallel.begin, header.parallel.end = 500, 1000
+        yield pb.UpdateWeightsRequest(header=header)
+        release.wait(PART_WAIT_S + 5.0)  # the stream stays open
+
+    calls = [
+        _stub(channel).UpdateWeights.future(part(f"ghost-{i}"), metadata=ADMIN, timeout=30.0)
+        for i in range(16)
+    ]
+    try:
+        assert _until(lambda: parallel.waiting == MAX_WAITING_PARTS, CALL_S)
+        refused = 16 - MAX_WAITING_PARTS
+        assert _until(lambda: sum(call.done() for call in calls) == refused, CALL_S)
+        done = [call for call in calls if call.done()]
+        assert {call.code() for call in done} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        _assert_probes_answer(channel)
+        # A normal update goes through while the parts wait.
+        version = _version(channel)
+        module = models.actor.module
+        tensors = {Q0 + ".weight": module.get_submodule(Q0).weight.detach().clone() * 0.999}
+        requests = update_weights_requests(
+            tensors, target="actor", version=version + 1, mode="partial"
+        )
+        reply = _stub(channel).UpdateWeights(requests, metadata=ADMIN, timeout=CALL_S)
+        assert reply.version == version + 1
+    finally:
+        release.set()
+    # The waiting parts end by --parallel-part-wait-s.
+    waited = [call for call in calls if call.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED]
+    for call in waited:
+        with pytest.raises(grpc.RpcError) as info:
+            call.result(timeout=PART_WAIT_S + 5.0)
+        assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
+    assert parallel.waiting == 0

@@ -8,6 +8,13 @@ thread. The swap happens once every part arrived and verified, and every stream 
 reply; a failure of any part fails all of them and leaves the old weights serving.
 
 Memory: one staging arena (held by the leader) plus one chunk in flight per stream.
+
+Threads: a part whose leader has not registered yet (an unknown update_id) waits for it on its
+gRPC handler thread, so those waits share a bounded pool of MAX_WAITING_PARTS; a part that finds
+the pool full is RESOURCE_EXHAUSTED at once. Without it, 16 headers naming update_ids that never
+come held all 16 handler threads for --parallel-part-wait-s, and Health timed out; the leader
+takes one of the two update turns (update.py) like any upload. The pool holds the early parts of
+a client's default parallel update (at most 8 streams) with room to spare.
 """
 
 from __future__ import annotations
@@ -18,14 +25,27 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from ...client.protocol.errors import DeadlineExceeded, InvalidArgument, RolloutError
+from ...client.protocol.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    ResourceExhausted,
+    RolloutError,
+)
 from ...v1 import rollout_pb2 as pb
 from .staging import Request, UpdateStager, iter_chunks
 from .stream import Lane
 
-__all__ = ["MAX_STREAMS", "Assembly", "ParallelUpdates", "check_part", "feed_part"]
+__all__ = [
+    "MAX_STREAMS",
+    "MAX_WAITING_PARTS",
+    "Assembly",
+    "ParallelUpdates",
+    "check_part",
+    "feed_part",
+]
 
 MAX_STREAMS = 64
+MAX_WAITING_PARTS = 8  # parts waiting for their leader to register, all updates together
 _UPDATE_ID = re.compile(r"[\x21-\x7e]{1,64}")
 _REMEMBERED_FAILURES = 256
 _FOLLOWER_RESULT_WAIT_S = 3600.0
@@ -159,6 +179,13 @@ class ParallelUpdates:
         self._assemblies: dict[str, Assembly] = {}
         self._failed: OrderedDict[str, Assembly] = OrderedDict()  # the latest failed updates
         self._changed = threading.Condition()
+        self._waiting = 0  # parts waiting in `join` for their leader
+
+    @property
+    def waiting(self) -> int:
+        """Parts waiting for their leader to register (at most MAX_WAITING_PARTS)."""
+        with self._changed:
+            return self._waiting
 
     def open(self, header: pb.WeightsHeader, stager: UpdateStager) -> Assembly:
         """Leader: register the update (the caller calls `close` when it is over)."""
@@ -183,21 +210,37 @@ class ParallelUpdates:
             self._changed.notify_all()
 
     def join(self, header: pb.WeightsHeader) -> Assembly:
-        """Follower: the leader's assembly, waiting up to wait_s for part 0 to register it."""
+        """Follower: the leader's assembly, waiting up to wait_s for part 0 to register it (in
+        the bounded pool of waiting parts: RESOURCE_EXHAUSTED when it is full)."""
         update_id = header.parallel.update_id
         deadline = time.monotonic() + self.wait_s
         with self._changed:
-            while update_id not in self._assemblies:
-                if update_id in self._failed:
-                    return self._failed[update_id]  # joining it raises its failure
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DeadlineExceeded(
-                        f"parallel update {update_id!r}: part 0 did not start within "
-                        f"{self.wait_s:g} s (or the update already ended)"
-                    )
-                self._changed.wait(left)
-            return self._assemblies[update_id]
+            found = self._known(update_id)
+            if found is not None:
+                return found
+            if self._waiting >= MAX_WAITING_PARTS:
+                raise ResourceExhausted(
+                    f"parallel update {update_id!r}: {MAX_WAITING_PARTS} parts are waiting for "
+                    "their part 0 already; send part 0 first, or retry"
+                )
+            self._waiting += 1
+            try:
+                while (found := self._known(update_id)) is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise DeadlineExceeded(
+                            f"parallel update {update_id!r}: part 0 did not start within "
+                            f"{self.wait_s:g} s (or the update already ended)"
+                        )
+                    self._changed.wait(left)
+                return found
+            finally:
+                self._waiting -= 1
+
+    def _known(self, update_id: str) -> Assembly | None:
+        """The registered or recently failed assembly of update_id (joining a failed one raises
+        its failure); the caller holds the condition."""
+        return self._assemblies.get(update_id) or self._failed.get(update_id)
 
     def follow(
         self, header: pb.WeightsHeader, requests: Iterator[Request]
