@@ -11,8 +11,12 @@ projections). Checked, each bounded in time:
   without opening it (a blocking open of a FIFO used to hold the update lock until something
   wrote to it); the next update succeeds.
 * InitWeightsGroup: timeout_s=3600 toward a closed port is capped by --max-group-timeout-s, the
-  call ends soon after the cap, and Health and grpc.health.v1 answer meanwhile; a caller that
-  cancels frees its handler at once.
+  call ends soon after the cap, at most MAX_JOINING run at once, and Health and grpc.health.v1
+  answer meanwhile; a caller that cancels frees its join at once; SIGTERM ends a server process
+  whose rendezvous is stuck inside c10d within its grace.
+* Parallel parts: 16 part-1 headers of updates whose part 0 never comes hold at most
+  MAX_WAITING_PARTS handler threads (the rest are RESOURCE_EXHAUSTED at once); the probes answer
+  and a normal update succeeds meanwhile.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers_server import free_port, rss_bytes
+from helpers_server import free_port, rss_bytes, start_server_process
 from helpers_weights import state_hash, update_weights_requests
 from rollserve.client.protocol.errors import ResourceExhausted
 from rollserve.server.config import ServerConfig
@@ -363,3 +367,29 @@ def test_parts_waiting_for_an_unknown_leader_are_bounded(
             call.result(timeout=PART_WAIT_S + 5.0)
         assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
     assert parallel.waiting == 0
+
+
+def test_sigterm_ends_the_process_while_a_rendezvous_is_stuck() -> None:
+    # Issue 22, item 5 for InitWeightsGroup: the trainer's port accepts and never answers, so
+    # the rendezvous is stuck inside c10d; SIGTERM must still end the process within the grace.
+    grace_s = 1.0
+    with socket.create_server(("127.0.0.1", 0)) as mute:
+        proc, port = start_server_process(
+            "--device", "cpu", "--metrics-port", "0", "--admin-token", ADMIN_TOKEN,
+            "--data-token", DATA_TOKEN, "--shutdown-grace-s", str(grace_s),
+        )  # fmt: skip
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as to_server:
+                call = _stub(to_server).InitWeightsGroup.future(
+                    _join_request("mute", mute.getsockname()[1]), metadata=ADMIN, timeout=60.0
+                )
+                mute.settimeout(CALL_S)
+                accepted, _ = mute.accept()  # the rendezvous reached the trainer's port
+                with accepted:
+                    stopped = time.monotonic()
+                    assert proc.terminate_and_wait(timeout_s=grace_s + 10.0) == 0
+                    assert time.monotonic() - stopped < grace_s + 5.0
+                with pytest.raises(grpc.RpcError):
+                    call.result(timeout=CALL_S)
+        finally:
+            proc.terminate_and_wait()

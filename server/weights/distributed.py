@@ -103,6 +103,8 @@ class WeightsGroups:
         self._groups: dict[str, WeightsGroup] = {}
         self._lock = threading.Lock()
         self._joining = threading.BoundedSemaphore(MAX_JOINING)  # rendezvous in flight
+        self._joins: set[_Join] = set()
+        self._closed = False
 
     def init(
         self,
@@ -127,6 +129,8 @@ class WeightsGroups:
             )
         try:
             with self._lock:
+                if self._closed:
+                    raise Unavailable("the server is stopping")
                 if name in self._groups:
                     raise FailedPrecondition(
                         f"group: {name!r} exists; DestroyWeightsGroup it first"
@@ -136,7 +140,13 @@ class WeightsGroups:
             self._joining.release()
             raise
         join = _Join(self, request, backend, timeout_s, lanes)
-        threading.Thread(target=join.run, name=f"weights-group-{name}", daemon=True).start()
+        with self._lock:
+            self._joins.add(join)
+        try:
+            threading.Thread(target=join.run, name=f"weights-group-{name}", daemon=True).start()
+        except RuntimeError:  # no thread to be had
+            self._settle(join, None)
+            raise ResourceExhausted("InitWeightsGroup: no thread for the rendezvous") from None
         if on_cancel is not None and not on_cancel(join.abandon):
             join.abandon()
         group = join.wait()
@@ -148,16 +158,21 @@ class WeightsGroups:
     def joining(self) -> int:
         """Rendezvous in flight (at most MAX_JOINING)."""
         with self._lock:
-            return sum(1 for group in self._groups.values() if group is None)
+            return len(self._joins)
 
-    def _settle(self, name: str, group: WeightsGroup | None) -> None:
-        """The end of a join: keep the group, or free its reserved name; free the join's slot."""
+    def _settle(self, join: _Join, group: WeightsGroup | None) -> bool:
+        """The end of a join: keep its group (unless closed), or free its reserved name; free
+        the join's slot. Whether the group was kept."""
+        name = join.name
         with self._lock:
-            if group is None:
-                self._groups.pop(name, None)
-            else:
-                self._groups[name] = group
+            self._joins.discard(join)
+            kept = group is not None and not self._closed
+            if kept:
+                self._groups[name] = group  # type: ignore[assignment]
+            elif self._groups.get(name, False) is None:
+                del self._groups[name]  # the reservation (close may have cleared it)
         self._joining.release()
+        return kept
 
     def destroy(self, name: str) -> None:
         with self._lock:
@@ -168,9 +183,14 @@ class WeightsGroups:
         _shutdown(group)
 
     def close(self) -> None:
+        """Leave every group; joins in flight are given up (a group they form is shut down)."""
         with self._lock:
+            self._closed = True
             groups = [g for g in self._groups.values() if g is not None]
             self._groups.clear()
+            joins = list(self._joins)
+        for join in joins:
+            join.abandon()
         for group in groups:
             _shutdown(group)
 
@@ -214,6 +234,7 @@ class _Join:
         lanes: int,
     ) -> None:
         self._groups = groups
+        self.name = request.group
         self._request = request
         self._backend = backend
         self._timeout_s = timeout_s
@@ -230,8 +251,8 @@ class _Join:
         with self._lock:
             keep = isinstance(result, WeightsGroup) and not self._left.is_set()
             self._result = result
-        self._groups._settle(self._request.group, result if keep else None)  # type: ignore[arg-type]
-        if isinstance(result, WeightsGroup) and not keep:
+        kept = self._groups._settle(self, result if keep else None)  # type: ignore[arg-type]
+        if isinstance(result, WeightsGroup) and not kept:
             _shutdown(result)
         self._wake.set()
 
