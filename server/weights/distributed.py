@@ -1,6 +1,9 @@
 """The torch.distributed data plane: update files whose data section arrives by broadcast.
 
-InitWeightsGroup joins this server to a trainer's process group (client/process_group.py). An
+InitWeightsGroup joins this server to a trainer's process group (client/process_group.py), on
+a thread of its own (_Join): its wait is capped by --max-group-timeout-s whatever timeout_s the
+caller asks for, at most MAX_JOINING run at once, and a caller that leaves frees its handler
+thread at once (the address it names is admin-chosen and may never answer). An
 UpdateWeights stream naming a DistributedSource carries the header and the file's head (the JSON
 header) as chunks; the server checks the version and the head against its model, then every
 rank votes (an all-reduce MAX of 0 = ready, 1 = refused) so that nobody starts a broadcast a
