@@ -97,6 +97,13 @@ def byte_size(raw: str) -> int:
     return value
 
 
+def _one_of(value: str, choices, what: str, raw: str) -> str:
+    """`value` if it is one of `choices`, else the flag's error naming them all."""
+    if value not in choices:
+        raise argparse.ArgumentTypeError(f"{what} must be one of {', '.join(choices)}, got {raw!r}")
+    return value
+
+
 def device(raw: str) -> str:
     value = raw.strip().lower()
     if not DEVICE_RE.match(value):
@@ -108,29 +115,16 @@ def device(raw: str) -> str:
 
 def dtype(raw: str) -> str:
     value = raw.strip().lower()
-    value = DTYPE_ALIASES.get(value, value)
-    if value not in DTYPES:
-        raise argparse.ArgumentTypeError(f"dtype must be one of {', '.join(DTYPES)}, got {raw!r}")
-    return value
+    return _one_of(DTYPE_ALIASES.get(value, value), DTYPES, "dtype", raw)
 
 
 def log_level(raw: str) -> str:
-    value = raw.strip().upper()
-    if value not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(
-            f"log level must be one of {', '.join(LOG_LEVELS)}, got {raw!r}"
-        )
-    return value
+    return _one_of(raw.strip().upper(), LOG_LEVELS, "log level", raw)
 
 
 def generation_path(raw: str) -> str:
     """auto, rollserve (the engine of server/generation) or hf (Hugging Face generate)."""
-    value = raw.strip().lower()
-    if value not in GENERATION_PATHS:
-        raise argparse.ArgumentTypeError(
-            f"generation path must be one of {', '.join(GENERATION_PATHS)}, got {raw!r}"
-        )
-    return value
+    return _one_of(raw.strip().lower(), GENERATION_PATHS, "generation path", raw)
 
 
 def fraction(raw: str) -> float:
@@ -154,12 +148,7 @@ def preset(raw: str) -> str:
     # Imported here, not at module import: the preset table pulls in torch.
     from ..algorithms.presets import PRESET_NAMES
 
-    value = raw.strip().lower()
-    if value not in PRESET_NAMES:
-        raise argparse.ArgumentTypeError(
-            f"preset must be one of {', '.join(PRESET_NAMES)}, got {raw!r}"
-        )
-    return value
+    return _one_of(raw.strip().lower(), PRESET_NAMES, "preset", raw)
 
 
 def named(raw: str) -> str:
