@@ -1,4 +1,5 @@
-"""Start a real `python -m rollserve.server serve` process on 127.0.0.1 and wait until it serves.
+"""Start a real `python -m rollserve.server serve` process on 127.0.0.1 and wait until it serves
+(or a RolloutServer in this process: `serve_in_process`).
 
 The server binds port 0 and writes the port it got to a port file; the helper waits for that file
 and for grpc.health.v1 to answer SERVING, within a bounded time. Output goes to a log file (a pipe
@@ -17,9 +18,19 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rollserve.server.config import ServerConfig
+from rollserve.server.models import ModelSet
+from rollserve.server.serving.app import RolloutServer
 from rollserve.server.serving.cli import check_health
 
-__all__ = ["ServerProcess", "free_port", "greedy_snapshot", "rss_bytes", "start_server_process"]
+__all__ = [
+    "ServerProcess",
+    "free_port",
+    "greedy_snapshot",
+    "rss_bytes",
+    "serve_in_process",
+    "start_server_process",
+]
 
 
 class ServerProcess(subprocess.Popen):
@@ -119,3 +130,14 @@ def greedy_snapshot(target: str, timeout_s: float = 60.0) -> tuple[list[float], 
         )
         version = client.health().policy_version
     return experience.action_log_probs.flatten().tolist(), version
+
+
+def serve_in_process(models: ModelSet, **config: object) -> RolloutServer:
+    """A started RolloutServer on 127.0.0.1:0 over already loaded models, on the CPU; the caller
+    stops it."""
+    server = RolloutServer(
+        ServerConfig(host="127.0.0.1", port=0, device="cpu", log_level="WARNING", **config),
+        models=models,
+    )
+    server.start()
+    return server

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from helpers_server import serve_in_process
 from rollserve.client.client import RolloutClient
 from rollserve.client.protocol.experience import (
     Experience,
@@ -47,18 +48,9 @@ def models(tiny_actor_dir) -> ModelSet:
     return load_models(ServerConfig(actor=str(tiny_actor_dir), device="cpu"))
 
 
-def _serve(models: ModelSet, **config: object) -> RolloutServer:
-    server = RolloutServer(
-        ServerConfig(host="127.0.0.1", port=0, device="cpu", log_level="WARNING", **config),
-        models=models,
-    )
-    server.start()
-    return server
-
-
 @pytest.fixture(scope="module")
 def server(models: ModelSet) -> Iterator[RolloutServer]:
-    server = _serve(models, micro_batch_size=4)
+    server = serve_in_process(models, micro_batch_size=4)
     yield server
     server.stop(0)
 
@@ -262,7 +254,7 @@ def test_the_engine_path_is_warmed_up_before_serving_and_reported_in_health(
 def test_without_a_token_budget_the_cpu_engine_takes_its_fixed_budget(
     fresh_models: ModelSet,
 ) -> None:
-    server = _serve(fresh_models, generation_path="rollserve", generate_batch_size=4)
+    server = serve_in_process(fresh_models, generation_path="rollserve", generate_batch_size=4)
     try:
         with RolloutClient(server.address, timeout_s=60) as client:
             health = client.health()

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
+from helpers_server import serve_in_process
 from rollserve.client.client import RolloutClient
 from rollserve.client.protocol.errors import FailedPrecondition, InvalidArgument, RolloutError
 from rollserve.client.protocol.experience import (
@@ -69,18 +70,9 @@ def models(tiny_actor_dir, tiny_critic_dir, tiny_reward_dir, tmp_path_factory) -
     return load_models(config)
 
 
-def _serve(models: ModelSet, **config: object) -> RolloutServer:
-    server = RolloutServer(
-        ServerConfig(host="127.0.0.1", port=0, device="cpu", log_level="WARNING", **config),
-        models=models,
-    )
-    server.start()
-    return server
-
-
 @pytest.fixture(scope="module")
 def server(models: ModelSet) -> Iterator[RolloutServer]:
-    server = _serve(models, reward_fn=(LENGTH_SOURCE,), micro_batch_size=4)
+    server = serve_in_process(models, reward_fn=(LENGTH_SOURCE,), micro_batch_size=4)
     yield server
     server.stop(0)
 
@@ -88,7 +80,7 @@ def server(models: ModelSet) -> Iterator[RolloutServer]:
 @pytest.fixture(scope="module")
 def bare(models: ModelSet) -> Iterator[RolloutServer]:
     actor_only = dataclasses.replace(models, reference=None, critic=None, reward=None)
-    server = _serve(actor_only)
+    server = serve_in_process(actor_only)
     yield server
     server.stop(0)
 
@@ -340,7 +332,7 @@ def test_a_registered_user_reward_function_works_over_grpc(client: RolloutClient
 def test_a_pad_id_other_than_zero_survives_the_clients_concat(models: ModelSet) -> None:
     tokenizer = copy.deepcopy(models.tokenizer)
     tokenizer.pad_token = tokenizer.eos_token  # pad = eos = 2, as in many Llama checkpoints
-    server = _serve(dataclasses.replace(models, tokenizer=tokenizer))
+    server = serve_in_process(dataclasses.replace(models, tokenizer=tokenizer))
     try:
         options = dict(GRPO, max_new_tokens=6, micro_batch_size=4, seed=1, rewards=["exact_match"])
         local = _maker(server).make_experience(PROMPTS, **options)
