@@ -1,7 +1,8 @@
 """Option resolution, and each preset end to end through shape_experience.
 
-The end-to-end references below are each framework's formulas (docs/reference/experience_math.md sections
-1-3) written out as plain Python loops over lists; they never call the functions under test.
+The end-to-end references below are each framework's formulas
+(docs/reference/experience_math.md sections 1-3) written out as plain Python loops over lists;
+they never call the functions under test.
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def test_every_algorithm_option_of_the_proto_is_resolved() -> None:
         "preset", "advantage_estimator", "gamma", "lam", "kl_coef", "kl_estimator", "kl_clamp",
         "kl_mode", "reward_placement", "reward_clip", "whitening", "advantage_clip",
         "group_std_eps", "high_entropy_token_ratio", "dynamic_sampling", "overlong_buffer",
-        "overlong_factor", "clip_filter_eps",
+        "overlong_factor", "clip_filter_eps", "reproduce_upstream_quirks", "experience_norm",
     }  # fmt: skip
     assert {f.name for f in pb.AlgorithmOptions.DESCRIPTOR.fields} == handled
     cfg = _resolve(
@@ -562,3 +563,140 @@ def test_contract_violations() -> None:
     # Without a KL term the reference is optional and the KL is zero.
     out = _run(_resolve(has_critic=False, kl_coef=0.0), {**batch, "base_action_log_probs": None})
     assert out.kl.abs().sum().item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# LightRFT's experiences: the gamma quirk, per-experience normalisation, clip, then whitening
+# ---------------------------------------------------------------------------------------------
+
+
+def _lightrft_shaped_reward(estimator: str, raw: list[float]) -> list[float]:
+    """preprocess_rewards (experience_math.md 3.5 step 2), groups of 2 consecutive rows."""
+    out = []
+    for g in (0, 2):
+        group = raw[g : g + 2]
+        mean, std = _mean_std(group)
+        for x in group:
+            if estimator == "rloo":
+                out.append(x - (sum(group) - x) / (len(group) - 1))
+            elif estimator == "group_norm":
+                out.append((x - mean) / (std + 1e-9))
+            else:
+                out.append(x)
+    return out
+
+
+def _lightrft_reference(
+    estimator: str,
+    raw: list[float],
+    batch: dict[str, Any],
+    *,
+    gamma: float,
+    clip: float,
+    quirk: bool,
+) -> tuple[list[list[float]], list[list[float]]]:
+    """(advantages, returns) of FastExperienceMaker with advantages_norm and advantage_clip,
+    experiences of 2 rows (3.5 steps 2-6), written as loops over rows and columns."""
+    lp, ref, values = _lists(batch)
+    beta, lam, masks = 0.01, 0.95, _masks()
+    shaped = _lightrft_shaped_reward(estimator, raw)
+    adv_all, ret_all = [], []
+    for e in (0, 1):  # experiences: rows 0-1 and 2-3
+        exp_gamma = gamma if (e == 0 or not quirk) else 1.0  # the quirk: 1.0 after the first
+        if estimator == "reinforce_baseline":
+            exp_gamma = 1.0
+        rows = []
+        for i in (2 * e, 2 * e + 1):
+            m, n = masks[i], LENGTHS[i]
+            d = [(lp[i][t] - ref[i][t]) * m[t] for t in range(A)]  # k3, mask first
+            kl = [math.exp(-x) - 1 + x for x in d]
+            r = [(-beta * kl[t] + (shaped[i] if t == n - 1 else 0.0)) * m[t] for t in range(A)]
+            if estimator == "gae":
+                v = [values[i][t] * m[t] for t in range(A)]
+                adv, running = [0.0] * A, 0.0
+                for t in reversed(range(A)):
+                    next_v = v[t + 1] if t + 1 < A else 0.0
+                    running = r[t] + exp_gamma * next_v - v[t] + exp_gamma * lam * running
+                    adv[t] = running
+                ret = [adv[t] + v[t] for t in range(A)]
+            else:
+                adv = _reverse_returns(r, m, exp_gamma)
+                ret = list(adv)
+            rows.append((adv, ret, m))
+        if estimator != "group_norm":  # advantages_norm over this experience's valid entries
+            valid = [a for adv, _, m in rows for a, k in zip(adv, m, strict=True) if k]
+            mean, std = _mean_std(valid)
+            eps = 1e-9 if estimator == "gae" else 1e-8
+            rows = [([(a - mean) / (std + eps) for a in adv], ret, m) for adv, ret, m in rows]
+        for adv, ret, _ in rows:
+            adv_all.append([min(max(a, -clip), clip) for a in adv])  # then the clip
+            ret_all.append(ret)
+    if estimator in ("gae", "reinforce", "reinforce_baseline"):  # cross-batch whitening
+        pairs = zip(adv_all, masks, strict=True)
+        valid = [a for row, m in pairs for a, k in zip(row, m, strict=True) if k]
+        mean = sum(valid) / len(valid)
+        var = sum((a - mean) ** 2 for a in valid) / len(valid)
+        adv_all = [[(a - mean) / math.sqrt(max(var, 1e-8)) for a in row] for row in adv_all]
+    return adv_all, ret_all
+
+
+def _close5(got: torch.Tensor, expected: list[Any]) -> None:
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=F64), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quirk", [False, True])
+@pytest.mark.parametrize("estimator", ["gae", "reinforce", "rloo", "group_norm"])
+def test_lightrft_experiences_end_to_end(estimator: str, quirk: bool) -> None:
+    gamma, clip = 0.5, 1.0  # gamma exact in float32; the clip bites after normalisation
+    cfg = _resolve(
+        preset="lightrft",
+        advantage_estimator=estimator,
+        gamma=gamma,
+        experience_norm=True,
+        advantage_clip=clip,
+        reproduce_upstream_quirks=quirk,
+    )
+    assert cfg.shapes_whole_request == (estimator != "group_norm" or quirk)
+    raw = [1.0, 0.0, 30.0, -6.0]
+    batch = _batch(raw)
+    if estimator != "gae":
+        batch["values"] = None
+    out = shape_experience(cfg, group_size=2, max_new_tokens=A, experience_rows=2, **batch)
+    adv, ret = _lightrft_reference(estimator, raw, batch, gamma=gamma, clip=clip, quirk=quirk)
+    _close5(out.advantages, adv)
+    _close5(out.returns, ret)
+    if estimator == "group_norm":  # no advantages_norm, no whitening: only the clip
+        assert out.advantages.abs().max().item() <= clip
+
+
+def test_quirk_switch_is_per_framework() -> None:
+    quirky = _resolve(preset="lightrft", gamma=0.5, reproduce_upstream_quirks=True)
+    assert quirky.upstream_quirks == {"gamma_first_experience_only"}
+    assert (quirky.gamma_of_experience(0), quirky.gamma_of_experience(1)) == (0.5, 1.0)
+    assert quirky.shapes_whole_request
+    intent = _resolve(preset="lightrft", gamma=0.5)
+    assert not intent.upstream_quirks and intent.gamma_of_experience(3) == 0.5
+    assert not intent.shapes_whole_request  # group_norm: no request-wide statistics
+    # OpenRLHF and coati have no reproduced defect: the switch changes nothing.
+    for preset in ("openrlhf", "coati"):
+        assert not _resolve(preset=preset, reproduce_upstream_quirks=True).upstream_quirks
+
+
+def test_lightrft_gamma_quirk_differs_from_intent() -> None:
+    raw = [1.0, 0.0, 30.0, -6.0]
+    outs = []
+    for quirk in (False, True):
+        cfg = _resolve(
+            has_critic=False,
+            preset="lightrft",
+            advantage_estimator="reinforce",
+            gamma=0.5,
+            reproduce_upstream_quirks=quirk,
+        )
+        batch = {**_batch(raw), "values": None}
+        outs.append(
+            shape_experience(cfg, group_size=2, max_new_tokens=A, experience_rows=2, **batch)
+        )
+    # The first experience is the same; the second is discounted with 1.0 under the quirk.
+    torch.testing.assert_close(outs[0].returns[:2], outs[1].returns[:2])
+    assert not torch.allclose(outs[0].returns[2:], outs[1].returns[2:])

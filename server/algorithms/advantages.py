@@ -15,6 +15,8 @@ __all__ = [
     "WHITENINGS",
     "gae",
     "cumulative_returns",
+    "experience_slices",
+    "normalise_experiences",
     "whiten",
     "clip_advantages",
 ]
@@ -27,10 +29,12 @@ def gae(
     values: torch.Tensor,
     mask: torch.Tensor,
     *,
-    gamma: float,
+    gamma: float | torch.Tensor,
     lam: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over all A columns. (B, A) x 3 -> (advantages, returns)
+
+    gamma: one float, or (B,) per row (LightRFT's gamma quirk gives rows different discounts).
 
     V <- V * m and r <- r * m, then backwards with V_A = 0:
         delta_t = r_t + gamma * V_{t+1} - V_t
@@ -52,8 +56,13 @@ def gae(
     return advantages, advantages + values
 
 
-def cumulative_returns(rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float) -> torch.Tensor:
-    """REINFORCE returns G_t = r_t * m_t + gamma * G_{t+1}, G_A = 0. (B, A) x 2 -> (B, A)"""
+def cumulative_returns(
+    rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float | torch.Tensor
+) -> torch.Tensor:
+    """REINFORCE returns G_t = r_t * m_t + gamma * G_{t+1}, G_A = 0. (B, A) x 2 -> (B, A)
+
+    gamma: one float, or (B,) per row.
+    """
     rewards = rewards * mask.to(rewards.dtype)  # (B, A)
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])  # (B,)
@@ -95,6 +104,30 @@ def whiten(
         return centred
     std = advantages[mask.bool()].std()  # Bessel-corrected
     return centred / (std + eps)
+
+
+def experience_slices(num_rows: int, experience_rows: int | None) -> list[slice]:
+    """The row ranges of a request's experiences, in order: consecutive blocks of
+    experience_rows rows (the last may be shorter); None or 0: one experience of every row."""
+    if not experience_rows or experience_rows >= num_rows:
+        return [slice(0, num_rows)]
+    return [
+        slice(s, min(s + experience_rows, num_rows)) for s in range(0, num_rows, experience_rows)
+    ]
+
+
+def normalise_experiences(
+    advantages: torch.Tensor, mask: torch.Tensor, experience_rows: int | None, *, eps: float
+) -> torch.Tensor:
+    """LightRFT's advantages_norm: "unbiased" whitening of each experience on its own.
+
+    (B, A) x 2 -> (B, A). Each block of experience_rows rows gets (A - mean) / (std + eps)
+    with the mean and Bessel-corrected std of its valid entries, applied to all its columns.
+    """
+    out = advantages.clone()
+    for rows in experience_slices(advantages.shape[0], experience_rows):
+        out[rows] = whiten(advantages[rows], mask[rows], "unbiased", eps=eps)
+    return out
 
 
 def clip_advantages(advantages: torch.Tensor, clip: float) -> torch.Tensor:

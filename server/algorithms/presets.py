@@ -25,22 +25,32 @@ coati, OpenRLHF, LightRFT); the table lists every difference between them.
                                                  dr_grpo, r._baseline
     group advantage            broadcast over A  cumulative returns    cumulative returns
     overlong penalty variant   capped            capped (DAPO)         uncapped
+    advantage clip             after whitening   after whitening       per experience, before
+                                                                       the whitening
+    experience_norm applies to every estimator   every estimator       all but group_norm, cpgd
     log-probs / temperature    raw logits        logits / temperature  raw logits
     invalid log-prob columns   kept              zeroed                kept
 
 Where a framework has no such option (coati has no overlong penalty, dr_grpo, ...), its
 preset uses the nearest convention of that framework and the table says which.
 
-Reproduced quirks: coati's reward on every valid token, coati's logged KL with its d >= 10
+Reproduced conventions: coati's reward on every valid token, coati's logged KL with its d >= 10
 guard, OpenRLHF's whitening of masked columns and signed +-10 clamp of k1, LightRFT's uncapped
-overlong penalty. Deliberately NOT reproduced, because they are bugs rather than conventions:
-LightRFT popping gamma after the first micro-batch (every row here uses the configured gamma),
-LightRFT's CPGD estimator giving identically zero advantages (CPGD is not offered), LightRFT's
-second whitening in its replay buffer (trainer-side, and "grpo" vs "group_norm" naming), LightRFT's
-running reward normalisation (state across requests; not offered), and NaN for a
-zero-variance group or n = 1 (we return 0). Also different by design: the advantage clip is
-always applied after whitening (the proto's contract), where LightRFT clips before its
-cross-batch whitening.
+overlong penalty, and LightRFT's order of operations:
+per-experience normalisation (its advantages_norm: `experience_norm`), then the advantage clip,
+then the cross-batch whitening. An "experience" is LightRFT's Experience, one micro rollout
+batch; here it is one streamed micro-batch (BatchingOptions.micro_batch_size rows, whole
+groups), so shape_experience takes the request's micro-batch size (`experience_rows`).
+
+Upstream defects (QUIRKS, below, with their source locations) are NOT reproduced by default:
+the preset follows the framework's intent. A request that sets
+AlgorithmOptions.reproduce_upstream_quirks gets them bit for bit, so that a team migrating from
+the framework can check its numbers against ours (AlgorithmConfig.upstream_quirks).
+
+Also not reproduced, and not behind the switch because they are trainer-side or stateful:
+LightRFT's second whitening in its replay buffer (and its "grpo" vs "group_norm" naming),
+LightRFT's running reward normalisation (state across requests), LightRFT's CPGD estimator
+(not offered), and NaN for a zero-variance group or n = 1 (we return 0).
 """
 
 from __future__ import annotations
@@ -54,12 +64,25 @@ from .groups import ESTIMATORS, GROUP_ESTIMATORS
 
 __all__ = [
     "AlgorithmConfig",
+    "QUIRKS",
     "Preset",
     "PRESETS",
     "PRESET_NAMES",
     "DEFAULT_PRESET",
     "preset_config",
 ]
+
+
+QUIRKS: Mapping[str, str] = MappingProxyType(
+    {
+        # LightRFT, lightrft/trainer/fast_exp_maker.py, FastExperienceMaker's per-experience
+        # advantage loop (experience_math.md 3.5 step 5): `generate_kwargs.pop("gamma", 1.0)`
+        # inside the loop, so only the first experience of a step sees the configured gamma.
+        "gamma_first_experience_only": "lightrft",
+    }
+)
+"""Upstream defects that AlgorithmOptions.reproduce_upstream_quirks reproduces: name ->
+the preset (framework) that has it. The comment above each names its source."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +117,11 @@ class AlgorithmConfig:
     clip_filter_lambda: float  # weight of zero-variance prompts (LightRFT's `lamda`)
     logprobs_use_temperature: bool  # divide logits by the sampling temperature for log-probs
     zero_invalid_logprobs: bool  # store 0 in the log-prob columns outside the action mask
+    # LightRFT's advantages_norm: (A - mean) / (std_unbiased + whiten_eps) per experience.
+    experience_norm: bool
+    experience_norm_estimators: frozenset[str]  # estimators experience_norm applies to
+    clip_before_whitening: bool  # LightRFT: clip per experience, then the cross-batch whitening
+    upstream_quirks: frozenset[str]  # names from QUIRKS reproduced for this request
 
     @property
     def is_group_estimator(self) -> bool:
@@ -114,6 +142,27 @@ class AlgorithmConfig:
         """coati GRPO: one advantage per row over all columns; only when the KL is not per token."""
         return (
             self.broadcast_group_advantage and self.is_group_estimator and self.kl_mode != "reward"
+        )
+
+    def gamma_of_experience(self, index: int) -> float:
+        """The discount of the index-th experience of a request: effective_gamma, except for
+        LightRFT's quirk (gamma for the first experience, 1 after) when it is reproduced."""
+        if index > 0 and "gamma_first_experience_only" in self.upstream_quirks:
+            return 1.0
+        return self.effective_gamma
+
+    @property
+    def uses_experience_norm(self) -> bool:
+        return self.experience_norm and self.estimator in self.experience_norm_estimators
+
+    @property
+    def shapes_whole_request(self) -> bool:
+        """Whether shaping needs every row of the request at once: statistics over the request
+        (whitening) or over experiences, or the index of each experience (gamma quirk)."""
+        return (
+            self.effective_whitening != "none"
+            or self.uses_experience_norm
+            or "gamma_first_experience_only" in self.upstream_quirks
         )
 
     @property
@@ -140,6 +189,7 @@ class Preset:
     base: AlgorithmConfig
     estimator_without_critic: str
     overrides: Mapping[str, Mapping[str, Any]]  # estimator -> {AlgorithmConfig field: value}
+    quirks: frozenset[str] = frozenset()  # names from QUIRKS: this framework's defects
 
 
 _COATI = AlgorithmConfig(
@@ -171,6 +221,10 @@ _COATI = AlgorithmConfig(
     clip_filter_lambda=1.0,
     logprobs_use_temperature=False,
     zero_invalid_logprobs=False,
+    experience_norm=False,
+    experience_norm_estimators=frozenset(ESTIMATORS),
+    clip_before_whitening=False,
+    upstream_quirks=frozenset(),
 )
 
 _OPENRLHF = replace(
@@ -205,6 +259,9 @@ _LIGHTRFT = replace(
     gamma_one_estimators=frozenset({"reinforce_baseline"}),
     broadcast_group_advantage=False,
     overlong_variant="uncapped",
+    # LightRFT's GroupNormCalculator and CPGDCalculator have no advantages_norm step.
+    experience_norm_estimators=frozenset(ESTIMATORS) - {"group_norm", "cpgd"},
+    clip_before_whitening=True,
 )
 
 _COATI_GRPO = MappingProxyType({"kl_mode": "sequence", "reward_clip": 0.0})
@@ -221,6 +278,7 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
             _LIGHTRFT,
             "group_norm",
             MappingProxyType({"gae": MappingProxyType({"whiten_eps": 1e-9})}),
+            frozenset(name for name, preset in QUIRKS.items() if preset == "lightrft"),
         ),
     }
 )
@@ -240,9 +298,14 @@ sampling temperature of 1.
 
 
 def preset_config(
-    name: str, estimator: str | None = None, *, has_critic: bool = True
+    name: str,
+    estimator: str | None = None,
+    *,
+    has_critic: bool = True,
+    reproduce_upstream_quirks: bool = False,
 ) -> AlgorithmConfig:
-    """A preset's config for an estimator (default: the preset's own for this critic setup)."""
+    """A preset's config for an estimator (default: the preset's own for this critic setup);
+    with reproduce_upstream_quirks, the framework's defects too (QUIRKS)."""
     preset = PRESETS[name]
     if estimator is None:
         estimator = preset.base.estimator
@@ -250,4 +313,10 @@ def preset_config(
             estimator = preset.estimator_without_critic
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator {estimator!r}; expected one of {ESTIMATORS}")
-    return replace(preset.base, estimator=estimator, **preset.overrides.get(estimator, {}))
+    quirks = preset.quirks if reproduce_upstream_quirks else frozenset()
+    return replace(
+        preset.base,
+        estimator=estimator,
+        upstream_quirks=quirks,
+        **preset.overrides.get(estimator, {}),
+    )

@@ -72,6 +72,8 @@ def _request_values(options: rollout_pb2.AlgorithmOptions) -> dict[str, Any]:
         values["whiten_estimators"] = frozenset(ESTIMATORS)
     if options.dynamic_sampling:
         values["dynamic_sampling"] = True
+    if options.experience_norm:
+        values["experience_norm"] = True
     if options.HasField("overlong_buffer"):
         if options.overlong_buffer < 0:
             raise InvalidArgument(
@@ -97,7 +99,12 @@ def resolve_algorithm(
     estimator = None
     if options.advantage_estimator:
         estimator = _choice("advantage_estimator", options.advantage_estimator, ESTIMATORS)
-    config = preset_config(preset, estimator, has_critic=has_critic)
+    config = preset_config(
+        preset,
+        estimator,
+        has_critic=has_critic,
+        reproduce_upstream_quirks=options.reproduce_upstream_quirks,
+    )
     config = replace(config, **_request_values(options))
     if config.needs_critic and not has_critic:
         raise FailedPrecondition(

@@ -12,8 +12,14 @@ order OpenRLHF and LightRFT apply their steps; coati's two branches are special 
     (the KL of step 2 keeps the original mask, as in LightRFT, which computes it earlier);
  6. group estimator on the scalar reward, then the reward clip;
  7. token reward: placed scalar, minus beta * KL when kl_mode is "reward";
- 8. advantages: coati's broadcast of the group advantage, GAE, or cumulative returns;
- 9. whitening (if it applies to the estimator), then the advantage clip.
+ 8. advantages: coati's broadcast of the group advantage, GAE, or cumulative returns, with
+    each experience's discount (AlgorithmConfig.gamma_of_experience);
+ 9. LightRFT's per-experience normalisation (experience_norm), then the whitening (if it
+    applies to the estimator) and the advantage clip, in the preset's order: LightRFT clips
+    each experience before its cross-batch whitening, the others clip after whitening.
+
+An experience is a block of `experience_rows` consecutive rows (the request's micro-batch);
+without it all B rows are one experience.
 """
 
 from __future__ import annotations
@@ -22,7 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .advantages import clip_advantages, cumulative_returns, gae, whiten
+from .advantages import (
+    clip_advantages,
+    cumulative_returns,
+    experience_slices,
+    gae,
+    normalise_experiences,
+    whiten,
+)
 from .filters import (
     clip_filter_weights,
     dynamic_sampling_mask,
@@ -97,12 +110,27 @@ def _token_kl(
     return kl, kl
 
 
+def _row_gammas(
+    cfg: AlgorithmConfig, like: torch.Tensor, experience_rows: int | None
+) -> float | torch.Tensor:
+    """The discount of every row: one float, or (B,) when experiences differ (gamma quirk)."""
+    slices = experience_slices(like.shape[0], experience_rows)
+    gammas = [cfg.gamma_of_experience(i) for i in range(len(slices))]
+    if len(set(gammas)) == 1:
+        return gammas[0]
+    per_row = torch.empty(like.shape[0], dtype=like.dtype, device=like.device)  # (B,)
+    for rows, gamma in zip(slices, gammas, strict=True):
+        per_row[rows] = gamma
+    return per_row
+
+
 def _advantages(
     cfg: AlgorithmConfig,
     shaped: torch.Tensor,
     rewards_bt: torch.Tensor,
     values: torch.Tensor | None,
     mask: torch.Tensor,
+    gamma: float | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) before whitening; all (B, A)."""
     if cfg.broadcasts_sequence_advantage:
@@ -112,8 +140,8 @@ def _advantages(
     if cfg.estimator == "gae":
         if values is None:
             raise ValueError("estimator 'gae' needs values (B, A) from the critic")
-        return gae(rewards_bt, values, mask, gamma=cfg.effective_gamma, lam=cfg.lam)
-    returns = cumulative_returns(rewards_bt, mask, gamma=cfg.effective_gamma)
+        return gae(rewards_bt, values, mask, gamma=gamma, lam=cfg.lam)
+    returns = cumulative_returns(rewards_bt, mask, gamma=gamma)
     return returns.clone(), returns
 
 
@@ -159,6 +187,20 @@ def _extras(
     return extras
 
 
+def _normalise(
+    cfg: AlgorithmConfig, advantages: torch.Tensor, mask: torch.Tensor, experience_rows: int | None
+) -> torch.Tensor:
+    """Step 9: experience normalisation, whitening and the clip, in the preset's order."""
+    if cfg.uses_experience_norm:
+        advantages = normalise_experiences(advantages, mask, experience_rows, eps=cfg.whiten_eps)
+    if cfg.clip_before_whitening:
+        advantages = clip_advantages(advantages, cfg.advantage_clip)
+    advantages = whiten(advantages, mask, cfg.effective_whitening, eps=cfg.whiten_eps)
+    if not cfg.clip_before_whitening:
+        advantages = clip_advantages(advantages, cfg.advantage_clip)
+    return advantages
+
+
 # Over 60 lines only through its keyword signature, docstring and the named result: the body is
 # the numbered steps of the module docstring, in order, one line (or call) each.
 def shape_experience(
@@ -172,10 +214,13 @@ def shape_experience(
     group_size: int,
     max_new_tokens: int,
     entropy: torch.Tensor | None = None,
+    experience_rows: int | None = None,
 ) -> ShapedExperience:
     """KL, token rewards, advantages and returns of B rows (whole groups, consecutive).
 
-    Whitening statistics span all B rows, so pass the whole request, not one micro-batch.
+    Whitening statistics span all B rows, so pass the whole request, not one micro-batch
+    (cfg.shapes_whole_request says when that matters); experience_rows: rows per experience
+    (the request's micro-batch size), None: one experience.
     Raises ValueError for inputs that break this function's contract (shapes, missing tensors,
     rows that are not whole groups, a group too small for the estimator).
     """
@@ -201,9 +246,9 @@ def shape_experience(
         kl=kl if cfg.kl_mode == "reward" else None,
         kl_coef=cfg.kl_coef,
     )  # (B, A)
-    advantages, returns = _advantages(cfg, shaped, rewards_bt, values, shaped_mask)
-    advantages = whiten(advantages, shaped_mask, cfg.effective_whitening, eps=cfg.whiten_eps)
-    advantages = clip_advantages(advantages, cfg.advantage_clip)
+    gamma = _row_gammas(cfg, shaped, experience_rows)  # float or (B,)
+    advantages, returns = _advantages(cfg, shaped, rewards_bt, values, shaped_mask, gamma)
+    advantages = _normalise(cfg, advantages, shaped_mask, experience_rows)
 
     info = {
         "kl": masked_row_mean(kl_out, mask),  # (B,)

@@ -149,7 +149,7 @@ class NaiveExperienceMaker:
                 f"min_policy_version: {spec.min_policy_version} requested, the actor is at "
                 f"version {policy_version}"
             )
-        whole_request = spec.algorithm.effective_whitening != "none"
+        whole_request = spec.algorithm.shapes_whole_request
         held: list[ScoredBatch] = []  # whitening statistics span every row of the request
         micro_batches = MicroBatcher(spec.micro_batch_rows, self.pad_token_id)
         for index, rows in enumerate(generation_batches(spec)):

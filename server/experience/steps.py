@@ -217,6 +217,7 @@ def shape_batch(spec: ExperienceSpec, scored: ScoredBatch, policy_version: int) 
             group_size=spec.samples_per_prompt,
             max_new_tokens=spec.sampling.max_new_tokens,
             entropy=scored.entropy,
+            experience_rows=spec.micro_batch_rows,
         )
     times, key = dict(scored.times), phase_key("shape")
     if key in times:  # spread over the rows shaped together (the whole request when whitened)
