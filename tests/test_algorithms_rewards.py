@@ -9,6 +9,9 @@ from rollserve.server.algorithms import (
     last_valid_column,
     overlong_penalty,
     place_reward,
+    response_length,
+    response_span,
+    stop_properly_penalty,
     token_rewards,
 )
 
@@ -79,3 +82,20 @@ def test_overlong_penalty_disabled() -> None:
     assert overlong_penalty(
         lengths, max_new_tokens=10, buffer_tokens=4, factor=0.0, variant="uncapped"
     ).tolist() == [0.0]
+
+
+def test_response_span_counts_gaps_and_count_does_not() -> None:
+    gaps = torch.tensor([[1, 0, 0, 1], [0, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    assert response_span(gaps).tolist() == [4, 2, 0, 4]
+    assert response_length(gaps, "span", F64).tolist() == [4.0, 2.0, 0.0, 4.0]
+    assert response_length(gaps, "count", F64).tolist() == [2.0, 2.0, 0.0, 4.0]
+    with pytest.raises(ValueError, match="overlong length"):
+        response_length(gaps, "tokens", F64)
+
+
+def test_stop_properly_penalty_overrides_or_scales_truncated_rows() -> None:
+    reward = torch.tensor([2.0, -1.0, 0.5], dtype=F64)
+    truncated = torch.tensor([True, True, False])
+    assert stop_properly_penalty(reward, truncated, -0.5).tolist() == [-0.5, -0.5, 0.5]
+    assert stop_properly_penalty(reward, truncated, 0.25).tolist() == [0.5, -0.25, 0.5]
+    assert stop_properly_penalty(reward, truncated, 0.0).tolist() == [0.0, 0.0, 0.5]

@@ -187,6 +187,9 @@ def test_coati_broadcast_only_without_per_token_kl() -> None:
         ({"overlong_factor": -1.0}, "algorithm.overlong_factor"),
         ({"overlong_factor": 1.0}, "algorithm.overlong_buffer"),
         ({"clip_filter_eps": -1.0}, "algorithm.clip_filter_eps"),
+        ({"stop_properly_penalty": math.nan}, "algorithm.stop_properly_penalty"),
+        ({"stop_properly_penalty": math.inf}, "algorithm.stop_properly_penalty"),
+        ({"overlong_length": "tokens"}, "algorithm.overlong_length"),
     ],
 )
 def test_invalid_options_name_the_field(options: dict[str, Any], field: str) -> None:
@@ -213,6 +216,7 @@ def test_every_algorithm_option_of_the_proto_is_resolved() -> None:
         "kl_mode", "reward_placement", "reward_clip", "whitening", "advantage_clip",
         "group_std_eps", "high_entropy_token_ratio", "dynamic_sampling", "overlong_buffer",
         "overlong_factor", "clip_filter_eps", "reproduce_upstream_quirks", "experience_norm",
+        "stop_properly_penalty", "overlong_length",
     }  # fmt: skip
     assert {f.name for f in pb.AlgorithmOptions.DESCRIPTOR.fields} == handled
     cfg = _resolve(
@@ -700,3 +704,84 @@ def test_lightrft_gamma_quirk_differs_from_intent() -> None:
     # The first experience is the same; the second is discounted with 1.0 under the quirk.
     torch.testing.assert_close(outs[0].returns[:2], outs[1].returns[:2])
     assert not torch.allclose(outs[0].returns[2:], outs[1].returns[2:])
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenRLHF's length penalties on multi-turn rows: overlong by response span, ProRL truncation
+# ---------------------------------------------------------------------------------------------
+
+# Action masks with gaps (environment tokens between turns), as OpenRLHF's agent rows have.
+GAP_MASKS = [[1, 1, 0, 1], [1, 0, 0, 0], [0, 1, 1, 0], [1, 0, 1, 0]]
+TRUNCATED = [True, False, True, False]
+
+
+@pytest.mark.parametrize("coef", [-0.5, 0.5])
+def test_openrlhf_reinforce_baseline_with_penalties_end_to_end(coef: float) -> None:
+    clip = 1.25  # exact in float32, as the proto carries it
+    cfg = _resolve(
+        has_critic=False,
+        preset="openrlhf",
+        advantage_estimator="reinforce_baseline",
+        gamma=0.5,  # forced to 1 for reinforce_baseline by OpenRLHF
+        overlong_buffer=2,
+        overlong_factor=1.0,
+        stop_properly_penalty=coef,
+        advantage_clip=clip,
+    )
+    raw = [1.0, 0.0, 30.0, -6.0]
+    batch = {**_batch(raw), "values": None}
+    batch["action_mask"] = torch.tensor(GAP_MASKS, dtype=torch.bool)
+    out = shape_experience(
+        cfg,
+        group_size=2,
+        max_new_tokens=A,
+        truncated=torch.tensor(TRUNCATED),
+        **batch,
+    )
+    lp, ref, _ = _lists(batch)
+    beta, masks = 0.01, GAP_MASKS
+    penalised = []
+    for i, m in enumerate(masks):
+        cols = [t for t in range(A) if m[t]]
+        span = cols[-1] - cols[0] + 1  # response_length: first to last action column
+        excess = min(span - (A - 2), 2)  # DAPO, capped at the buffer
+        r = raw[i] + (-excess / 2 * 1.0 if excess > 0 else 0.0)
+        if TRUNCATED[i]:  # ProRL: a fixed reward when c < 0, else scaled
+            r = coef if coef < 0 else r * coef
+        penalised.append(r)
+    shaped = []
+    for g in (0, 2):
+        mean = sum(penalised[g : g + 2]) / 2
+        shaped += [min(max(x - mean, -10.0), 10.0) for x in penalised[g : g + 2]]
+    rows = []
+    for i, m in enumerate(masks):
+        kl = [min(max(lp[i][t] * m[t] - ref[i][t] * m[t], -10.0), 10.0) for t in range(A)]
+        last = max(t for t in range(A) if m[t])
+        r = [-beta * kl[t] + (shaped[i] if t == last else 0.0) for t in range(A)]
+        rows.append(_reverse_returns(r, m, 1.0))
+    valid = [
+        a for row, m in zip(rows, masks, strict=True) for a, k in zip(row, m, strict=True) if k
+    ]
+    mean = sum(valid) / len(valid)
+    var = sum((a - mean) ** 2 for a in valid) / len(valid)
+    expected = [
+        [min(max((a - mean) / math.sqrt(max(var, 1e-8)), -clip), clip) for a in row] for row in rows
+    ]  # whitened, then clipped (OpenRLHF's order)
+    _close5(out.reward, penalised)
+    _close5(out.returns, rows)
+    _close5(out.advantages, expected)
+    assert (out.advantages.abs() == clip).any()  # the clip bites
+
+
+def test_overlong_length_follows_the_preset_and_the_request() -> None:
+    assert _resolve(preset="openrlhf").overlong_length == "span"
+    assert _resolve(preset="coati").overlong_length == "span"
+    assert _resolve(preset="lightrft").overlong_length == "count"
+    assert _resolve(preset="lightrft", overlong_length="span").overlong_length == "span"
+    assert _resolve(preset="openrlhf").stop_properly_penalty is None  # off unless asked
+
+
+def test_stop_properly_penalty_needs_truncated() -> None:
+    cfg = _resolve(has_critic=False, stop_properly_penalty=0.0)
+    with pytest.raises(ValueError, match="truncated"):
+        _run(cfg, {**_batch([1.0, 0.0, 2.0, 0.5]), "values": None})

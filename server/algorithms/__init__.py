@@ -31,7 +31,7 @@ from .kl import (
     kl_estimate,
     sequence_kl_reward,
 )
-from .masking import last_valid_column, masked_row_mean
+from .masking import last_valid_column, masked_row_mean, response_span
 from .presets import (
     DEFAULT_PRESET,
     PRESET_NAMES,
@@ -41,11 +41,14 @@ from .presets import (
 )
 from .resolve import KL_MODES, resolve_algorithm
 from .rewards import (
+    OVERLONG_LENGTHS,
     OVERLONG_VARIANTS,
     REWARD_PLACEMENTS,
     clip_reward,
     overlong_penalty,
     place_reward,
+    response_length,
+    stop_properly_penalty,
     token_rewards,
 )
 from .shaping import ShapedExperience, shape_experience
@@ -57,6 +60,7 @@ __all__ = [
     "GROUP_ESTIMATORS",
     "KL_ESTIMATORS",
     "KL_MODES",
+    "OVERLONG_LENGTHS",
     "OVERLONG_VARIANTS",
     "PRESETS",
     "PRESET_NAMES",
@@ -80,8 +84,11 @@ __all__ = [
     "place_reward",
     "preset_config",
     "resolve_algorithm",
+    "response_length",
+    "response_span",
     "sequence_kl_reward",
     "shape_experience",
+    "stop_properly_penalty",
     "token_rewards",
     "whiten",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["masked_row_mean", "last_valid_column", "float_dtype"]
+__all__ = ["masked_row_mean", "last_valid_column", "response_span", "float_dtype"]
 
 
 def float_dtype(x: torch.Tensor) -> torch.dtype:
@@ -33,3 +33,16 @@ def last_valid_column(mask: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(1, num_actions + 1, device=mask.device)  # (A,) 1-based
     last = (mask.bool().long() * positions).amax(dim=-1) - 1  # (B,) -1 for empty rows
     return torch.where(last < 0, torch.full_like(last, num_actions - 1), last)
+
+
+def response_span(mask: torch.Tensor) -> torch.Tensor:
+    """Columns from the first to the last valid one, inclusive, per row; 0 for an empty row.
+
+    mask: (B, A) -> (B,) int64. OpenRLHF's response_length: it counts the gap columns of a
+    multi-turn row (environment tokens between turns), which the count of valid columns skips.
+    """
+    valid = mask.bool()
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(valid)  # (B, A)
+    last = torch.where(valid, positions, torch.full_like(positions, -1)).amax(dim=-1)  # (B,)
+    first = torch.where(valid, positions, torch.full_like(positions, mask.shape[-1])).amin(dim=-1)
+    return torch.where(valid.any(dim=-1), last - first + 1, torch.zeros_like(last))

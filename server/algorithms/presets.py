@@ -25,6 +25,7 @@ coati, OpenRLHF, LightRFT); the table lists every difference between them.
                                                  dr_grpo, r._baseline
     group advantage            broadcast over A  cumulative returns    cumulative returns
     overlong penalty variant   capped            capped (DAPO)         uncapped
+    overlong length            response span     response span         valid columns
     advantage clip             after whitening   after whitening       per experience, before
                                                                        the whitening
     experience_norm applies to every estimator   every estimator       all but group_norm, cpgd
@@ -35,8 +36,11 @@ Where a framework has no such option (coati has no overlong penalty, dr_grpo, ..
 preset uses the nearest convention of that framework and the table says which.
 
 Reproduced conventions: coati's reward on every valid token, coati's logged KL with its d >= 10
-guard, OpenRLHF's whitening of masked columns and signed +-10 clamp of k1, LightRFT's uncapped
-overlong penalty, and LightRFT's order of operations:
+guard, OpenRLHF's whitening of masked columns and signed +-10 clamp of k1, OpenRLHF's overlong
+length as the response span (first to last action column, so a multi-turn mask's gaps count)
+and its ProRL truncation penalty (stop_properly_penalty, off by default as upstream),
+LightRFT's uncapped overlong penalty on the count of valid columns, and LightRFT's order of
+operations:
 per-experience normalisation (its advantages_norm: `experience_norm`), then the advantage clip,
 then the cross-batch whitening. An "experience" is LightRFT's Experience, one micro rollout
 batch; here it is one streamed micro-batch (BatchingOptions.micro_batch_size rows, whole
@@ -121,6 +125,8 @@ class AlgorithmConfig:
     experience_norm: bool
     experience_norm_estimators: frozenset[str]  # estimators experience_norm applies to
     clip_before_whitening: bool  # LightRFT: clip per experience, then the cross-batch whitening
+    overlong_length: str  # one of rewards.OVERLONG_LENGTHS: "span" (OpenRLHF) | "count"
+    stop_properly_penalty: float | None  # ProRL: truncated rows' R <- c if c < 0 else R * c
     upstream_quirks: frozenset[str]  # names from QUIRKS reproduced for this request
 
     @property
@@ -224,6 +230,8 @@ _COATI = AlgorithmConfig(
     experience_norm=False,
     experience_norm_estimators=frozenset(ESTIMATORS),
     clip_before_whitening=False,
+    overlong_length="span",
+    stop_properly_penalty=None,
     upstream_quirks=frozenset(),
 )
 
@@ -259,6 +267,7 @@ _LIGHTRFT = replace(
     gamma_one_estimators=frozenset({"reinforce_baseline"}),
     broadcast_group_advantage=False,
     overlong_variant="uncapped",
+    overlong_length="count",
     # LightRFT's GroupNormCalculator and CPGDCalculator have no advantages_norm step.
     experience_norm_estimators=frozenset(ESTIMATORS) - {"group_norm", "cpgd"},
     clip_before_whitening=True,

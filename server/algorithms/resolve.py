@@ -16,7 +16,7 @@ from .advantages import WHITENINGS
 from .groups import ESTIMATORS
 from .kl import KL_ESTIMATORS
 from .presets import PRESET_NAMES, AlgorithmConfig, preset_config
-from .rewards import REWARD_PLACEMENTS
+from .rewards import OVERLONG_LENGTHS, REWARD_PLACEMENTS
 
 __all__ = ["KL_MODES", "resolve_algorithm"]
 
@@ -35,6 +35,9 @@ _FLOAT_FIELDS: dict[str, tuple[str, float, float]] = {
     "overlong_factor": ("overlong_factor", 0.0, math.inf),
     "clip_filter_eps": ("clip_filter_eps", 0.0, math.inf),
 }
+
+
+_MAX = 3.4028234663852886e38  # the largest finite float32: a proto float beyond it is inf
 
 
 def _choice(field: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -74,6 +77,13 @@ def _request_values(options: rollout_pb2.AlgorithmOptions) -> dict[str, Any]:
         values["dynamic_sampling"] = True
     if options.experience_norm:
         values["experience_norm"] = True
+    if options.HasField("stop_properly_penalty"):
+        coef = options.stop_properly_penalty
+        values["stop_properly_penalty"] = _bounded("stop_properly_penalty", coef, -_MAX, _MAX)
+    if options.overlong_length:
+        values["overlong_length"] = _choice(
+            "overlong_length", options.overlong_length, OVERLONG_LENGTHS
+        )
     if options.HasField("overlong_buffer"):
         if options.overlong_buffer < 0:
             raise InvalidArgument(

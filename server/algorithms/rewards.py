@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from .masking import last_valid_column
+from .masking import last_valid_column, response_span
 
 __all__ = [
     "REWARD_PLACEMENTS",
     "OVERLONG_VARIANTS",
+    "OVERLONG_LENGTHS",
     "clip_reward",
+    "response_length",
+    "stop_properly_penalty",
     "overlong_penalty",
     "place_reward",
     "token_rewards",
@@ -29,6 +32,10 @@ REWARD_PLACEMENTS = ("last", "every")
 # "capped": OpenRLHF's DAPO penalty, never below -factor. "uncapped": LightRFT's, which only
 # clamps at 0 from above and so keeps falling past -factor when the length exceeds the budget.
 OVERLONG_VARIANTS = ("capped", "uncapped")
+# The response length the overlong penalty measures: "span" (OpenRLHF's response_length, first
+# to last action column) or "count" (LightRFT's sum of the action mask). They differ only for a
+# mask with gaps (multi-turn rows).
+OVERLONG_LENGTHS = ("span", "count")
 
 
 def clip_reward(reward: torch.Tensor, clip: float) -> torch.Tensor:
@@ -66,6 +73,27 @@ def overlong_penalty(
             f"unknown overlong variant {variant!r}; expected one of {OVERLONG_VARIANTS}"
         )
     return penalty  # (B,)
+
+
+def response_length(mask: torch.Tensor, measure: str, dtype: torch.dtype) -> torch.Tensor:
+    """The length the overlong penalty measures, as `dtype`. (B, A) -> (B,)"""
+    if measure == "span":
+        return response_span(mask).to(dtype)
+    if measure == "count":
+        return mask.bool().sum(dim=-1).to(dtype)
+    raise ValueError(f"unknown overlong length {measure!r}; expected one of {OVERLONG_LENGTHS}")
+
+
+def stop_properly_penalty(
+    reward: torch.Tensor, truncated: torch.Tensor, coef: float
+) -> torch.Tensor:
+    """ProRL's truncation penalty (OpenRLHF's stop_properly_penalty_coef). (B,) x 2 -> (B,)
+
+    For the rows truncated by the token budget: R <- coef when coef < 0 (a fixed penalty),
+    else R * coef (coef = 0 zeroes their reward, 1 keeps it). Other rows are unchanged.
+    """
+    penalised = torch.full_like(reward, coef) if coef < 0 else reward * coef
+    return torch.where(truncated.bool(), penalised, reward)
 
 
 def place_reward(reward: torch.Tensor, mask: torch.Tensor, placement: str) -> torch.Tensor:

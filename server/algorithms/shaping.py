@@ -5,7 +5,8 @@ order OpenRLHF and LightRFT apply their steps; coati's two branches are special 
 
  1. zero the log-probs outside the action mask (zero_invalid_logprobs, OpenRLHF);
  2. per-token KL (B, A) with the configured estimator, mask-first and clamp;
- 3. overlong penalty on the scalar reward (length = valid action columns);
+ 3. overlong penalty on the scalar reward (length: the response span or the count of valid
+    action columns), then ProRL's truncation penalty (stop_properly_penalty);
  4. kl_mode "sequence": add -beta * masked mean KL to the scalar reward (coati GRPO);
     the result is the stored `reward`;
  5. dynamic sampling: zero the action mask of groups whose raw rewards are all 0 or all 1
@@ -45,7 +46,13 @@ from .groups import group_shaped_reward
 from .kl import coati_logged_kl, kl_estimate, sequence_kl_reward
 from .masking import float_dtype, masked_row_mean
 from .presets import AlgorithmConfig
-from .rewards import clip_reward, overlong_penalty, token_rewards
+from .rewards import (
+    clip_reward,
+    overlong_penalty,
+    response_length,
+    stop_properly_penalty,
+    token_rewards,
+)
 
 __all__ = ["ShapedExperience", "shape_experience"]
 
@@ -83,12 +90,17 @@ def _check_inputs(
     if log_probs.shape[0] % group_size != 0:
         raise ValueError(f"{log_probs.shape[0]} rows are not whole groups of {group_size}")
     for name, tensor in others.items():
-        if tensor is not None and tensor.shape != log_probs.shape:
+        if name != "truncated" and tensor is not None and tensor.shape != log_probs.shape:
             raise ValueError(f"{name} {tuple(tensor.shape)} must match action_log_probs (B, A)")
     if others["base_action_log_probs"] is None and cfg.needs_reference:
         raise ValueError("kl_coef > 0 needs base_action_log_probs from the reference model")
     if others["entropy"] is None and cfg.needs_entropy:
         raise ValueError("high_entropy_token_ratio > 0 needs the action entropy")
+    truncated = others["truncated"]
+    if cfg.stop_properly_penalty is not None and truncated is None:
+        raise ValueError("stop_properly_penalty needs truncated (B,)")
+    if truncated is not None and truncated.shape != rewards.shape:
+        raise ValueError(f"truncated {tuple(truncated.shape)} must be (B,)")
 
 
 def _token_kl(
@@ -151,17 +163,20 @@ def _scalar_reward(
     kl: torch.Tensor,
     mask: torch.Tensor,
     max_new_tokens: int,
+    truncated: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(stored reward (B,), sequence KL term (B,) or None): steps 3 and 4."""
     reward = rewards.to(kl.dtype)  # (B,)
     if cfg.uses_overlong_penalty:
         reward = reward + overlong_penalty(
-            mask.sum(dim=-1).to(kl.dtype),
+            response_length(mask, cfg.overlong_length, kl.dtype),
             max_new_tokens=max_new_tokens,
             buffer_tokens=cfg.overlong_buffer,
             factor=cfg.overlong_factor,
             variant=cfg.overlong_variant,
         )
+    if cfg.stop_properly_penalty is not None and truncated is not None:
+        reward = stop_properly_penalty(reward, truncated, cfg.stop_properly_penalty)
     if cfg.kl_mode != "sequence":
         return reward, None
     sequence_kl = sequence_kl_reward(kl, mask, cfg.kl_coef)  # (B,)
@@ -215,16 +230,23 @@ def shape_experience(
     max_new_tokens: int,
     entropy: torch.Tensor | None = None,
     experience_rows: int | None = None,
+    truncated: torch.Tensor | None = None,
 ) -> ShapedExperience:
     """KL, token rewards, advantages and returns of B rows (whole groups, consecutive).
 
     Whitening statistics span all B rows, so pass the whole request, not one micro-batch
     (cfg.shapes_whole_request says when that matters); experience_rows: rows per experience
-    (the request's micro-batch size), None: one experience.
+    (the request's micro-batch size), None: one experience. truncated: (B,) bool, the rows
+    that hit the token budget (needed by stop_properly_penalty).
     Raises ValueError for inputs that break this function's contract (shapes, missing tensors,
     rows that are not whole groups, a group too small for the estimator).
     """
-    others = {"base_action_log_probs": base_action_log_probs, "values": values, "entropy": entropy}
+    others = {
+        "base_action_log_probs": base_action_log_probs,
+        "values": values,
+        "entropy": entropy,
+        "truncated": truncated,
+    }
     _check_inputs(cfg, group_size, action_log_probs, action_mask, rewards, others)
     dtype = float_dtype(action_log_probs)
     mask = action_mask.bool()
@@ -235,7 +257,7 @@ def shape_experience(
         ref = None if ref is None else ref * mask
 
     kl, kl_out = _token_kl(cfg, log_probs, ref, mask)  # (B, A) x 2
-    reward, sequence_kl = _scalar_reward(cfg, rewards, kl, mask, max_new_tokens)  # (B,)
+    reward, sequence_kl = _scalar_reward(cfg, rewards, kl, mask, max_new_tokens, truncated)
     shaped_mask = dynamic_sampling_mask(rewards, mask, group_size) if cfg.dynamic_sampling else mask
     shaped = group_shaped_reward(reward, group_size, cfg.estimator, eps=cfg.group_std_eps)
     shaped = clip_reward(shaped, cfg.reward_clip)  # (B,)

@@ -218,6 +218,7 @@ def shape_batch(spec: ExperienceSpec, scored: ScoredBatch, policy_version: int) 
             max_new_tokens=spec.sampling.max_new_tokens,
             entropy=scored.entropy,
             experience_rows=spec.micro_batch_rows,
+            truncated=generation.truncated,
         )
     times, key = dict(scored.times), phase_key("shape")
     if key in times:  # spread over the rows shaped together (the whole request when whitened)
