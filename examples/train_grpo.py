@@ -219,9 +219,13 @@ def train(
     generator = torch.Generator().manual_seed(config.seed)
     policy = load_policy(config)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr, weight_decay=0.0)
+    # Ready first: a spawned server is still loading, and a "dist" pusher joins it to a group.
+    served_version = sync_server(client, policy)
     pusher = WeightPusher(client, config)
     try:
-        return _train_steps(config, client, policy, optimizer, generator, pusher, log)
+        return _train_steps(
+            config, client, policy, optimizer, generator, pusher, served_version, log
+        )
     finally:
         pusher.close()
 
@@ -233,11 +237,12 @@ def _train_steps(
     optimizer: torch.optim.Optimizer,
     generator: torch.Generator,
     pusher: WeightPusher,
+    served_version: int,
     log: Callable[[str], None],
 ) -> list[StepStats]:
     # Push the initial policy so the server samples from exactly our weights (one full update
     # above whatever version a running server is at).
-    version = pusher.push(policy, sync_server(client, policy) + 1)
+    version = pusher.push(policy, served_version + 1)
     history: list[StepStats] = []
     for step in range(config.steps):
         started_s = time.monotonic()

@@ -140,12 +140,15 @@ def test_trainer_learns_against_a_running_default_server(
     assert any(line.startswith("step ") for line in lines)
 
 
+# Every transport against the server the script has just spawned: the trainer must wait for it
+# to load (a "dist" group formed before it served was refused, then hung in the store).
 @pytest.mark.slow
-def test_cli_spawns_its_own_server_by_default(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["auto", "grpc", "shm", "dist"])
+def test_cli_spawns_its_own_server_by_default(tmp_path: Path, transport: str) -> None:
     command = [sys.executable, str(EXAMPLES / "train_grpo.py"), "--out", str(tmp_path)]
     command += ["--steps", "2", "--prompts-per-step", "2", "--samples-per-prompt", "2"]
-    command += ["--max-new-tokens", "4", "--no-plot"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    command += ["--max-new-tokens", "4", "--no-plot", "--transport", transport]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "spawned server at 127.0.0.1:" in result.stdout
     steps = json.loads((tmp_path / "curve.json").read_text())["steps"]

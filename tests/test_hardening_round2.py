@@ -14,6 +14,9 @@ projections). Checked, each bounded in time:
   call ends soon after the cap, at most MAX_JOINING run at once, and Health and grpc.health.v1
   answer meanwhile; a caller that cancels frees its join at once; SIGTERM ends a server process
   whose rendezvous is stuck inside c10d within its grace.
+* WeightsGroup: one formed against a server process started a moment ago (not yet listening,
+  then loading) waits for it and works; one that a server refuses fails at once (well under the
+  store's timeout), frees its store's port and join thread, and the next attempt works.
 * Parallel parts: 16 part-1 headers of updates whose part 0 never comes hold at most
   MAX_WAITING_PARTS handler threads (the rest are RESOURCE_EXHAUSTED at once); the probes answer
   and a normal update succeeds meanwhile.
@@ -24,6 +27,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,9 +39,11 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers_server import free_port, rss_bytes, start_server_process
+from helpers_server import ServerProcess, free_port, rss_bytes, start_server_process
 from helpers_weights import state_hash, update_weights_requests
-from rollserve.client.protocol.errors import ResourceExhausted
+from rollserve.client import RolloutClient
+from rollserve.client.protocol.errors import ResourceExhausted, RolloutError
+from rollserve.client.weights.distributed import WeightsGroup
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, load_models
 from rollserve.server.serving.app import RolloutServer
@@ -99,6 +107,10 @@ def _assert_probes_answer(channel: grpc.Channel) -> None:
         health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_S
     )
     assert check.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _version_of(client: RolloutClient) -> int:
+    return client.health().policy_version
 
 
 def _update_error(channel: grpc.Channel, requests: list[pb.UpdateWeightsRequest]) -> grpc.RpcError:
@@ -393,3 +405,80 @@ def test_sigterm_ends_the_process_while_a_rendezvous_is_stuck() -> None:
                     call.result(timeout=CALL_S)
         finally:
             proc.terminate_and_wait()
+
+
+# ---- the example trainer's race: a WeightsGroup and a server still loading -----------------------
+
+
+def _spawn_unready(*args: str) -> tuple[ServerProcess, int]:
+    """A server process on a chosen port, returned at once: not listening yet, then loading."""
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix="rollserve-unready-"))
+    command = [sys.executable, "-m", "rollserve.server", "serve", "--host", "127.0.0.1"]
+    command += ["--port", str(port), *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSERVE_")}
+    with open(workdir / "server.log", "wb") as log:
+        proc = ServerProcess(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = workdir / "server.log"
+    return proc, port
+
+
+def _q0_update(models: ModelSet, scale: float) -> dict[str, torch.Tensor]:
+    return {Q0 + ".weight": models.actor.module.get_submodule(Q0).weight.detach() * scale}
+
+
+def test_a_weights_group_waits_for_a_server_that_is_still_loading(
+    models: ModelSet, tiny_actor_dir: Path
+) -> None:
+    proc, port = _spawn_unready("--device", "cpu", "--metrics-port", "0",
+                                "--actor", str(tiny_actor_dir))  # fmt: skip
+    try:
+        with RolloutClient(f"127.0.0.1:{port}", timeout_s=60.0) as client:
+            # Not SERVING yet (the interpreter has not even imported torch): InitWeightsGroup
+            # would be refused, or answered UNAVAILABLE "the server is loading".
+            try:
+                assert not client.health(timeout_s=0.5).serving
+            except RolloutError:
+                pass  # not listening yet
+            with WeightsGroup([client], timeout_s=60.0) as group:
+                (result,) = group.update_weights(
+                    _q0_update(models, 1.001), version=1, mode="partial"
+                )
+            assert result.version == 1 == client.health().policy_version
+    finally:
+        assert proc.terminate_and_wait() == 0, proc.log_text()
+
+
+def _join_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "weights-group-join"]
+
+
+def test_a_weights_group_that_cannot_be_formed_fails_at_once_and_frees_its_store(
+    models: ModelSet, server: RolloutServer
+) -> None:
+    target = f"127.0.0.1:{server.port}"
+    with (
+        RolloutClient(target, timeout_s=CALL_S, token=ADMIN_TOKEN) as admin,
+        RolloutClient(target, timeout_s=CALL_S, token=DATA_TOKEN) as stranger,
+    ):
+        master_port = free_port()
+        started = time.monotonic()
+        # The admin member's join waits in the rendezvous for the data-token member's, which
+        # InitWeightsGroup refuses (Health, which the group asks first, answers it).
+        with pytest.raises(RolloutError) as info:
+            WeightsGroup([admin, stranger], master_port=master_port, timeout_s=60.0)
+        assert info.value.code in {
+            grpc.StatusCode.UNAUTHENTICATED,
+            grpc.StatusCode.PERMISSION_DENIED,
+        }, info.value
+        assert time.monotonic() - started < 10.0  # not the store's 60 s
+        assert not _join_threads()
+        with pytest.raises(ConnectionRefusedError):  # the store's port is closed
+            socket.create_connection(("127.0.0.1", master_port), timeout=CALL_S).close()
+        assert _until(lambda: _groups(server).joining == 0, CALL_S)
+        # The next attempt works.
+        version = _version_of(admin)
+        with WeightsGroup([admin], timeout_s=60.0) as group:
+            weights = _q0_update(models, 0.999)
+            (result,) = group.update_weights(weights, version=version + 1, mode="partial")
+        assert result.version == version + 1

@@ -17,6 +17,11 @@ over gRPC. Backends: gloo (CPU tensors; any server) and nccl (CUDA tensors; serv
 
 A failed broadcast (a rank died, a timeout) leaves the collectives out of step: the group is
 then broken, every member drops it, and the trainer makes a new one.
+
+Forming a group first waits (up to timeout_s) for every server to finish loading, so a trainer
+may form one against a server it has just started. A group that cannot be formed (a server
+refuses, a join fails) fails at once and frees what it held: the store's port closes, so no
+rank, this process's included, waits out the store's timeout.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,7 +44,14 @@ import torch
 import torch.distributed as dist
 
 from ...v1 import rollout_pb2 as pb
-from ..protocol.errors import FailedPrecondition, InvalidArgument, Unavailable, from_rpc_error
+from ..protocol.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+    from_rpc_error,
+    typed_errors,
+)
 from ..protocol.process_group import (
     BACKENDS,
     CONTIGUOUS_BUCKET_BYTES,
@@ -71,6 +82,9 @@ _LOST_CODES = frozenset({
     grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DATA_LOSS,
 })  # fmt: skip
 _FOLLOWED_VOTE = "another rank of the group refused"
+_HEALTH_CALL_S = 5.0  # one Health call while waiting for a server that is loading
+_LOADING_POLL_S = 0.2
+_OWN_JOIN_END_S = 5.0  # how long a failed formation waits for its own join to end
 
 
 class GroupMember(Protocol):
@@ -86,9 +100,10 @@ class GroupMember(Protocol):
 class WeightsGroup:
     """This trainer (rank 0) and the servers of `clients` (ranks 1..N) in one process group.
 
-    bucket_bytes: bytes per broadcast at most (default 8 MiB for ranges that follow the tensors,
-    32 MiB for flattened weights); lanes: process groups the broadcasts take in turn (default 2
-    for gloo, 1 for NCCL; up to MAX_LANES).
+    timeout_s: how long to wait for a server that is still loading, then for the rendezvous, and
+    the collectives' timeout. bucket_bytes: bytes per broadcast at most (default 8 MiB for
+    ranges that follow the tensors, 32 MiB for flattened weights); lanes: process groups the
+    broadcasts take in turn (default 2 for gloo, 1 for NCCL; up to MAX_LANES).
     """
 
     def __init__(
@@ -121,61 +136,100 @@ class WeightsGroup:
         self._timeout_s = timeout_s
         self._broken = False
         self._lock = threading.Lock()  # one update at a time: collectives must stay in order
+        self._wait_until_loaded(time.monotonic() + timeout_s)
+        self._store: dist.TCPStore | None = None
+        self._store, self._process_groups = self._form(master_address, master_port)
+
+    def _wait_until_loaded(self, deadline: float) -> None:
+        """Until every server has loaded its models (Health says anything but LOADING): a server
+        that was just started answers InitWeightsGroup UNAVAILABLE until then. Unavailable at
+        the deadline, or at once for a server that is draining; Health's own errors (a bad
+        token, say) at once."""
+        for client in self.clients:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise Unavailable(
+                        f"{client.target} did not finish loading within {self._timeout_s:g} s "
+                        "(timeout_s); no group was formed"
+                    )
+                try:
+                    with typed_errors():
+                        status = client.weights_calls.health(
+                            min(remaining, _HEALTH_CALL_S), wait_for_ready=True
+                        ).status
+                except (Unavailable, DeadlineExceeded):
+                    status = pb.SERVING_STATUS_LOADING  # not listening yet: wait on
+                if status == pb.SERVING_STATUS_DRAINING:
+                    raise Unavailable(f"{client.target} is draining; no group was formed")
+                if status != pb.SERVING_STATUS_LOADING:
+                    break
+                time.sleep(min(_LOADING_POLL_S, max(deadline - time.monotonic(), 0.0)))
+
+    def _form(
+        self, master_address: str, master_port: int
+    ) -> tuple[dist.TCPStore, tuple[dist.ProcessGroup, ...]]:
+        """The rendezvous: this process hosts the store and joins as rank 0 while every server
+        joins through InitWeightsGroup (every rank blocks until all joined); the store (kept
+        for the group's life) and the lanes.
+
+        A failure anywhere (a server refuses, a join times out) fails the group at once and
+        frees what it holds: the other servers' calls are cancelled, and dropping the store
+        (this frame holds its only reference) closes its port and every connection to it, so
+        this process's own join and any server's join still waiting in the store fail at
+        once instead of at the store's timeout.
+        """
         store = dist.TCPStore(
             master_address,
             master_port,
-            len(clients) + 1,
+            len(self.clients) + 1,
             is_master=True,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=self._timeout_s),
             wait_for_workers=False,
         )
-        self._store = store
-        self._process_groups = self._rendezvous(master_address, store)
-
-    def _rendezvous(
-        self, master_address: str, store: dist.TCPStore
-    ) -> tuple[dist.ProcessGroup, ...]:
-        world_size = len(self.clients) + 1
-        # Every rank blocks in the rendezvous until all joined: the servers' calls and this
-        # process's own join run at once; a server that refuses fails the group at once.
-        pool = ThreadPoolExecutor(world_size, thread_name_prefix="weights-group")
+        own = _OwnJoin(self._join_kwargs(master_address, store.port))
         joins = [
-            pool.submit(
-                client.weights_calls.init_weights_group,
-                pb.InitWeightsGroupRequest(
-                    group=self.name,
-                    master_address=master_address,
-                    master_port=store.port,
-                    world_size=world_size,
-                    rank=rank,
-                    backend=self.backend,
-                    timeout_s=self._timeout_s,
-                    lanes=self.lanes,
-                ),
-                self._timeout_s + 10.0,
+            client.weights_calls.start_init_weights_group(
+                self._join_request(master_address, store.port, rank), self._timeout_s + 10.0
             )
             for rank, client in enumerate(self.clients, start=1)
         ]
-        own = pool.submit(
-            new_process_groups,
+        try:
+            return store, _await_rendezvous(own, joins)
+        except BaseException:
+            for join in joins:
+                join.cancel()
+            del store  # the master's port and connections close: the joins fail at once
+            own.finish(_OWN_JOIN_END_S)
+            raise
+
+    def _join_request(
+        self, master_address: str, master_port: int, rank: int
+    ) -> pb.InitWeightsGroupRequest:
+        return pb.InitWeightsGroupRequest(
             group=self.name,
             master_address=master_address,
-            master_port=store.port,
-            world_size=world_size,
+            master_port=master_port,
+            world_size=len(self.clients) + 1,
+            rank=rank,
+            backend=self.backend,
+            timeout_s=self._timeout_s,
+            lanes=self.lanes,
+        )
+
+    def _join_kwargs(self, master_address: str, master_port: int) -> dict[str, Any]:
+        # No store=: rank 0 joins over its own connection to the master, like the servers, so
+        # that closing the master ends this join too.
+        return dict(
+            group=self.name,
+            master_address=master_address,
+            master_port=master_port,
+            world_size=len(self.clients) + 1,
             rank=0,
             backend=self.backend,
             timeout_s=self._timeout_s,
             lanes=self.lanes,
-            store=store,
         )
-        pool.shutdown(wait=False)
-        wait([*joins, own], return_when=FIRST_EXCEPTION)
-        for join in joins:
-            if join.done() and join.exception() is not None:
-                raise join.exception()  # type: ignore[misc]
-        for join in joins:
-            join.result()
-        return own.result()
 
     def update_weights(
         self,
@@ -320,6 +374,7 @@ class WeightsGroup:
             except Exception:
                 pass
         self._close_lanes()
+        self._store = None  # the master's port closes
 
     def _break(self) -> None:
         """The collectives are out of step: no more updates through this group, and its lanes
@@ -476,3 +531,60 @@ def group_of(group: WeightsGroup | None, transport: str) -> WeightsGroup | None:
     if group is None or transport not in (DIST, AUTO):
         raise InvalidArgument("transport 'dist' and group= go together (group: a WeightsGroup)")
     return group
+
+
+class _OwnJoin:
+    """This process's join as rank 0 (new_process_groups), on a daemon thread: a join that
+    failed elsewhere is abandoned without keeping the interpreter from exiting."""
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self.done = threading.Event()
+        self.lanes: tuple[dist.ProcessGroup, ...] | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(kwargs,), name="weights-group-join", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, kwargs: dict[str, Any]) -> None:
+        try:
+            self.lanes = new_process_groups(**kwargs)
+        except BaseException as error:
+            self.error = error
+        finally:
+            self.done.set()
+
+    def finish(self, within_s: float) -> None:
+        """After a failure: wait (bounded) for the join to end, and shut down lanes it may have
+        formed meanwhile."""
+        self._thread.join(within_s)
+        lanes, self.lanes = self.lanes, None
+        if lanes:
+            shut_down(lanes)
+
+
+def _await_rendezvous(own: _OwnJoin, joins: Sequence[grpc.Future]) -> tuple[dist.ProcessGroup, ...]:
+    """The lanes once this process and every server joined; the first failure at once: a
+    server's refusal (typed) or this process's own join failing (Unavailable)."""
+    changed = threading.Event()
+    for join in joins:
+        join.add_done_callback(lambda _: changed.set())
+    while True:
+        changed.clear()
+        for join in joins:
+            if join.done() and join.exception() is not None:
+                raise from_rpc_error(join.exception())  # type: ignore[arg-type]
+        if own.done.is_set():
+            if own.error is not None:
+                raise Unavailable(f"the rendezvous failed: {_first_line(own.error)}")
+            if all(join.done() for join in joins):
+                assert own.lanes is not None
+                return own.lanes
+        # Woken by a server's answer, or every poll interval for this process's own join.
+        changed.wait(_REPLY_POLL_S)
+
+
+def _first_line(error: BaseException) -> str:
+    # c10d's messages carry a C++ stack trace after the first line.
+    text = str(error).strip()
+    return text.splitlines()[0] if text else repr(error)

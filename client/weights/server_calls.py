@@ -48,11 +48,16 @@ class ServerCalls:
         self._stub = rollout_pb2_grpc.RolloutStub(channel)
         self.options_for = options_for
 
-    def health(self, timeout_s: float) -> pb.HealthResponse:
-        """Health, as gRPC raises it (Uploads asks it whether the server shares this host)."""
+    def health(self, timeout_s: float, *, wait_for_ready: bool = False) -> pb.HealthResponse:
+        """Health, as gRPC raises it (Uploads asks it whether the server shares this host; a
+        WeightsGroup waits with it for a server that is still loading). wait_for_ready: a
+        server that is not listening yet is waited for (within timeout_s), not failed fast."""
         options = self.options_for(timeout_s, None)
         return self._stub.Health(
-            pb.HealthRequest(), timeout=options.timeout_s, metadata=options.metadata
+            pb.HealthRequest(),
+            timeout=options.timeout_s,
+            metadata=options.metadata,
+            wait_for_ready=wait_for_ready,
         )
 
     def start_update(
@@ -73,6 +78,16 @@ class ServerCalls:
             return self._stub.InitWeightsGroup(
                 request, timeout=options.timeout_s, metadata=options.metadata
             )
+
+    def start_init_weights_group(
+        self, request: pb.InitWeightsGroupRequest, timeout_s: float
+    ) -> grpc.Future:
+        """InitWeightsGroup as a grpc.Future of its reply (it ends when every rank joined), so
+        that a group whose formation failed elsewhere can cancel it."""
+        options = self.options_for(timeout_s, None)
+        return self._stub.InitWeightsGroup.future(
+            request, timeout=options.timeout_s, metadata=options.metadata
+        )
 
     def destroy_weights_group(self, group: str, timeout_s: float) -> None:
         """DestroyWeightsGroup: the server leaves the group."""
