@@ -598,13 +598,13 @@ def _lightrft_reference(
     gamma: float,
     clip: float,
     quirk: bool,
-) -> tuple[list[list[float]], list[list[float]]]:
-    """(advantages, returns) of FastExperienceMaker with advantages_norm and advantage_clip,
-    experiences of 2 rows (3.5 steps 2-6), written as loops over rows and columns."""
+) -> tuple[list[list[float]], list[list[float]], list[float]]:
+    """(advantages, returns, clip fraction per row) of FastExperienceMaker with advantages_norm
+    and advantage_clip, experiences of 2 rows (3.5 steps 2-6), as loops over rows and columns."""
     lp, ref, values = _lists(batch)
     beta, lam, masks = 0.01, 0.95, _masks()
     shaped = _lightrft_shaped_reward(estimator, raw)
-    adv_all, ret_all = [], []
+    adv_all, ret_all, frac = [], [], []
     for e in (0, 1):  # experiences: rows 0-1 and 2-3
         exp_gamma = gamma if (e == 0 or not quirk) else 1.0  # the quirk: 1.0 after the first
         if estimator == "reinforce_baseline":
@@ -632,16 +632,18 @@ def _lightrft_reference(
             mean, std = _mean_std(valid)
             eps = 1e-9 if estimator == "gae" else 1e-8
             rows = [([(a - mean) / (std + eps) for a in adv], ret, m) for adv, ret, m in rows]
-        for adv, ret, _ in rows:
+        for adv, ret, m in rows:
             adv_all.append([min(max(a, -clip), clip) for a in adv])  # then the clip
             ret_all.append(ret)
+            outside = [1 for a, k in zip(adv, m, strict=True) if k and abs(a) > clip]
+            frac.append(len(outside) / sum(m))
     if estimator in ("gae", "reinforce", "reinforce_baseline"):  # cross-batch whitening
         pairs = zip(adv_all, masks, strict=True)
         valid = [a for row, m in pairs for a, k in zip(row, m, strict=True) if k]
         mean = sum(valid) / len(valid)
         var = sum((a - mean) ** 2 for a in valid) / len(valid)
         adv_all = [[(a - mean) / math.sqrt(max(var, 1e-8)) for a in row] for row in adv_all]
-    return adv_all, ret_all
+    return adv_all, ret_all, frac
 
 
 def _close5(got: torch.Tensor, expected: list[Any]) -> None:
@@ -651,7 +653,7 @@ def _close5(got: torch.Tensor, expected: list[Any]) -> None:
 @pytest.mark.parametrize("quirk", [False, True])
 @pytest.mark.parametrize("estimator", ["gae", "reinforce", "rloo", "group_norm"])
 def test_lightrft_experiences_end_to_end(estimator: str, quirk: bool) -> None:
-    gamma, clip = 0.5, 1.0  # gamma exact in float32; the clip bites after normalisation
+    gamma, clip = 0.5, 0.5  # exact in float32; the clip bites some entries of every estimator
     cfg = _resolve(
         preset="lightrft",
         advantage_estimator=estimator,
@@ -666,9 +668,11 @@ def test_lightrft_experiences_end_to_end(estimator: str, quirk: bool) -> None:
     if estimator != "gae":
         batch["values"] = None
     out = shape_experience(cfg, group_size=2, max_new_tokens=A, experience_rows=2, **batch)
-    adv, ret = _lightrft_reference(estimator, raw, batch, gamma=gamma, clip=clip, quirk=quirk)
+    adv, ret, frac = _lightrft_reference(estimator, raw, batch, gamma=gamma, clip=clip, quirk=quirk)
     _close5(out.advantages, adv)
     _close5(out.returns, ret)
+    _close5(out.info["advantage_clip_frac"], frac)
+    assert 0 < sum(frac) < 4  # the clip bites some entries, not all
     if estimator == "group_norm":  # no advantages_norm, no whitening: only the clip
         assert out.advantages.abs().max().item() <= clip
 
@@ -764,12 +768,16 @@ def test_openrlhf_reinforce_baseline_with_penalties_end_to_end(coef: float) -> N
     ]
     mean = sum(valid) / len(valid)
     var = sum((a - mean) ** 2 for a in valid) / len(valid)
-    expected = [
-        [min(max((a - mean) / math.sqrt(max(var, 1e-8)), -clip), clip) for a in row] for row in rows
-    ]  # whitened, then clipped (OpenRLHF's order)
+    whitened = [[(a - mean) / math.sqrt(max(var, 1e-8)) for a in row] for row in rows]
+    expected = [[min(max(a, -clip), clip) for a in row] for row in whitened]  # then clipped
+    frac = [
+        sum(1 for a, k in zip(row, m, strict=True) if k and abs(a) > clip) / sum(m)
+        for row, m in zip(whitened, masks, strict=True)
+    ]
     _close5(out.reward, penalised)
     _close5(out.returns, rows)
     _close5(out.advantages, expected)
+    _close5(out.info["advantage_clip_frac"], frac)
     assert (out.advantages.abs() == clip).any()  # the clip bites
 
 
@@ -785,3 +793,8 @@ def test_stop_properly_penalty_needs_truncated() -> None:
     cfg = _resolve(has_critic=False, stop_properly_penalty=0.0)
     with pytest.raises(ValueError, match="truncated"):
         _run(cfg, {**_batch([1.0, 0.0, 2.0, 0.5]), "values": None})
+
+
+def test_no_clip_fraction_without_the_clip() -> None:
+    out = _run(_resolve(has_critic=True), _batch([1.0, 0.0, 2.0, 0.5]))
+    assert "advantage_clip_frac" not in out.info

@@ -10,6 +10,7 @@ from __future__ import annotations
 from .advantages import (
     WHITENINGS,
     clip_advantages,
+    clip_fraction,
     cumulative_returns,
     gae,
     whiten,
@@ -68,6 +69,7 @@ __all__ = [
     "ShapedExperience",
     "WHITENINGS",
     "clip_advantages",
+    "clip_fraction",
     "clip_filter_weights",
     "clip_reward",
     "coati_logged_kl",

@@ -19,6 +19,7 @@ __all__ = [
     "normalise_experiences",
     "whiten",
     "clip_advantages",
+    "clip_fraction",
 ]
 
 WHITENINGS = ("none", "global", "global_mean", "unbiased")
@@ -133,3 +134,16 @@ def normalise_experiences(
 def clip_advantages(advantages: torch.Tensor, clip: float) -> torch.Tensor:
     """Clamp to [-clip, clip]; clip <= 0 disables. (B, A) -> (B, A)"""
     return advantages.clamp(min=-clip, max=clip) if clip > 0 else advantages
+
+
+def clip_fraction(advantages: torch.Tensor, mask: torch.Tensor, clip: float) -> torch.Tensor:
+    """Per row, the share of valid columns that clip_advantages changes. (B, A) x 2 -> (B,)
+
+    Entries strictly outside [-clip, clip] before the clamp, over the row's valid columns (0
+    for a row with none), so that sum(frac * valid columns) / sum(valid columns) is a batch's
+    fraction whatever width its micro-batches are trimmed to. LightRFT divides by every column
+    of its padded experience instead, masked ones included.
+    """
+    m = mask.to(advantages.dtype)
+    outside = ((advantages > clip) | (advantages < -clip)).to(advantages.dtype) * m  # (B, A)
+    return outside.sum(dim=-1) / m.sum(dim=-1).clamp(min=1.0)  # (B,)

@@ -31,6 +31,7 @@ import torch
 
 from .advantages import (
     clip_advantages,
+    clip_fraction,
     cumulative_returns,
     experience_slices,
     gae,
@@ -204,16 +205,24 @@ def _extras(
 
 def _normalise(
     cfg: AlgorithmConfig, advantages: torch.Tensor, mask: torch.Tensor, experience_rows: int | None
-) -> torch.Tensor:
-    """Step 9: experience normalisation, whitening and the clip, in the preset's order."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Step 9: experience normalisation, whitening and the clip, in the preset's order;
+    (advantages (B, A), info: "advantage_clip_frac" (B,) when the clip is on)."""
+    info: dict[str, torch.Tensor] = {}
+
+    def clip(adv: torch.Tensor) -> torch.Tensor:
+        if cfg.advantage_clip > 0:
+            info["advantage_clip_frac"] = clip_fraction(adv, mask, cfg.advantage_clip)
+        return clip_advantages(adv, cfg.advantage_clip)
+
     if cfg.uses_experience_norm:
         advantages = normalise_experiences(advantages, mask, experience_rows, eps=cfg.whiten_eps)
     if cfg.clip_before_whitening:
-        advantages = clip_advantages(advantages, cfg.advantage_clip)
+        advantages = clip(advantages)
     advantages = whiten(advantages, mask, cfg.effective_whitening, eps=cfg.whiten_eps)
     if not cfg.clip_before_whitening:
-        advantages = clip_advantages(advantages, cfg.advantage_clip)
-    return advantages
+        advantages = clip(advantages)
+    return advantages, info
 
 
 # Over 60 lines only through its keyword signature, docstring and the named result: the body is
@@ -270,12 +279,13 @@ def shape_experience(
     )  # (B, A)
     gamma = _row_gammas(cfg, shaped, experience_rows)  # float or (B,)
     advantages, returns = _advantages(cfg, shaped, rewards_bt, values, shaped_mask, gamma)
-    advantages = _normalise(cfg, advantages, shaped_mask, experience_rows)
+    advantages, clip_info = _normalise(cfg, advantages, shaped_mask, experience_rows)
 
     info = {
         "kl": masked_row_mean(kl_out, mask),  # (B,)
         "return": rewards_bt.sum(dim=-1),  # (B,) over all columns, as OpenRLHF logs it
         **_extras(cfg, rewards, shaped_mask, entropy, group_size),
+        **clip_info,
     }
     if sequence_kl is not None:
         info["sequence_kl"] = sequence_kl
