@@ -216,7 +216,7 @@ def test_every_algorithm_option_of_the_proto_is_resolved() -> None:
         "kl_mode", "reward_placement", "reward_clip", "whitening", "advantage_clip",
         "group_std_eps", "high_entropy_token_ratio", "dynamic_sampling", "overlong_buffer",
         "overlong_factor", "clip_filter_eps", "reproduce_upstream_quirks", "experience_norm",
-        "stop_properly_penalty", "overlong_length",
+        "stop_properly_penalty", "overlong_length", "length_normalized_log_probs",
     }  # fmt: skip
     assert {f.name for f in pb.AlgorithmOptions.DESCRIPTOR.fields} == handled
     cfg = _resolve(
@@ -679,7 +679,7 @@ def test_lightrft_experiences_end_to_end(estimator: str, quirk: bool) -> None:
 
 def test_quirk_switch_is_per_framework() -> None:
     quirky = _resolve(preset="lightrft", gamma=0.5, reproduce_upstream_quirks=True)
-    assert quirky.upstream_quirks == {"gamma_first_experience_only"}
+    assert quirky.upstream_quirks == {"gamma_first_experience_only", "cpgd_zero_for_scalar_rewards"}
     assert (quirky.gamma_of_experience(0), quirky.gamma_of_experience(1)) == (0.5, 1.0)
     assert quirky.shapes_whole_request
     intent = _resolve(preset="lightrft", gamma=0.5)
@@ -798,3 +798,55 @@ def test_stop_properly_penalty_needs_truncated() -> None:
 def test_no_clip_fraction_without_the_clip() -> None:
     out = _run(_resolve(has_critic=True), _batch([1.0, 0.0, 2.0, 0.5]))
     assert "advantage_clip_frac" not in out.info
+
+
+# ---------------------------------------------------------------------------------------------
+# LightRFT's CPGD, and coati's length-normalised log-probs
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quirk", [False, True])
+def test_lightrft_cpgd_end_to_end(quirk: bool) -> None:
+    cfg = _resolve(
+        has_critic=False,
+        preset="lightrft",
+        advantage_estimator="cpgd",
+        gamma=0.5,  # CPGD does not discount
+        overlong_buffer=2,  # CPGD scores the recipe reward, before the penalty
+        overlong_factor=1.0,
+        experience_norm=True,  # LightRFT's CPGD has no advantages_norm
+        reproduce_upstream_quirks=quirk,
+    )
+    assert cfg.shapes_whole_request and cfg.effective_whitening == "none"
+    raw = [1.0, 0.0, 30.0, -6.0]
+    batch = {**_batch(raw), "values": None}
+    out = shape_experience(cfg, group_size=2, max_new_tokens=A, experience_rows=2, **batch)
+    masks = _masks()
+    expected = []
+    for e in (0, 1):  # experiences of 2 rows: z-score with the biased std + 1e-6
+        scores = raw[2 * e : 2 * e + 2]
+        mean = sum(scores) / len(scores)
+        std = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
+        for i in (2 * e, 2 * e + 1):
+            z = 0.0 if quirk else (raw[i] - mean) / (std + 1e-6)
+            expected.append([z * masks[i][t] for t in range(A)])
+    _close5(out.advantages, expected)
+    _close5(out.returns, expected)
+    if quirk:
+        assert out.advantages.abs().sum().item() == 0.0
+
+
+def test_length_normalized_log_probs() -> None:
+    cfg = _resolve(has_critic=False, preset="coati", length_normalized_log_probs=True)
+    batch = {**_batch([1.0, 0.0, 2.0, 0.5]), "values": None}
+    out = _run(cfg, batch)
+    lp, ref, _ = _lists(batch)
+    for key, source in (
+        ("length_normalized_log_probs", lp),
+        ("length_normalized_base_log_probs", ref),
+    ):
+        expected = [
+            [source[i][t] * (t < n) / (n + 0.01) for t in range(A)] for i, n in enumerate(LENGTHS)
+        ]
+        _close5(out.info[key], expected)
+    assert "length_normalized_log_probs" not in _run(_resolve(has_critic=False), batch).info

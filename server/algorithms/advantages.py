@@ -20,6 +20,7 @@ __all__ = [
     "whiten",
     "clip_advantages",
     "clip_fraction",
+    "cpgd_advantages",
 ]
 
 WHITENINGS = ("none", "global", "global_mean", "unbiased")
@@ -128,6 +129,32 @@ def normalise_experiences(
     out = advantages.clone()
     for rows in experience_slices(advantages.shape[0], experience_rows):
         out[rows] = whiten(advantages[rows], mask[rows], "unbiased", eps=eps)
+    return out
+
+
+def cpgd_advantages(
+    reward: torch.Tensor,
+    mask: torch.Tensor,
+    experience_rows: int | None,
+    *,
+    eps: float = 1e-6,
+    collapse_quirk: bool = False,
+) -> torch.Tensor:
+    """LightRFT's CPGD advantage: the z-score of each row's reward within its experience,
+    (R - mean) / (std_biased + eps), on the row's valid columns (0 elsewhere); returns equal it.
+
+    reward: (B,) the recipe reward (LightRFT's info["reward"], before any shaping); mask:
+    (B, A) -> (B, A). collapse_quirk: LightRFT's own result for such 1-D rewards, identically
+    0 (it sums the reward over its last dimension, which leaves one scalar whose std is 0).
+    """
+    m = mask.to(reward.dtype)
+    if collapse_quirk:
+        return torch.zeros_like(m)
+    out = torch.zeros_like(m)  # (B, A)
+    for rows in experience_slices(reward.shape[0], experience_rows):
+        r = reward[rows]  # (b,)
+        z = (r - r.mean()) / (r.std(unbiased=False) + eps)  # (b,)
+        out[rows] = z[:, None] * m[rows]
     return out
 
 

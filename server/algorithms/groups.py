@@ -7,6 +7,7 @@ Rows of one prompt are consecutive (B = num_prompts * n). With R the (num_prompt
     reinforce_baseline  R - mean                                REINFORCE++ baseline
     rloo                R - (sum - R) / (n - 1)                 leave-one-out baseline
     gae, reinforce      R unchanged
+    cpgd                R unchanged (its advantage is a z-score per experience: advantages.py)
 
 n = 1 is defined rather than left to NaN: rloo has no leave-one-out baseline and needs n >= 2
 (`min_group_size`; the request decoder refuses smaller groups, naming samples_per_prompt);
@@ -25,7 +26,7 @@ __all__ = [
     "min_group_size",
 ]
 
-ESTIMATORS = ("gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+ESTIMATORS = ("gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "cpgd")
 GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
 
 

@@ -24,6 +24,8 @@ coati, OpenRLHF, LightRFT); the table lists every difference between them.
     gamma forced to 1 for      (none)            rloo, group_norm,     reinforce_baseline
                                                  dr_grpo, r._baseline
     group advantage            broadcast over A  cumulative returns    cumulative returns
+    cpgd (LightRFT's)          z-score per experience, (R - mean) / (std_biased + 1e-6) on the
+                               valid columns; no whitening, no experience_norm
     overlong penalty variant   capped            capped (DAPO)         uncapped
     overlong length            response span     response span         valid columns
     advantage clip             after whitening   after whitening       per experience, before
@@ -53,10 +55,10 @@ the framework can check its numbers against ours (AlgorithmConfig.upstream_quirk
 
 Also not reproduced, and not behind the switch because they are trainer-side or stateful:
 LightRFT's second whitening in its replay buffer (and its "grpo" vs "group_norm" naming),
-LightRFT's running reward normalisation (state across requests), LightRFT's CPGD estimator
-(not offered), LightRFT's GAE clip fraction (computed after its clamp, so always 0;
-info["advantage_clip_frac"] is the share the clamp changed, per row over valid columns), and
-NaN for a zero-variance group or n = 1 (we return 0).
+LightRFT's running reward normalisation (state across requests), LightRFT's GAE clip fraction
+(computed after its clamp, so always 0; info["advantage_clip_frac"] is the share the clamp
+changed, per row over valid columns), LightRFT ignoring advantage_clip for cpgd (a clip asked
+for applies to every estimator here), and NaN for a zero-variance group or n = 1 (we return 0).
 
 Chosen against a framework: a negative kl_coef is INVALID_ARGUMENT in every preset, where
 OpenRLHF (and LightRFT) treat it as 0: a sign error should be heard, and 0 gives their numbers.
@@ -88,6 +90,10 @@ QUIRKS: Mapping[str, str] = MappingProxyType(
         # advantage loop (experience_math.md 3.5 step 5): `generate_kwargs.pop("gamma", 1.0)`
         # inside the loop, so only the first experience of a step sees the configured gamma.
         "gamma_first_experience_only": "lightrft",
+        # LightRFT, lightrft/trainer/advantage_calculator.py, CPGDCalculator
+        # (experience_math.md 3.5 step 4): the score is reward.sum(-1), which collapses the
+        # usual 1-D reward to one scalar whose std is 0, so every advantage is 0.
+        "cpgd_zero_for_scalar_rewards": "lightrft",
     }
 )
 """Upstream defects that AlgorithmOptions.reproduce_upstream_quirks reproduces: name ->
@@ -131,6 +137,7 @@ class AlgorithmConfig:
     experience_norm_estimators: frozenset[str]  # estimators experience_norm applies to
     clip_before_whitening: bool  # LightRFT: clip per experience, then the cross-batch whitening
     overlong_length: str  # one of rewards.OVERLONG_LENGTHS: "span" (OpenRLHF) | "count"
+    length_normalized_log_probs: bool  # coati: info["length_normalized_log_probs"] (B, A)
     stop_properly_penalty: float | None  # ProRL: truncated rows' R <- c if c < 0 else R * c
     upstream_quirks: frozenset[str]  # names from QUIRKS reproduced for this request
 
@@ -173,6 +180,7 @@ class AlgorithmConfig:
         return (
             self.effective_whitening != "none"
             or self.uses_experience_norm
+            or self.estimator == "cpgd"
             or "gamma_first_experience_only" in self.upstream_quirks
         )
 
@@ -236,6 +244,7 @@ _COATI = AlgorithmConfig(
     experience_norm_estimators=frozenset(ESTIMATORS),
     clip_before_whitening=False,
     overlong_length="span",
+    length_normalized_log_probs=False,
     stop_properly_penalty=None,
     upstream_quirks=frozenset(),
 )

@@ -77,6 +77,8 @@ def _request_values(options: rollout_pb2.AlgorithmOptions) -> dict[str, Any]:
         values["dynamic_sampling"] = True
     if options.experience_norm:
         values["experience_norm"] = True
+    if options.length_normalized_log_probs:
+        values["length_normalized_log_probs"] = True
     if options.HasField("stop_properly_penalty"):
         coef = options.stop_properly_penalty
         values["stop_properly_penalty"] = _bounded("stop_properly_penalty", coef, -_MAX, _MAX)

@@ -13,8 +13,9 @@ order OpenRLHF and LightRFT apply their steps; coati's two branches are special 
     (the KL of step 2 keeps the original mask, as in LightRFT, which computes it earlier);
  6. group estimator on the scalar reward, then the reward clip;
  7. token reward: placed scalar, minus beta * KL when kl_mode is "reward";
- 8. advantages: coati's broadcast of the group advantage, GAE, or cumulative returns, with
-    each experience's discount (AlgorithmConfig.gamma_of_experience);
+ 8. advantages: coati's broadcast of the group advantage, GAE, cumulative returns (with each
+    experience's discount, AlgorithmConfig.gamma_of_experience), or CPGD's z-score of the
+    recipe reward per experience;
  9. LightRFT's per-experience normalisation (experience_norm), then the whitening (if it
     applies to the estimator) and the advantage clip, in the preset's order: LightRFT clips
     each experience before its cross-batch whitening, the others clip after whitening.
@@ -32,6 +33,7 @@ import torch
 from .advantages import (
     clip_advantages,
     clip_fraction,
+    cpgd_advantages,
     cumulative_returns,
     experience_slices,
     gae,
@@ -144,8 +146,14 @@ def _advantages(
     values: torch.Tensor | None,
     mask: torch.Tensor,
     gamma: float | torch.Tensor,
+    raw_rewards: torch.Tensor,
+    experience_rows: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) before whitening; all (B, A)."""
+    if cfg.estimator == "cpgd":
+        quirk = "cpgd_zero_for_scalar_rewards" in cfg.upstream_quirks
+        adv = cpgd_advantages(raw_rewards, mask, experience_rows, collapse_quirk=quirk)
+        return adv, adv.clone()
     if cfg.broadcasts_sequence_advantage:
         # coati GRPO: the row's advantage on every column, masked or not; returns = advantages.
         adv = shaped[:, None].expand_as(rewards_bt).clone()
@@ -184,15 +192,28 @@ def _scalar_reward(
     return reward + sequence_kl, sequence_kl
 
 
+def length_normalized(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """coati's calc_masked_log_probs with length_normalization: l * m / (sum(m) + 0.01) per
+    row, on the action columns. (B, A) x 2 -> (B, A); a row's sum is its mean log-prob."""
+    m = mask.to(log_probs.dtype)
+    return log_probs * m / (m.sum(dim=-1, keepdim=True) + 0.01)
+
+
 def _extras(
     cfg: AlgorithmConfig,
     rewards: torch.Tensor,
     mask: torch.Tensor,
     entropy: torch.Tensor | None,
     group_size: int,
+    log_probs: tuple[torch.Tensor, torch.Tensor | None],
 ) -> dict[str, torch.Tensor]:
-    """The option-dependent LightRFT info tensors."""
+    """The option-dependent info tensors (LightRFT's filters, coati's normalised log-probs)."""
     extras: dict[str, torch.Tensor] = {}
+    if cfg.length_normalized_log_probs:
+        actor, reference = log_probs
+        extras["length_normalized_log_probs"] = length_normalized(actor, mask)  # (B, A)
+        if reference is not None:
+            extras["length_normalized_base_log_probs"] = length_normalized(reference, mask)
     if entropy is not None and cfg.needs_entropy:
         ratio = cfg.high_entropy_token_ratio
         extras["high_entropy_mask"] = high_entropy_mask(entropy, mask, ratio)  # (B, A)
@@ -278,13 +299,15 @@ def shape_experience(
         kl_coef=cfg.kl_coef,
     )  # (B, A)
     gamma = _row_gammas(cfg, shaped, experience_rows)  # float or (B,)
-    advantages, returns = _advantages(cfg, shaped, rewards_bt, values, shaped_mask, gamma)
+    advantages, returns = _advantages(
+        cfg, shaped, rewards_bt, values, shaped_mask, gamma, rewards.to(dtype), experience_rows
+    )
     advantages, clip_info = _normalise(cfg, advantages, shaped_mask, experience_rows)
 
     info = {
         "kl": masked_row_mean(kl_out, mask),  # (B,)
         "return": rewards_bt.sum(dim=-1),  # (B,) over all columns, as OpenRLHF logs it
-        **_extras(cfg, rewards, shaped_mask, entropy, group_size),
+        **_extras(cfg, rewards, shaped_mask, entropy, group_size, (log_probs, ref)),
         **clip_info,
     }
     if sequence_kl is not None:
