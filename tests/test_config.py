@@ -56,6 +56,7 @@ SAMPLES = {
     "weight_transports": ("dist, GRPC", "grpc,dist"),
     "parallel_part_wait_s": ("2", 2.0),
     "max_group_timeout_s": ("5", 5.0),
+    "stream_send_timeout_s": ("4", 4.0),
     "max_workers": ("4", 4),
     "log_level": ("debug", "DEBUG"),
     "wait_for_weights": ("true", True),

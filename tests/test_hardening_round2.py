@@ -17,6 +17,10 @@ projections). Checked, each bounded in time:
 * WeightsGroup: one formed against a server process started a moment ago (not yet listening,
   then loading) waits for it and works; one that a server refuses fails at once (well under the
   store's timeout), frees its store's port and join thread, and the next attempt works.
+* Readers that never read: --max-workers MakeExperience streams whose client never reads (small
+  flow-control windows) hold every call slot; Health and grpc.health.v1 still answer within 1 s,
+  one more call is RESOURCE_EXHAUSTED at once, and after --stream-send-timeout-s each stream
+  ends DEADLINE_EXCEEDED and its slot is free again.
 * Parallel parts: 16 part-1 headers of updates whose part 0 never comes hold at most
   MAX_WAITING_PARTS handler threads (the rest are RESOURCE_EXHAUSTED at once); the probes answer
   and a normal update succeeds meanwhile.
@@ -482,3 +486,72 @@ def test_a_weights_group_that_cannot_be_formed_fails_at_once_and_frees_its_store
             weights = _q0_update(models, 0.999)
             (result,) = group.update_weights(weights, version=version + 1, mode="partial")
         assert result.version == version + 1
+
+
+# ---- issue item 1: readers that never read -------------------------------------------------------
+
+SEND_S = 4.0  # the server's --stream-send-timeout-s in this test
+# A channel that takes little before its reader reads: no BDP probing (the window stays at its
+# start) and a small lookahead.
+_SMALL_WINDOWS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)]
+
+
+def _bulky_request(rows: int, micro_batch: int) -> pb.MakeExperienceRequest:
+    """Micro-batches of `micro_batch` rows x 32 new tokens: over 100 KB each, more than a
+    small window holds, so a reader that never reads blocks the server's first send."""
+    return pb.MakeExperienceRequest(
+        token_ids=pb.RaggedTokenIds(values=[5, 6, 7] * rows, lengths=[3] * rows),
+        sampling=pb.SamplingOptions(max_new_tokens=32, seed=5, ignore_eos=True),
+        rewards=[pb.RewardTerm(source="exact_match")],
+        gt_answers=["x"] * rows,
+        batching=pb.BatchingOptions(micro_batch_size=micro_batch, generate_batch_size=micro_batch),
+        algorithm=pb.AlgorithmOptions(whitening="none"),  # rows stream as they are made
+    )
+
+
+def test_readers_that_never_read_neither_starve_probes_nor_hold_threads(
+    models: ModelSet,
+) -> None:
+    workers = 4
+    config = ServerConfig(
+        host="127.0.0.1", port=0, device="cpu", metrics_port=0, data_token=DATA_TOKEN,
+        admin_token=ADMIN_TOKEN, max_workers=workers, stream_send_timeout_s=SEND_S,
+    )  # fmt: skip
+    with RolloutServer(config, models=models) as server:
+        assert server.send_deadlines is not None and server.call_limit is not None
+        deadlines, slots = server.send_deadlines, server.call_limit.slots
+        target = f"127.0.0.1:{server.port}"
+        stuck = [grpc.insecure_channel(target, options=_SMALL_WINDOWS) for _ in range(workers)]
+        try:
+            calls = [
+                _stub(channel).MakeExperience(_bulky_request(128, 64), metadata=DATA, timeout=60.0)
+                for channel in stuck
+            ]
+            # Every slot is held by a handler waiting for its reader to take a message.
+            assert _until(lambda: deadlines.armed == workers, 30.0), deadlines.armed
+            assert slots.held == workers
+            with grpc.insecure_channel(target) as channel:
+                _assert_probes_answer(channel)
+                extra = _stub(channel).MakeExperience(
+                    _bulky_request(1, 1), metadata=DATA, timeout=CALL_S
+                )
+                with pytest.raises(grpc.RpcError) as info:
+                    next(extra)
+                assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "--max-workers" in info.value.details()
+                # After the send timeout the streams end and their threads are free.
+                assert _until(lambda: slots.held == 0, SEND_S + 5.0), slots.held
+                for call in calls:
+                    with pytest.raises(grpc.RpcError) as info:
+                        list(call)
+                    assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                    assert "--stream-send-timeout-s" in info.value.details()
+                assert deadlines.expired == workers
+                # A reader that reads is served in full.
+                replies = list(
+                    _stub(channel).MakeExperience(_bulky_request(4, 2), metadata=DATA, timeout=30.0)
+                )
+                assert len(replies) == replies[0].num_micro_batches == 2
+        finally:
+            for channel in stuck:
+                channel.close()

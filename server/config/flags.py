@@ -107,7 +107,12 @@ FLAGS: dict[str, Flag] = {
     "max_group_timeout_s": Flag(
         parse.positive_seconds, "cap on InitWeightsGroup's timeout_s (the rendezvous wait)", "S"
     ),
-    "max_workers": Flag(parse.positive_int, "gRPC handler threads", "N"),
+    "stream_send_timeout_s": Flag(
+        parse.positive_seconds, "end a response stream whose reader takes no message this long", "S"
+    ),
+    "max_workers": Flag(
+        parse.positive_int, "calls served at once (probes have threads of their own)", "N"
+    ),
     "log_level": Flag(parse.log_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL", "LEVEL"),
     "wait_for_weights": Flag(parse.boolean, "report WAITING_FOR_WEIGHTS until the first update"),
     "port_file": Flag(parse.non_empty, "write the bound port to this file once bound", "PATH"),

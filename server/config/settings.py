@@ -90,6 +90,9 @@ class ServerConfig:
     parallel_part_wait_s: float = 30.0  # how long a part of a parallel update waits for others
     # The longest an InitWeightsGroup rendezvous may wait, whatever timeout_s the caller asks for.
     max_group_timeout_s: float = 120.0
+    # A response stream (MakeExperience, Subscribe) whose reader does not take a message for this
+    # long is ended (DEADLINE_EXCEEDED): a client that never reads would hold a handler thread.
+    stream_send_timeout_s: float = 30.0
     max_workers: int = 16
     log_level: str = "INFO"
     wait_for_weights: bool = False

@@ -46,8 +46,11 @@ from ..state import Phase, ServerState
 from ..weights import WeightUpdates
 from .handlers import add_rollout_servicer
 from .interceptors import (
+    PROBE_THREADS,
     AuthInterceptor,
+    CallLimitInterceptor,
     MalformedRequestInterceptor,
+    SendDeadlines,
     TelemetryInterceptor,
 )
 from .metrics import MetricsHttpServer, ServerMetrics, start_metrics_http
@@ -113,6 +116,8 @@ class RolloutServer:
         self._metrics_http: MetricsHttpServer | None = None
         self._stop_lock = threading.Lock()
         self._stopped = False
+        self.send_deadlines: SendDeadlines | None = None
+        self.call_limit: CallLimitInterceptor | None = None
 
     def start(self) -> int:
         """Bind, load the models and report SERVING; returns the bound port."""
@@ -128,14 +133,22 @@ class RolloutServer:
         credentials = server_credentials(config)
         for name in _HEALTH_NAMES:
             self._health.set(name, _NOT_SERVING)
+        self.send_deadlines = SendDeadlines(config.stream_send_timeout_s)
+        self.call_limit = CallLimitInterceptor(config.max_workers, self.send_deadlines)
         server = grpc.server(
-            ThreadPoolExecutor(config.max_workers, thread_name_prefix="rollserve-rpc"),
+            # --max-workers calls at once (call_limit), plus threads that only probes can find
+            # free: a probe answers while every other call holds its thread.
+            ThreadPoolExecutor(
+                config.max_workers + PROBE_THREADS, thread_name_prefix="rollserve-rpc"
+            ),
             options=grpc_server_options(config),
-            # Telemetry first (outermost): calls refused by auth are logged and counted too.
-            # Undecodable requests last (innermost): INVALID_ARGUMENT, not grpc's INTERNAL.
+            # Telemetry first (outermost): calls refused by auth or the limit are logged and
+            # counted too. Undecodable requests last (innermost): INVALID_ARGUMENT, not grpc's
+            # INTERNAL.
             interceptors=(
                 TelemetryInterceptor(self.metrics),
                 AuthInterceptor(tokens),
+                self.call_limit,
                 MalformedRequestInterceptor(),
             ),
         )
@@ -221,6 +234,8 @@ class RolloutServer:
             self.rollout.close()  # Subscribe streams end instead of holding the grace period
         _LOG.info("stopping: in-flight calls get %.1f s", grace_s)
         self._server.stop(grace_s).wait()
+        if self.send_deadlines is not None:
+            self.send_deadlines.close()
         if self.runtime is not None:
             self.runtime.close()
         if self.updates is not None:

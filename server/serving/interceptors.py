@@ -9,6 +9,12 @@ Access log: one line per RPC on the logger "rollserve.access", as key=value pair
   rpc method=rollserve.v1.Rollout/MakeExperience status=OK duration_ms=812.4
       peer=ipv4:10.0.0.7:50712 request_id=3f9c... request_bytes=61 response_bytes=90311 responses=4
 
+Limits (CallLimitInterceptor): at most --max-workers calls other than the probes (Rollout/Health
+and grpc.health.v1 Check) run at once, and one more is RESOURCE_EXHAUSTED at once; the server's
+pool has PROBE_THREADS threads beyond that, so a probe answers while every other slot is held
+(by readers that never read, say). A response stream whose reader does not take a message
+within --stream-send-timeout-s is ended DEADLINE_EXCEEDED, which frees its handler thread.
+
 Standard health checks and reflection log at DEBUG (a probe every few seconds is noise at INFO).
 The request id is the caller's `x-request-id` metadata, else the MakeExperienceRequest.request_id
 field, else a fresh one; it is echoed as `x-request-id` in the initial and trailing metadata.
@@ -20,6 +26,7 @@ import functools
 import json
 import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,13 +34,17 @@ from typing import Any
 
 import grpc
 
-from ...client.protocol.errors import InvalidArgument
+from ...client.protocol.errors import InvalidArgument, ResourceExhausted
 from .metrics import ServerMetrics, split_method
 from .security import OPEN_SERVICES, AuthTokens, authorize
 
 __all__ = [
+    "PROBE_METHODS",
+    "PROBE_THREADS",
     "REQUEST_ID_KEY",
     "AuthInterceptor",
+    "CallLimitInterceptor",
+    "SendDeadlines",
     "MalformedRequestInterceptor",
     "TelemetryInterceptor",
 ]
@@ -357,3 +368,174 @@ def _checking_stream_requests(behavior: _Behavior) -> _Behavior:
         return behavior(checked(), context)
 
     return call
+
+
+# ---- limits: calls at once, and how long a reader may leave a message untaken ------------------
+
+# The calls a load balancer or Kubernetes probe makes: outside the --max-workers limit, with
+# threads of their own (they are unary and answer from memory, so a few threads serve many).
+PROBE_METHODS = frozenset({"/rollserve.v1.Rollout/Health", "/grpc.health.v1.Health/Check"})
+PROBE_THREADS = 4
+
+
+class SendDeadlines:
+    """Ends a response stream whose reader does not take a message within `timeout_s`.
+
+    gRPC's sync server sends a streamed message from the handler's thread and waits until the
+    transport took it; a client that never reads (its flow-control window full) would hold that
+    thread for the life of the call. The stream arms a deadline before handing a message over
+    and disarms it once gRPC asks for the next; one daemon thread cancels the calls whose
+    deadline passed, with DEADLINE_EXCEEDED, and the handler's send returns at once.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._armed: dict[object, tuple[float, grpc.ServicerContext]] = {}
+        self._closed = False
+        self.expired = 0  # streams ended so far (tests and logs)
+        self._thread = threading.Thread(target=self._run, name="send-deadlines", daemon=True)
+        self._thread.start()
+
+    def arm(self, key: object, context: grpc.ServicerContext) -> None:
+        with self._cond:
+            self._armed[key] = (time.monotonic() + self.timeout_s, context)
+            if len(self._armed) == 1:
+                self._cond.notify()
+
+    @property
+    def armed(self) -> int:
+        """Streams whose message gRPC holds now (a reader that does not read keeps it)."""
+        with self._cond:
+            return len(self._armed)
+
+    def disarm(self, key: object) -> None:
+        with self._cond:
+            self._armed.pop(key, None)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                expired = self._wait_for_expired()
+                if expired is None:
+                    return
+            for context in expired:
+                _end_call(
+                    context,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the client took no message for {self.timeout_s:g} s "
+                    "(--stream-send-timeout-s); the stream is ended",
+                )
+
+    def _wait_for_expired(self) -> list[grpc.ServicerContext] | None:
+        """The contexts whose deadline passed (removed); None once closed. Holds the lock."""
+        while not self._closed:
+            now = time.monotonic()
+            expired = [key for key, (deadline, _) in self._armed.items() if deadline <= now]
+            if expired:
+                self.expired += len(expired)
+                return [self._armed.pop(key)[1] for key in expired]
+            soonest = min((deadline for deadline, _ in self._armed.values()), default=None)
+            self._cond.wait(None if soonest is None else soonest - now)
+        return None
+
+
+def _end_call(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    """Cancel a call from outside its handler's thread, with `code` and `details` as its status.
+
+    grpc's public cancel() always reports CANCELLED; its core call takes a status, so the
+    client learns why. Falls back to cancel() where the core call is not reachable."""
+    call = getattr(getattr(context, "_rpc_event", None), "call", None)
+    try:
+        call.cancel(code.value[0], details)  # type: ignore[union-attr]
+    except (AttributeError, TypeError):
+        context.cancel()
+
+
+class _Slots:
+    """At most `limit` holders at once; taking never waits (a waiting call holds a thread)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self.held = 0
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.held >= self.limit:
+                return False
+            self.held += 1
+            return True
+
+    def give_back(self) -> None:
+        with self._lock:
+            self.held -= 1
+
+
+class CallLimitInterceptor(grpc.ServerInterceptor):
+    """At most `max_calls` calls other than PROBE_METHODS at once (one more is
+    RESOURCE_EXHAUSTED at once), and every response stream under `deadlines`.
+
+    Sits inside auth (a refused caller holds no slot) and outside the undecodable-request
+    check. The server's pool has max_calls + PROBE_THREADS threads, so probes find one free.
+    """
+
+    def __init__(self, max_calls: int, deadlines: SendDeadlines) -> None:
+        self.slots = _Slots(max_calls)
+        self._deadlines = deadlines
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method in PROBE_METHODS:
+            return handler
+        return _rewrap(handler, unary_out=self._unary, stream_out=self._stream)
+
+    def _refuse(self, context: grpc.ServicerContext) -> None:
+        error = ResourceExhausted(
+            f"the server is serving {self.slots.limit} calls, its limit (--max-workers); "
+            "retry later"
+        )
+        context.abort(error.code, error.message)
+
+    def _unary(self, behavior: _Behavior) -> _Behavior:
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            if not self.slots.take():
+                self._refuse(context)
+            try:
+                return behavior(request, context)
+            finally:
+                self.slots.give_back()
+
+        return unary
+
+    def _stream(self, behavior: _Behavior) -> _Behavior:
+        def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            if not self.slots.take():
+                self._refuse(context)
+            key = object()
+            responses = behavior(request, context)
+            try:
+                for response in responses:
+                    # Armed while gRPC holds the message: it asks for the next one only once
+                    # the transport took this one.
+                    self._deadlines.arm(key, context)
+                    try:
+                        yield response
+                    finally:
+                        self._deadlines.disarm(key)
+            finally:
+                close = getattr(responses, "close", None)
+                if close is not None:
+                    close()  # the handler's own cleanup runs now, not when collected
+                self.slots.give_back()
+
+        return stream
