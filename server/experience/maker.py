@@ -5,8 +5,9 @@ A request runs as: per generation batch of whole groups, generate -> score -> de
 reward (steps.py) -> shape rewards, KL and advantages (algorithms.shape_experience) -> cut into
 micro-batches of whole groups, each trimmed to its own tight width, on the CPU
 (micro_batches.py). Shaping needs only a group at a time, so micro-batches stream as each
-generation batch is done, except when advantages are whitened, which takes statistics over the
-whole request (batches.merge_batches).
+generation batch is done, except when the algorithm needs the whole request
+(AlgorithmConfig.shapes_whole_request: whitening, or LightRFT's per-experience steps, whose
+experiences are the micro-batches) (batches.merge_batches).
 
 Where each Experience field is computed:
 
