@@ -281,6 +281,38 @@ def test_dealer_max_batches_leaves_the_ring() -> None:
     assert dealer.take(a) is None
 
 
+def test_dealer_deals_around_a_subscriber_that_stays_away() -> None:
+    # "stuck" took a batch and never comes back (its handler blocked sending to a client that
+    # does not read): after turn_wait_s it loses its turn, and every turn while it stays away.
+    dealer = Dealer(capacity=8, newest_version=lambda: 0, max_staleness=None, turn_wait_s=0.2)
+    stuck = dealer.join("stuck", 0, lambda: True)
+    reader = dealer.join("reader", 0, lambda: True)
+    for step in range(6):
+        dealer.put(_made(step))
+    assert dealer.take(stuck).step == 0
+    started = time.monotonic()
+    assert [dealer.take(reader).step for _ in range(4)] == [1, 2, 3, 4]
+    assert time.monotonic() - started < 5.0  # one turn_wait_s, not one per skipped turn
+    assert dealer.take(stuck).step == 5  # back: the ring deals to it again
+    assert dealer.counts() == (False, 6, 0, 0, 2)
+
+
+def test_dealer_keeps_the_turn_of_a_subscriber_that_comes_back_in_time() -> None:
+    # A slow trainer (away less than turn_wait_s) keeps its turn: strict round-robin.
+    dealer = Dealer(capacity=8, newest_version=lambda: 0, max_staleness=None, turn_wait_s=60.0)
+    slow = dealer.join("slow", 0, lambda: True)
+    reader = dealer.join("reader", 0, lambda: True)
+    for step in range(4):
+        dealer.put(_made(step))
+    assert dealer.take(slow).step == 0 and dealer.take(reader).step == 1
+    taken: list[int] = []
+    waiting = threading.Thread(target=lambda: taken.append(dealer.take(reader).step))
+    waiting.start()  # the slow one's turn: the reader waits for it
+    assert dealer.take(slow).step == 2
+    waiting.join(WAIT_S)
+    assert taken == [3]
+
+
 # ---- in-process servers -----------------------------------------------------------------------
 
 

@@ -21,6 +21,9 @@ projections). Checked, each bounded in time:
   flow-control windows) hold every call slot; Health and grpc.health.v1 still answer within 1 s,
   one more call is RESOURCE_EXHAUSTED at once, and after --stream-send-timeout-s each stream
   ends DEADLINE_EXCEEDED and its slot is free again.
+* A Subscribe client that never reads, first in the ring, no longer stops the continuous rollout:
+  the other subscriber gets its batches well before the stuck one's send deadline, which then
+  ends the stuck subscription.
 * Parallel parts: 16 part-1 headers of updates whose part 0 never comes hold at most
   MAX_WAITING_PARTS handler threads (the rest are RESOURCE_EXHAUSTED at once); the probes answer
   and a normal update succeeds meanwhile.
@@ -555,3 +558,62 @@ def test_readers_that_never_read_neither_starve_probes_nor_hold_threads(
         finally:
             for channel in stuck:
                 channel.close()
+
+
+# ---- issue item 2: a subscriber that never reads -------------------------------------------------
+
+SUBSCRIBE_SEND_S = 8.0  # the server's --stream-send-timeout-s in this test
+
+
+def _rollout_files(directory: Path) -> tuple[Path, Path]:
+    """32 prompts and a template whose batches (64 rows x 32 new tokens) are over 100 KB each,
+    more than a small window holds."""
+    prompts = directory / "prompts.jsonl"
+    lines = [json.dumps({"prompt": f"q{i}=", "gt_answer": str(i)}) for i in range(32)]
+    prompts.write_text("\n".join(lines) + "\n")
+    template = directory / "request.json"
+    template.write_text(
+        json.dumps(
+            {
+                "samplesPerPrompt": 2,
+                "sampling": {"maxNewTokens": 32, "ignoreEos": True},
+                "algorithm": {"advantageEstimator": "group_norm"},
+                "rewards": [{"source": "exact_match"}],
+            }
+        )
+    )
+    return prompts, template
+
+
+def test_a_subscriber_that_never_reads_does_not_stop_the_rollout(
+    models: ModelSet, tmp_path: Path
+) -> None:
+    prompts, template = _rollout_files(tmp_path)
+    config = ServerConfig(
+        host="127.0.0.1", port=0, device="cpu", metrics_port=0,
+        stream_send_timeout_s=SUBSCRIBE_SEND_S, rollout_prompts=str(prompts),
+        rollout_request=str(template), rollout_prompts_per_batch=32, rollout_epochs=0,
+    )  # fmt: skip
+    with RolloutServer(config, models=models) as server:
+        assert server.rollout is not None and server.send_deadlines is not None
+        rollout, deadlines = server.rollout, server.send_deadlines
+        target = f"127.0.0.1:{server.port}"
+        with grpc.insecure_channel(target, options=_SMALL_WINDOWS) as stuck_channel:
+            stuck = _stub(stuck_channel).Subscribe(
+                pb.SubscribeRequest(subscriber_id="stuck"), timeout=60.0
+            )
+            # First in the ring, dealt a batch, and its handler blocked sending it.
+            assert _until(lambda: deadlines.armed == 1, 30.0)
+            started = time.monotonic()
+            with RolloutClient(target, timeout_s=30.0) as client:
+                batches = list(client.subscribe("reader", max_batches=3))
+            took_s = time.monotonic() - started
+            assert len(batches) == 3
+            # Dealt around the stuck subscriber, not after its send deadline ended it.
+            assert took_s < SUBSCRIBE_SEND_S, took_s
+            assert deadlines.expired == 0 and rollout.stats().subscribers == 1
+            # Then it loses its subscription.
+            assert _until(lambda: rollout.stats().subscribers == 0, SUBSCRIBE_SEND_S + 5.0)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stuck)
+            assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED

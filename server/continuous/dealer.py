@@ -1,10 +1,16 @@
 """The dealer: made batches wait in a bounded queue and go round-robin to a ring of subscribers.
 
-Dealing: subscribers form a ring in the order they joined and batches go strictly round-robin:
-batch k waits for the subscriber whose turn it is (a slow trainer slows the ring rather than
-being skipped, as in ColossalChat). A subscriber that leaves (cancel, disconnect, max_batches)
-leaves the ring at once; a batch dealt to a call that is already over goes back to the front of
-the queue, and queued batches wait for the next subscriber. A batch counts as delivered once it
+Dealing: subscribers form a ring in the order they joined and batches go round-robin: batch k
+waits for the subscriber whose turn it is (a trainer that takes its batches slowly slows the
+ring rather than being skipped, as in ColossalChat), but only while that subscriber is waiting
+for a batch or has been away for less than `turn_wait_s` (TURN_WAIT_S). One that stays away
+longer (its handler is stuck sending to a client that does not read) loses its turn, and every
+turn until it waits again: the batch goes to the next subscriber in the ring that is there, so
+one stuck reader no longer stops the rollout for the others; the server's send deadline
+(--stream-send-timeout-s) then ends its stream, and it leaves the ring. A subscriber that
+leaves (cancel, disconnect, max_batches) leaves the ring at once; a batch dealt to a call that is
+already over goes back to the front of the queue, and queued batches wait for the next
+subscriber. A batch counts as delivered once it
 is handed to gRPC on a live call; gRPC may still hold it in network buffers, so a subscriber that
 dies at that instant loses it (the contract has no acknowledgements). batch_index numbers the
 delivered batches from 0 across all subscribers, without gaps.
@@ -26,15 +32,19 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ...client.protocol.errors import Unavailable
 from ...v1 import rollout_pb2 as pb
 
-__all__ = ["Dealer", "MadeBatch", "Subscription"]
+__all__ = ["TURN_WAIT_S", "Dealer", "MadeBatch", "Subscription"]
 
 _LOG = logging.getLogger(__name__)
+# How long a subscriber that is away (sending its last batch) keeps its turn: far above the time
+# a reading client's send takes, far below the send deadline that ends a stuck one.
+TURN_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,8 @@ class Subscription:
         self.received = 0
         self.gone = False
         self.is_live = is_live
+        self.waiting = False  # inside Dealer.take: ready for a batch
+        self.away_since = time.monotonic()  # when it last left Dealer.take (or joined)
         self._dealer = dealer
 
     def __iter__(self) -> Iterator[pb.SubscribeResponse]:
@@ -74,12 +86,18 @@ class Dealer:
     """Made batches waiting in a bounded queue, dealt round-robin to a ring of subscribers."""
 
     def __init__(
-        self, *, capacity: int, newest_version: Callable[[], int], max_staleness: int | None
+        self,
+        *,
+        capacity: int,
+        newest_version: Callable[[], int],
+        max_staleness: int | None,
+        turn_wait_s: float = TURN_WAIT_S,
     ) -> None:
         self._cond = threading.Condition()
         self._queue: collections.deque[MadeBatch] = collections.deque()
         self._ring: list[Subscription] = []
         self._turn = 0  # index in _ring of the subscriber the next batch goes to
+        self._turn_wait_s = turn_wait_s
         self._capacity = capacity
         self._newest_version = newest_version
         self._max_staleness = max_staleness
@@ -122,17 +140,43 @@ class Dealer:
     def take(self, sub: Subscription) -> pb.SubscribeResponse | None:
         """Block until it is `sub`'s turn and a fresh batch waits; None when its stream ends."""
         with self._cond:
-            while True:
-                if self._closed:
-                    raise Unavailable("the server is shutting down; the rollout stopped")
-                if sub.gone or sub.remaining == 0:
-                    return None
-                self._drop_stale_locked()
-                if self._queue and self._ring[self._turn] is sub:
+            sub.waiting = True
+            try:
+                return self._take_locked(sub)
+            finally:
+                sub.waiting = False
+                sub.away_since = time.monotonic()
+
+    def _take_locked(self, sub: Subscription) -> pb.SubscribeResponse | None:
+        while True:
+            if self._closed:
+                raise Unavailable("the server is shutting down; the rollout stopped")
+            if sub.gone or sub.remaining == 0:
+                return None
+            self._drop_stale_locked()
+            recheck_s = None
+            if self._queue:
+                holder, recheck_s = self._turn_holder_locked()
+                if holder is sub:
                     return self._deal_locked(sub)
-                if self._done and not self._queue:
-                    return None
-                self._cond.wait()
+            if self._done and not self._queue:
+                return None
+            self._cond.wait(recheck_s)  # a timeout when the holder may lose its turn by then
+
+    def _turn_holder_locked(self) -> tuple[Subscription | None, float | None]:
+        """Who the next batch goes to: the subscriber whose turn it is, unless it has been away
+        for turn_wait_s or more, then the next one in the ring that is not. (None, seconds
+        until the holder would lose its turn) while the holder is away but may come back."""
+        now = time.monotonic()
+        for step in range(len(self._ring)):
+            candidate = self._ring[(self._turn + step) % len(self._ring)]
+            if candidate.waiting:
+                return candidate, None
+            away_s = now - candidate.away_since
+            if away_s < self._turn_wait_s:
+                return None, self._turn_wait_s - away_s
+            # Away too long (stuck sending to a client that does not read): it loses its turn.
+        return None, None
 
     def _deal_locked(self, sub: Subscription) -> pb.SubscribeResponse | None:
         batch = self._queue.popleft()
@@ -144,7 +188,7 @@ class Dealer:
         response.batch_index = self._delivered
         self._delivered += 1
         sub.received += 1
-        self._turn = (self._turn + 1) % len(self._ring)
+        self._turn = (self._ring.index(sub) + 1) % len(self._ring)  # past any that lost theirs
         if sub.remaining is not None:
             sub.remaining -= 1
             if sub.remaining == 0:  # done: the next batches go to the others
