@@ -28,9 +28,9 @@ The headline is the median of the per-round ratios (this VM drifts by +-20 % fro
 minute, so only paired ratios are stable; docs/reference/transport.md). Targets (issue 11):
 shm >= 1.5 x raw TCP, dist >= 0.6 x raw TCP, grpc >= 0.8 x the drain-only server. We also
 print each lane's ratio to memcpy, the end-to-end seconds of its first (cold) update and of
-the warm ones, CPU seconds per GiB on both sides, and each server's resident memory: after loading, and its peak
-during each update (VmHWM, reset before each update through /proc/<pid>/clear_refs; for shm it
-includes the client's memfd pages the server maps).
+the warm ones, CPU seconds per GiB on both sides, and each server's resident memory: after
+loading, and its peak during each update (VmHWM, reset before each update through
+/proc/<pid>/clear_refs; for shm it includes the client's memfd pages the server maps).
 
 Every process runs with the tuned malloc environment of docs/reference/transport.md
 (MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 MALLOC_TOP_PAD_=67108864):
