@@ -318,9 +318,12 @@ def test_decode_tensor_keeps_the_message_bytes_alive_instead_of_copying() -> Non
         released = held - (tracemalloc.get_traced_memory()[0] - before)
     finally:
         tracemalloc.stop()
+    # tracemalloc counts every thread's Python allocations: threads left by earlier tests may
+    # allocate a few bytes in the window, so `released` gets a slack far below the 4 MiB buffer.
+    slack = 64 << 10
     assert held >= nbytes
     assert peak < 1.5 * nbytes
-    assert released >= nbytes
+    assert released >= nbytes - slack
 
 
 def test_decode_emits_no_warning() -> None:
