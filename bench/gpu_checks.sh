@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Every GPU check in one prepared command, for a GPU node with no internet access whose python3
+# already has a CUDA torch and transformers: the gpu tests, then the weights and generation
+# benchmarks, each bounded so that one slow part cannot eat the others' time. Logs go to $OUT
+# (or ./gpu-out). Wheels of the gRPC/protobuf pins may be carried in .whl/ (README "GPU checks").
+#
+#     bash bench/gpu_checks.sh            # ~9 minutes on one H100
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 \
+    || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+
+step() {  # step NAME SECONDS COMMAND...: run with a time bound, log to $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (at most ${limit}s) $(date -u +%T)"
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "=== $name rc=$? $(date -u +%T)"
+    tail -n "${TAIL_LINES:-25}" "$OUT/$name.log"
+}
+
+step test-gpu "${TEST_GPU_S:-170}" python3 -m pytest -q -m gpu --durations=10 -p no:cacheprovider tests
+step bench-weights "${BENCH_WEIGHTS_S:-120}" python3 bench/bench_gpu_weights.py
+TAIL_LINES=60 step bench-gpu "${BENCH_GPU_S:-290}" python3 bench/bench_gpu.py
