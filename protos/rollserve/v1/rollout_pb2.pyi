@@ -303,7 +303,7 @@ class LoraAdapter(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., fan_in_fan_out: _Optional[bool] = ...) -> None: ...
 
 class WeightsHeader(_message.Message):
-    __slots__ = ("target", "version", "mode", "total_bytes", "manifest", "sha256", "lora", "allow_non_finite", "shared_memory", "distributed", "parallel")
+    __slots__ = ("target", "version", "mode", "total_bytes", "manifest", "sha256", "lora", "allow_non_finite", "shared_memory", "distributed", "cuda_ipc", "parallel")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +314,7 @@ class WeightsHeader(_message.Message):
     ALLOW_NON_FINITE_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTED_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
     target: ModelRole
     version: int
@@ -325,8 +326,9 @@ class WeightsHeader(_message.Message):
     allow_non_finite: bool
     shared_memory: SharedMemorySource
     distributed: DistributedSource
+    cuda_ipc: CudaIpcSource
     parallel: ParallelPart
-    def __init__(self, target: _Optional[_Union[ModelRole, str]] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., total_bytes: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., sha256: _Optional[str] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., allow_non_finite: _Optional[bool] = ..., shared_memory: _Optional[_Union[SharedMemorySource, _Mapping]] = ..., distributed: _Optional[_Union[DistributedSource, _Mapping]] = ..., parallel: _Optional[_Union[ParallelPart, _Mapping]] = ...) -> None: ...
+    def __init__(self, target: _Optional[_Union[ModelRole, str]] = ..., version: _Optional[int] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., total_bytes: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., sha256: _Optional[str] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., allow_non_finite: _Optional[bool] = ..., shared_memory: _Optional[_Union[SharedMemorySource, _Mapping]] = ..., distributed: _Optional[_Union[DistributedSource, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcSource, _Mapping]] = ..., parallel: _Optional[_Union[ParallelPart, _Mapping]] = ...) -> None: ...
 
 class SharedMemorySource(_message.Message):
     __slots__ = ("pid", "fd", "streamed")
@@ -353,6 +355,50 @@ class DistributedSource(_message.Message):
     bucket_bytes: int
     contiguous: bool
     def __init__(self, group: _Optional[str] = ..., bucket_bytes: _Optional[int] = ..., contiguous: _Optional[bool] = ...) -> None: ...
+
+class CudaIpcSource(_message.Message):
+    __slots__ = ("buffers", "spans", "host_id")
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    buffers: _containers.RepeatedCompositeFieldContainer[CudaIpcBuffer]
+    spans: _containers.RepeatedCompositeFieldContainer[CudaIpcSpan]
+    host_id: str
+    def __init__(self, buffers: _Optional[_Iterable[_Union[CudaIpcBuffer, _Mapping]]] = ..., spans: _Optional[_Iterable[_Union[CudaIpcSpan, _Mapping]]] = ..., host_id: _Optional[str] = ...) -> None: ...
+
+class CudaIpcBuffer(_message.Message):
+    __slots__ = ("device_uuid", "device", "handle", "storage_bytes", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    device: int
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device_uuid: _Optional[str] = ..., device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_bytes: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class CudaIpcSpan(_message.Message):
+    __slots__ = ("begin", "end", "buffer", "offset")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    begin: int
+    end: int
+    buffer: int
+    offset: int
+    def __init__(self, begin: _Optional[int] = ..., end: _Optional[int] = ..., buffer: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class ParallelPart(_message.Message):
     __slots__ = ("update_id", "streams", "index", "begin", "end")
