@@ -174,6 +174,12 @@ class UpdateStager:
         """The next chunk of a single ordered stream (one lane over the whole file)."""
         self._stager.feed(offset, data, crc32)
 
+    def feed_tensor(self, offset: int, data: torch.Tensor) -> None:
+        """The next bytes of the single ordered stream (the same contract as `feed`, no crc32)
+        as a 1-D contiguous uint8 tensor on any device (CPU or CUDA). Lane.feed_tensor is the
+        form for one lane of several."""
+        self._stager.feed_tensor(offset, data)
+
     def lane(self, begin: int, end: int) -> Lane:
         """A lane for file bytes [begin, end), fed in order by one thread (stream.py)."""
         return self._stager.lane(begin, end)

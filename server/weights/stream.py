@@ -260,6 +260,13 @@ class Lane:
         data_state.route(position, source)
         self._cursor.advance(position + len(source))
 
+    def feed_tensor(self, offset: int, data: torch.Tensor) -> None:
+        """Take the next bytes of this lane as a 1-D contiguous uint8 tensor on any device (no
+        crc32); the same contract as `feed`. Device bytes bound for a device arena are copied
+        device to device; see SafetensorsStager.feed_tensor for when `data` may be reused."""
+        _check_byte_tensor(data)
+        self.feed(offset, data.cpu().numpy())
+
     @property
     def file_data(self) -> _Data:
         """The parsed head (entries, where the data section starts) and the arena."""
@@ -306,6 +313,14 @@ class Lane:
 
     def hexdigest(self) -> str | None:
         return None if self._digest is None else self._digest.hexdigest()
+
+
+def _check_byte_tensor(data: torch.Tensor) -> None:
+    if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
+        raise InvalidArgument(
+            f"tensor bytes must be a 1-D contiguous uint8 tensor, got {data.dtype} of shape "
+            f"{list(data.shape)}"
+        )
 
 
 class SafetensorsStager:
@@ -368,6 +383,12 @@ class SafetensorsStager:
         if self._single is None:
             self._single = self.lane(0, self.total_bytes)
         self._single.feed(offset, data, crc32)
+
+    def feed_tensor(self, offset: int, data: torch.Tensor) -> None:
+        """`feed` for bytes held in a tensor (1-D, contiguous, uint8, on any device; no crc32)."""
+        if self._single is None:
+            self._single = self.lane(0, self.total_bytes)
+        self._single.feed_tensor(offset, data)
 
     def fail(self, error: BaseException) -> None:
         """Mark the stager failed: lanes waiting for the head wake up and raise."""
