@@ -42,7 +42,7 @@ from ...client.protocol.errors import FailedPrecondition
 from ...client.protocol.experience import Experience, concat_experiences
 from ...client.protocol.requests import Prompts, build_make_experience_request
 from ...v1 import rollout_pb2 as pb
-from ..generation import GenerationSettings, engine_for
+from ..generation import GenerationSettings, adopt_settings, engine_for
 from ..models import ModelSet
 from .batches import ScoredBatch, merge_batches
 from .micro_batches import MicroBatcher
@@ -83,6 +83,8 @@ class NaiveExperienceMaker:
         # (--generation-path, --kv-cache-tokens, --gpu-memory-utilization); None: the defaults.
         self.models = models
         self.generation = generation or GenerationSettings()
+        for model in models.loaded():  # scoring takes the path generation takes (registry.py)
+            adopt_settings(model.module, self.generation)
         self.rewards = rewards
         self.defaults = defaults
         self.tokenizer_lock = threading.Lock()

@@ -13,6 +13,15 @@ O(chunk x V) even when the whole batch is scored in one forward; no (B, A, V) lo
 (B, S, V) float32 log-softmax. Models whose logits are not plain lm_head(hidden) (soft-capped or
 scaled) are scored through their own logits for the A + 1 positions we read (`logits_to_keep`).
 Models are expected in eval mode (dropout off); nothing here changes their mode.
+
+Paths. Where generation would run a model on rollserve's engine (server/generation/registry.py:
+`scoring_path`, the same rule and the same --generation-path; the HF path on the CPU by
+default), its decoder body runs on the engine's forward (`Forward.hidden_states`, the very
+parameters of the HF module) and the model's own head is applied as above: lm_head in chunks for
+the actor and reference, `score` for a critic (*ForTokenClassification) or a reward model
+(*ForSequenceClassification). Any other model runs its Hugging Face forward. Both paths give the
+same numbers up to the kernels' rounding. `path` (a server's GenerationSettings or a path name)
+overrides the model's adopted settings.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from collections.abc import Callable
 import torch
 
 from ...client.protocol.errors import FailedPrecondition, InvalidArgument
+from ..generation import Forward, GenerationSettings, scoring_forward
 
 __all__ = [
     "DEFAULT_POSITIONS_PER_CHUNK",
@@ -90,16 +100,30 @@ def _logits_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modu
 _HEAD_SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+Path = GenerationSettings | str | None
+
+
+def _engine_hidden(
+    forward: Forward, ids: torch.Tensor, mask: torch.Tensor, keep: slice
+) -> torch.Tensor:
+    """The engine's final-normed hidden states (b, len(keep), H) of the columns `keep`."""
+    return forward.hidden_states(ids, mask, position_ids_from_mask(mask))[:, keep]
+
+
 def _action_logits(
-    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, actions: int
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, actions: int, path: Path
 ) -> Callable[[slice, slice], torch.Tensor]:
     """A function giving the logits (rows, columns, V) of action columns, on demand.
 
-    Action column j is scored at position S - A - 1 + j. With a checked lm_head split the
-    backbone runs once and lm_head is applied to the requested block only, so no (b, A, V)
-    tensor ever exists; otherwise the model computes its logits for the last A + 1 positions
-    (`logits_to_keep` where supported) and blocks are views of them.
+    Action column j is scored at position S - A - 1 + j. On the engine, or with a checked
+    lm_head split, the backbone runs once and lm_head is applied to the requested block only,
+    so no (b, A, V) tensor ever exists; otherwise the model computes its logits for the last
+    A + 1 positions (`logits_to_keep` where supported) and blocks are views of them.
     """
+    forward = scoring_forward(model, path)
+    if forward is not None and forward.family.lm_head is not None:
+        hidden = _engine_hidden(forward, ids, mask, slice(-actions - 1, -1))  # (b, A, H)
+        return lambda rows, columns: forward.logits(hidden[rows, columns])
     position_ids = position_ids_from_mask(mask)
     split = _logits_head(model)
     if split is not None:
@@ -163,11 +187,12 @@ def action_log_probs(
     temperature: float | None = None,
     with_entropy: bool = False,
     positions_per_chunk: int = DEFAULT_POSITIONS_PER_CHUNK,
+    path: Path = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, A) float32 of the action tokens under a causal LM, and optionally entropy.
 
     temperature: divide the logits by it first (logprobs_use_temperature); None means raw logits.
-    Masked columns are scored like any other (callers apply the action mask).
+    Masked columns are scored like any other (callers apply the action mask). path: see Paths.
     """
     _check_layout(sequences, attention_mask, num_actions, forward_batch_size)
     if temperature is not None and not temperature > 0:
@@ -179,7 +204,7 @@ def action_log_probs(
         for start in range(0, sequences.shape[0], forward_batch_size):
             ids = sequences[start : start + forward_batch_size]  # (b, S)
             mask = attention_mask[start : start + forward_batch_size]
-            logits_of = _action_logits(model, ids, mask, num_actions)
+            logits_of = _action_logits(model, ids, mask, num_actions, path)
             lp, ent = _chunked_log_probs(
                 logits_of, ids[:, -num_actions:], temperature, with_entropy, positions_per_chunk
             )
@@ -197,18 +222,26 @@ def critic_values(
     num_actions: int,
     *,
     forward_batch_size: int,
+    path: Path = None,
 ) -> torch.Tensor:
     """Values (B, A) float32 from a one-label token-classification critic.
 
     The value of action column j is read at position P + j - 1, the hidden state BEFORE token
     P + j: the state in which the action was chosen, aligned with its log-prob (OpenRLHF and
-    LightRFT: values[:, :-1][:, -A:]).
+    LightRFT: values[:, :-1][:, -A:]). On the engine (see Paths) the body runs there and the
+    critic's `score` head reads only those positions.
     """
     _check_layout(sequences, attention_mask, num_actions, forward_batch_size)
+    forward, head = _engine_body_and_head(critic, path, "ForTokenClassification")
     values = []
     with torch.inference_mode():
         for start in range(0, sequences.shape[0], forward_batch_size):
             mask = attention_mask[start : start + forward_batch_size]
+            ids = sequences[start : start + forward_batch_size]
+            if forward is not None:
+                hidden = _engine_hidden(forward, ids, mask, slice(-num_actions - 1, -1))
+                values.append(_single_label(head(hidden), expected_ndim=3))
+                continue
             out = critic(
                 input_ids=sequences[start : start + forward_batch_size],
                 attention_mask=mask,
@@ -218,6 +251,22 @@ def critic_values(
             per_token = _single_label(out.logits, expected_ndim=3)  # (b, S)
             values.append(per_token[:, -num_actions - 1 : -1])
     return torch.cat(values)
+
+
+def _engine_body_and_head(
+    model: torch.nn.Module, path: Path, kind: str
+) -> tuple[Forward | None, torch.nn.Module | None]:
+    """(the engine's forward over model's body, its `score` head) when scoring runs the body
+    on the engine, the model is a transformers *For<kind> (whose output is score(body); a
+    critic's dropout before it is the identity in eval mode) and the head a plain Linear,
+    else (None, None): HF."""
+    head = getattr(model, "score", None)
+    if not type(model).__name__.endswith(kind) or type(head) is not torch.nn.Linear:
+        return None, None
+    if model.training:
+        return None, None
+    forward = scoring_forward(model, path)
+    return (forward, head) if forward is not None else (None, None)
 
 
 def _single_label(logits: torch.Tensor, *, expected_ndim: int) -> torch.Tensor:
@@ -242,6 +291,7 @@ def reward_scores(
     attention_mask: torch.Tensor,
     *,
     forward_batch_size: int,
+    path: Path = None,
 ) -> torch.Tensor:
     """Scores (B,) float32 of a one-label sequence classifier, read at each row's last real token.
 
@@ -259,16 +309,22 @@ def reward_scores(
     head = getattr(reward_model, "score", None)
     if not isinstance(backbone, torch.nn.Module) or not isinstance(head, torch.nn.Module):
         return _reward_scores_per_row(reward_model, sequences, attention_mask)
+    # The engine runs the body of a *ForSequenceClassification (Paths); the head is as below.
+    forward, _ = _engine_body_and_head(reward_model, path, "ForSequenceClassification")
     scores = []
     with torch.inference_mode():
         for start in range(0, sequences.shape[0], forward_batch_size):
             mask = attention_mask[start : start + forward_batch_size]
-            hidden = backbone(
-                input_ids=sequences[start : start + forward_batch_size],
-                attention_mask=mask,
-                position_ids=position_ids_from_mask(mask),
-                use_cache=False,
-            ).last_hidden_state  # (b, S, H)
+            ids = sequences[start : start + forward_batch_size]
+            if forward is not None:
+                hidden = _engine_hidden(forward, ids, mask, slice(None))  # (b, S, H)
+            else:
+                hidden = backbone(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=position_ids_from_mask(mask),
+                    use_cache=False,
+                ).last_hidden_state  # (b, S, H)
             rows = torch.arange(hidden.shape[0], device=hidden.device)
             last = hidden[rows, last_real_index(mask)]  # (b, H)
             scores.append(_single_label(head(last), expected_ndim=2))

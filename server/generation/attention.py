@@ -12,8 +12,10 @@ __all__ = ["decode_attention", "prefill_attention", "prefill_mask"]
 def prefill_mask(valid: torch.Tensor, window: int | None) -> torch.Tensor:
     """(b, 1, s, s) bool: causal, real keys only, within the sliding window when set.
 
-    A pad query sees only itself, so its softmax is finite; its output is never read
-    (real queries never attend to a pad column).
+    As HF's mask for a padded batch: a query attends to the real keys at or before it, so a
+    right-pad query (scoring's rows end in pads) sees the real tokens before it, as in HF. A
+    query with no real key at all (a left pad) sees only itself, so its softmax is finite; its
+    output is never read (real queries never attend to a pad column).
     """
     s = valid.shape[1]
     columns = torch.arange(s, device=valid.device)
@@ -21,7 +23,8 @@ def prefill_mask(valid: torch.Tensor, window: int | None) -> torch.Tensor:
     if window is not None:
         allowed = allowed & (columns[None, :] > columns[:, None] - window)
     mask = allowed[None] & valid[:, None, :]  # (b, s, s)
-    mask = mask | torch.eye(s, dtype=torch.bool, device=valid.device)[None]
+    alone = ~mask.any(-1, keepdim=True)  # (b, s, 1): queries with no real key
+    mask = mask | (alone & torch.eye(s, dtype=torch.bool, device=valid.device)[None])
     return mask[:, None]
 
 

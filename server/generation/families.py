@@ -4,6 +4,10 @@ The engine reads the loaded HF module's own submodules (Linear, RMSNorm, Embeddi
 forward: no copies, so weight updates, LoRA merges and teacher-forced scoring see one set of
 weights. A model outside the list, or a config the engine does not implement, gets None and
 keeps the Hugging Face generation path.
+
+Scoring reads the decoder body alone (`read_body`): any model whose base model is one of the
+supported decoder bodies (a causal LM, or a critic's or reward model's *ForTokenClassification /
+*ForSequenceClassification) runs its body on the engine's forward and keeps its own head.
 """
 
 from __future__ import annotations
@@ -12,7 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "Family", "Layer", "read_family", "unsupported_reason"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_BODIES",
+    "Family",
+    "Layer",
+    "body_unsupported_reason",
+    "read_body",
+    "read_family",
+    "unsupported_reason",
+]
 
 # The Llama family: pre-norm decoder, RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
 # Qwen2 adds q/k/v biases (read from the Linear modules), Qwen3 per-head q/k RMSNorm,
@@ -23,6 +36,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
 )
+# Their decoder bodies (the base model under `base_model_prefix`), which scoring also runs for
+# the classification heads built on them.
+SUPPORTED_BODIES = ("LlamaModel", "Qwen2Model", "Qwen3Model", "MistralModel")
 
 # Rotary types whose cos/sin at a position depend on the sequence length: one table built
 # up front would differ from what the HF forward computes for shorter sequences.
@@ -55,7 +71,7 @@ class Family:
     embed: torch.nn.Embedding
     layers: tuple[Layer, ...]
     norm: torch.nn.Module
-    lm_head: torch.nn.Linear
+    lm_head: torch.nn.Linear | None  # None: a decoder body read for scoring (read_body)
     rotary: torch.nn.Module  # the HF rotary embedding module (builds the cos/sin table)
     num_heads: int
     num_kv_heads: int
@@ -76,15 +92,30 @@ def _windows(config: object, layers: int) -> list[int | None]:
     return [int(window) if t == "sliding_attention" else None for t in types]
 
 
+def _backbone(model: torch.nn.Module) -> torch.nn.Module | None:
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    return backbone if isinstance(backbone, torch.nn.Module) else None
+
+
 def unsupported_reason(model: torch.nn.Module) -> str | None:
-    """Why the engine cannot run `model` (None: it can)."""
+    """Why the engine cannot generate with `model` (None: it can)."""
     name = type(model).__name__
     if name not in SUPPORTED_ARCHITECTURES:
         return f"architecture {name} is not in the engine's list"
-    config = model.config
+    return body_unsupported_reason(model)
+
+
+def body_unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why the engine's forward cannot run the decoder body of `model` (None: it can)."""
+    backbone = _backbone(model)
+    if backbone is None or type(backbone).__name__ not in SUPPORTED_BODIES:
+        body = type(backbone).__name__ if backbone is not None else "none"
+        return f"decoder body {body} of {type(model).__name__} is not in the engine's list"
+    config = getattr(model, "config", None)
+    if config is None:
+        return f"{type(model).__name__} has no config"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r} (the engine implements SwiGLU with silu)"
-    backbone = getattr(model, "model", None)
     rotary = getattr(backbone, "rotary_emb", None)
     rope_type = getattr(rotary, "rope_type", None)
     if not isinstance(rope_type, str):
@@ -105,10 +136,23 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 def read_family(model: torch.nn.Module) -> Family | None:
-    """The engine's view of `model`, or None when unsupported_reason gives a reason."""
+    """The engine's view of `model` for generation, or None when unsupported_reason gives a
+    reason."""
     if unsupported_reason(model) is not None:
         return None
-    config, backbone = model.config, model.model
+    return _read(model, model.lm_head)
+
+
+def read_body(model: torch.nn.Module) -> Family | None:
+    """The engine's view of `model`'s decoder body (no lm_head: the caller applies the
+    model's own head), or None when body_unsupported_reason gives a reason."""
+    if body_unsupported_reason(model) is not None:
+        return None
+    return _read(model, None)
+
+
+def _read(model: torch.nn.Module, lm_head: torch.nn.Linear | None) -> Family:
+    config, backbone = model.config, _backbone(model)
     windows = _windows(config, len(backbone.layers))
     layers = tuple(
         Layer(
@@ -134,7 +178,7 @@ def read_family(model: torch.nn.Module) -> Family | None:
         embed=backbone.embed_tokens,
         layers=layers,
         norm=backbone.norm,
-        lm_head=model.lm_head,
+        lm_head=lm_head,
         rotary=backbone.rotary_emb,
         num_heads=attention.q_proj.out_features // head_dim,
         num_kv_heads=attention.k_proj.out_features // head_dim,

@@ -2,8 +2,10 @@
 
 Prefill runs left-padded prompts (b, s) against themselves and hands each layer's K/V to the
 caller (which writes them into the static cache); decode runs one token per row against the
-cache. Both follow the HF modules' arithmetic step for step (RMSNorm in float32, RoPE in the
-model dtype), so logits agree with the HF forward to rounding.
+cache; `hidden_states` is the same full-sequence forward without a cache, over rows padded on
+both sides (scoring's layout), for the teacher-forced scoring of every model on the engine.
+All follow the HF modules' arithmetic step for step (RMSNorm in float32, RoPE in the model
+dtype), so logits agree with the HF forward to rounding.
 
 A layer is two pure functions of tensors around the attention: `attention_inputs` (norm,
 q/k/v projections, q/k norms, RoPE) and `mlp_block` (output projection, residual, norm,
@@ -124,11 +126,12 @@ class Forward:
         ids: torch.Tensor,
         valid: torch.Tensor,
         positions: torch.Tensor,
-        write: KVWriter,
+        write: KVWriter | None,
     ) -> torch.Tensor:
         """Final-normed hidden states (b, s, hidden) of left-padded prompts ids (b, s).
 
-        valid (b, s) bool marks real tokens; positions (b, s) are their position ids.
+        valid (b, s) bool marks real tokens; positions (b, s) are their position ids; write
+        receives each layer's K/V (None: nothing keeps them).
         """
         f = self.family
         x = F.embedding(ids, f.embed.weight)
@@ -136,10 +139,24 @@ class Forward:
         masks = {w: prefill_mask(valid, w) for w in {layer.window for layer in f.layers}}
         for index, layer in enumerate(f.layers):
             q, k, v = self._layer_inputs(layer, x, cos, sin, attention_inputs)
-            write(index, k, v)
+            if write is not None:
+                write(index, k, v)
             out = prefill_attention(q, k, v, masks[layer.window], f.scaling)  # (b, H, s, D)
             x = self._layer_mlp(layer, x, out.transpose(1, 2).reshape(*ids.shape, -1), mlp_block)
         return rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
+
+    def hidden_states(
+        self, ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Final-normed hidden states (b, s, hidden) of padded rows, what HF's base model
+        returns as last_hidden_state for the same input_ids, attention_mask (any dtype, 0 for
+        pads on either side) and position_ids: the scoring forward (no cache is written)."""
+        if position_ids.max() >= self.rope.cos.shape[0]:
+            raise ValueError(
+                f"position {int(position_ids.max())} is past the model's "
+                f"{self.rope.cos.shape[0]} positions"
+            )
+        return self.prefill(ids, attention_mask.bool(), position_ids, None)
 
     def decode(
         self,
@@ -173,4 +190,6 @@ class Forward:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head over final-normed hidden states (..., hidden) -> (..., V)."""
+        if self.family.lm_head is None:
+            raise TypeError("a decoder body read for scoring has no lm_head (read_body)")
         return F.linear(hidden, *_wb(self.family.lm_head))

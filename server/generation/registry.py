@@ -7,7 +7,13 @@ Paths (GenerationSettings.path: the server's --generation-path, or a caller's ex
   hf        - always the Hugging Face path
 
 The settings come from the server's configuration (GenerationSettings.from_config) and from
-nowhere else: no environment variable competes with the flags.
+nowhere else: no environment variable competes with the flags. A server's maker records them
+for each model it hosts (`adopt_settings`); a call that passes no settings gets the model's
+recorded ones (else the defaults), so generation and scoring take the same path.
+
+Scoring follows the same rule (`scoring_path`): the engine's forward on the decoder body of any
+model whose body the engine runs (the actor and reference, and a critic or reward model built
+on a supported body), wherever generation would take the engine.
 """
 
 from __future__ import annotations
@@ -20,16 +26,21 @@ import torch
 
 from ..config import ServerConfig
 from ..config.values import GENERATION_PATHS
-from .families import read_family, unsupported_reason
+from .families import body_unsupported_reason, read_body, read_family, unsupported_reason
+from .model import Forward
+from .rotary import RopeTable
 from .runner import Engine
 
 __all__ = [
     "GENERATION_MODES",
     "GenerationSettings",
+    "adopt_settings",
     "built_engine",
     "engine_for",
     "engine_path",
     "generation_mode",
+    "scoring_forward",
+    "scoring_path",
 ]
 
 GENERATION_MODES = GENERATION_PATHS  # the flag's choices, one table
@@ -38,6 +49,10 @@ _log = logging.getLogger("rollserve.generation")
 # Model -> (its Engine or None when the engine does not run it, the settings it was built
 # with); weak, so models can be freed.
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Model -> the GenerationSettings of the server that hosts it (adopt_settings).
+_ADOPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Model -> the Forward over its decoder body that scoring uses when it has no engine.
+_SCORING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -69,10 +84,21 @@ def generation_mode(mode: str | None = None) -> str:
     return chosen
 
 
-def _settings(settings: GenerationSettings | str | None) -> GenerationSettings:
-    """A path name (tests, benchmarks) is shorthand for the default settings on that path."""
+def adopt_settings(model: torch.nn.Module, settings: GenerationSettings) -> None:
+    """Record the settings of the server that hosts `model`: calls for it that pass none
+    (scoring's, in the maker's steps) use them."""
+    _ADOPTED[model] = settings
+
+
+def _settings(
+    settings: GenerationSettings | str | None, model: torch.nn.Module | None = None
+) -> GenerationSettings:
+    """A path name (tests, benchmarks) is shorthand for the default settings on that path;
+    None: the settings adopted for `model`, else the defaults."""
     if isinstance(settings, GenerationSettings):
         return settings
+    if settings is None and model is not None and model in _ADOPTED:
+        return _ADOPTED[model]
     return GenerationSettings(path=generation_mode(settings))
 
 
@@ -83,12 +109,51 @@ def _device(model: torch.nn.Module) -> torch.device:
 def engine_path(model: torch.nn.Module, settings: GenerationSettings | str | None = None) -> str:
     """'rollserve' when generate() runs `model` on the engine, else 'hf'. Pure: touches no
     device memory (Health calls it)."""
-    chosen = _settings(settings).path
+    chosen = _settings(settings, model).path
     if chosen == "hf" or unsupported_reason(model) is not None:
         return "hf"
     if chosen == "auto" and _device(model).type != "cuda":
         return "hf"
     return "rollserve"
+
+
+def scoring_path(model: torch.nn.Module, settings: GenerationSettings | str | None = None) -> str:
+    """'rollserve' when scoring runs `model`'s decoder body on the engine's forward, else 'hf':
+    the rule of engine_path, for any model whose body the engine runs (critics and reward
+    models included)."""
+    chosen = _settings(settings, model).path
+    if chosen == "hf" or body_unsupported_reason(model) is not None:
+        return "hf"
+    if chosen == "auto" and _device(model).type != "cuda":
+        return "hf"
+    return "rollserve"
+
+
+def scoring_forward(
+    model: torch.nn.Module, settings: GenerationSettings | str | None = None
+) -> Forward | None:
+    """The engine's forward over `model`'s decoder body when scoring_path is 'rollserve', else
+    None. A model with an engine shares its forward (and rotary table); another gets one of
+    its own, kept while the model lives (no KV cache: scoring writes none)."""
+    if scoring_path(model, settings) == "hf":
+        return None
+    engine = built_engine(model)
+    if engine is not None:
+        return engine.forward
+    weight = model.get_input_embeddings().weight
+    forward = _SCORING.get(model)
+    if (
+        forward is None
+        or forward.rope.cos.device != weight.device
+        or (forward.rope.cos.dtype != weight.dtype)
+    ):
+        # A causal LM of the engine's list is read with its lm_head, any other with its body.
+        family = read_family(model) or read_body(model)
+        assert family is not None  # scoring_path checked it
+        forward = Forward(family, RopeTable(family.rotary, family.max_positions, weight.dtype))
+        _SCORING[model] = forward
+        _log.info("scoring path of %s: rollserve", type(model).__name__)
+    return forward
 
 
 def built_engine(model: torch.nn.Module) -> Engine | None:
@@ -102,7 +167,7 @@ def engine_for(
 ) -> Engine | None:
     """The model's engine when its path is 'rollserve' (built on first use, and again when the
     KV budget asked for changed), else None."""
-    settings = _settings(settings)
+    settings = _settings(settings, model)
     budget = (settings.kv_cache_tokens, settings.gpu_memory_utilization)
     if engine_path(model, settings) == "hf":
         if model not in _ENGINES:

@@ -1,0 +1,192 @@
+"""Scoring through the engine's forward (server/generation) against the HF forward, on the CPU.
+
+Tiny Llama, Qwen2, Qwen3 and Mistral configs in float32, saved and loaded: the actor's log-probs
+and entropy (lm_head in chunks), a critic's values (*ForTokenClassification) and a reward
+model's scores (*ForSequenceClassification) over ragged rows (left-padded prompts, right-padded
+responses), on path "rollserve" (the engine's forward) and path "hf" (the HF module's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from rollserve.server.experience.scoring import action_log_probs, critic_values, reward_scores
+from rollserve.server.generation import (
+    GenerationSettings,
+    adopt_settings,
+    scoring_forward,
+    scoring_path,
+)
+
+PAD = 0
+VOCAB = 96
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD,
+    bos_token_id=None, eos_token_id=None, num_labels=1,
+)  # fmt: skip
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33], [40], [50, 51, 52, 53, 54, 55]]
+RESPONSE_LENGTHS = [5, 9, 1, 3, 7]  # ragged: every row ends in its own number of pads
+
+
+def _config(name: str):
+    import transformers as tf
+
+    if name == "llama":
+        return tf.LlamaConfig(**COMMON)
+    if name == "qwen2":
+        return tf.Qwen2Config(**COMMON)
+    if name == "qwen3":
+        return tf.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True)
+    if name == "mistral":  # a window shorter than the rows, so it matters
+        return tf.MistralConfig(**COMMON, sliding_window=6)
+    raise KeyError(name)
+
+
+def _built(kind: str, name: str, directory: Path) -> torch.nn.Module:
+    """A random model of `kind` saved to and loaded from `directory`, in eval mode."""
+    import transformers as tf
+
+    auto = {
+        "causal_lm": tf.AutoModelForCausalLM,
+        "critic": tf.AutoModelForTokenClassification,
+        "reward": tf.AutoModelForSequenceClassification,
+    }[kind]
+    torch.manual_seed(FAMILIES.index(name))
+    built = auto.from_config(_config(name))
+    with torch.no_grad():  # random biases and norm weights, so that reading them matters
+        for param_name, tensor in built.named_parameters():
+            if param_name.endswith("bias") or "norm" in param_name:
+                tensor.add_(torch.randn_like(tensor) * 0.2)
+    built.save_pretrained(directory)
+    return auto.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def models(family: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.nn.Module]:
+    root = tmp_path_factory.mktemp(family)
+    return {kind: _built(kind, family, root / kind) for kind in ("causal_lm", "critic", "reward")}
+
+
+def rows() -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Sequences (B, P + A) of left-padded prompts and right-padded responses, their mask, A."""
+    g = torch.Generator().manual_seed(0)
+    width, actions = max(map(len, PROMPTS)), max(RESPONSE_LENGTHS)
+    sequences = torch.full((len(PROMPTS), width + actions), PAD, dtype=torch.long)
+    mask = torch.zeros_like(sequences)
+    for row, (prompt, length) in enumerate(zip(PROMPTS, RESPONSE_LENGTHS, strict=True)):
+        response = torch.randint(1, VOCAB, (length,), generator=g)
+        sequences[row, width - len(prompt) : width] = torch.tensor(prompt)
+        sequences[row, width : width + length] = response
+        mask[row, width - len(prompt) : width + length] = 1
+    return sequences, mask, actions
+
+
+def test_actor_log_probs_and_entropy_equal_hf(models) -> None:
+    model = models["causal_lm"]
+    sequences, mask, actions = rows()
+    assert scoring_path(model, "rollserve") == "rollserve"
+    kw = dict(forward_batch_size=2, with_entropy=True, positions_per_chunk=7)
+    for temperature in (None, 0.7):
+        ours = action_log_probs(model, sequences, mask, actions, temperature=temperature,
+                                path="rollserve", **kw)  # fmt: skip
+        theirs = action_log_probs(model, sequences, mask, actions, temperature=temperature,
+                                  path="hf", **kw)  # fmt: skip
+        # Every column, the right-padded ones included: a pad query sees what HF's sees.
+        for mine, hf in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(mine, hf, atol=1e-5, rtol=1e-5)
+
+
+def test_critic_values_equal_hf(models) -> None:
+    critic = models["critic"]
+    sequences, mask, actions = rows()
+    assert scoring_path(critic, "rollserve") == "rollserve"
+    ours = critic_values(critic, sequences, mask, actions, forward_batch_size=3, path="rollserve")
+    theirs = critic_values(critic, sequences, mask, actions, forward_batch_size=3, path="hf")
+    assert ours.shape == (len(PROMPTS), actions)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_reward_scores_equal_hf(models) -> None:
+    reward = models["reward"]
+    sequences, mask, _ = rows()
+    ours = reward_scores(reward, sequences, mask, forward_batch_size=2, path="rollserve")
+    theirs = reward_scores(reward, sequences, mask, forward_batch_size=2, path="hf")
+    assert ours.shape == (len(PROMPTS),)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_scoring_never_runs_the_hf_body_nor_full_logits(models) -> None:
+    """On the engine path the HF backbone is never called, and lm_head sees at most
+    positions_per_chunk (row, column) pairs at once: no (rows, columns, V) logits."""
+    model = models["causal_lm"]
+    sequences, mask, actions = rows()
+    backbone_calls, head_rows = [], []
+    hooks = [
+        model.model.register_forward_pre_hook(lambda *_: backbone_calls.append(1)),
+        model.lm_head.register_forward_pre_hook(
+            lambda _, args: head_rows.append(args[0].shape[:-1].numel())
+        ),
+    ]
+    try:
+        action_log_probs(model, sequences, mask, actions, forward_batch_size=5,
+                         positions_per_chunk=6, path="rollserve")  # fmt: skip
+        assert not backbone_calls and not head_rows  # the engine reads lm_head's weight itself
+        forward = scoring_forward(model, "rollserve")
+        blocks = []
+        original = forward.logits
+        forward.logits = lambda hidden: blocks.append(hidden.shape[:-1].numel()) or original(hidden)
+        try:
+            action_log_probs(model, sequences, mask, actions, forward_batch_size=5,
+                             positions_per_chunk=6, path="rollserve")  # fmt: skip
+        finally:
+            del forward.logits
+        assert blocks and max(blocks) <= 6 and sum(blocks) == len(PROMPTS) * actions
+        action_log_probs(model, sequences, mask, actions, forward_batch_size=5, path="hf")
+        assert backbone_calls  # the HF path does run it
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def test_the_path_follows_generation_and_the_adopted_settings(tmp_path: Path) -> None:
+    model = _built("causal_lm", "llama", tmp_path / "lm")
+    critic = _built("critic", "llama", tmp_path / "critic")
+    for each in (model, critic):
+        assert scoring_path(each) == "hf"  # auto on the CPU: HF, as generation
+        assert scoring_path(each, "hf") == "hf"
+        assert scoring_forward(each) is None
+    adopt_settings(critic, GenerationSettings(path="rollserve"))  # what a server's maker does
+    assert scoring_path(critic) == "rollserve"
+    assert scoring_forward(critic) is scoring_forward(critic)  # one per model
+    calls = []
+    hook = critic.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        sequences, mask, actions = rows()
+        critic_values(critic, sequences, mask, actions, forward_batch_size=8)
+    finally:
+        hook.remove()
+    assert not calls  # the adopted path ran the body on the engine
+
+
+def test_an_unsupported_body_scores_on_hf(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, pad_token_id=PAD)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    gpt2 = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    assert scoring_path(gpt2, "rollserve") == "hf" and scoring_forward(gpt2, "rollserve") is None
+    sequences, mask, actions = rows()
+    ours, _ = action_log_probs(gpt2, sequences, mask, actions, forward_batch_size=4,
+                               path="rollserve")  # fmt: skip
+    theirs, _ = action_log_probs(gpt2, sequences, mask, actions, forward_batch_size=4, path="hf")
+    assert torch.equal(ours, theirs)
