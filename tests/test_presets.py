@@ -217,6 +217,7 @@ def test_every_algorithm_option_of_the_proto_is_resolved() -> None:
         "group_std_eps", "high_entropy_token_ratio", "dynamic_sampling", "overlong_buffer",
         "overlong_factor", "clip_filter_eps", "reproduce_upstream_quirks", "experience_norm",
         "stop_properly_penalty", "overlong_length", "length_normalized_log_probs",
+        "action_mask_rule",
     }  # fmt: skip
     assert {f.name for f in pb.AlgorithmOptions.DESCRIPTOR.fields} == handled
     cfg = _resolve(
@@ -232,8 +233,10 @@ def test_every_algorithm_option_of_the_proto_is_resolved() -> None:
         overlong_buffer=8,
         overlong_factor=0.5,
         clip_filter_eps=2.0,
+        action_mask_rule="process_sequences",
     )
     assert (cfg.estimator, cfg.lam, cfg.kl_clamp, cfg.advantage_clip) == ("rloo", 0.5, 2.0, 3.0)
+    assert cfg.action_mask_rule == "process_sequences"
     assert (cfg.group_std_eps, cfg.high_entropy_token_ratio, cfg.dynamic_sampling) == (
         0.5,
         0.25,
@@ -679,7 +682,11 @@ def test_lightrft_experiences_end_to_end(estimator: str, quirk: bool) -> None:
 
 def test_quirk_switch_is_per_framework() -> None:
     quirky = _resolve(preset="lightrft", gamma=0.5, reproduce_upstream_quirks=True)
-    assert quirky.upstream_quirks == {"gamma_first_experience_only", "cpgd_zero_for_scalar_rewards"}
+    assert quirky.upstream_quirks == {
+        "gamma_first_experience_only",
+        "cpgd_zero_for_scalar_rewards",
+        "eos_overwrites_last_token",
+    }
     assert (quirky.gamma_of_experience(0), quirky.gamma_of_experience(1)) == (0.5, 1.0)
     assert quirky.shapes_whole_request
     intent = _resolve(preset="lightrft", gamma=0.5)

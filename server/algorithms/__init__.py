@@ -32,7 +32,14 @@ from .kl import (
     kl_estimate,
     sequence_kl_reward,
 )
-from .masking import last_valid_column, masked_row_mean, response_span
+from .masking import (
+    ACTION_MASK_RULES,
+    ProcessedSequences,
+    last_valid_column,
+    masked_row_mean,
+    process_sequences,
+    response_span,
+)
 from .presets import (
     DEFAULT_PRESET,
     PRESET_NAMES,
@@ -55,6 +62,7 @@ from .rewards import (
 from .shaping import ShapedExperience, shape_experience
 
 __all__ = [
+    "ACTION_MASK_RULES",
     "AlgorithmConfig",
     "DEFAULT_PRESET",
     "ESTIMATORS",
@@ -65,6 +73,7 @@ __all__ = [
     "OVERLONG_VARIANTS",
     "PRESETS",
     "PRESET_NAMES",
+    "ProcessedSequences",
     "REWARD_PLACEMENTS",
     "ShapedExperience",
     "WHITENINGS",
@@ -85,6 +94,7 @@ __all__ = [
     "overlong_penalty",
     "place_reward",
     "preset_config",
+    "process_sequences",
     "resolve_algorithm",
     "response_length",
     "response_span",

@@ -31,6 +31,8 @@ coati, OpenRLHF, LightRFT); the table lists every difference between them.
     advantage clip             after whitening   after whitening       per experience, before
                                                                        the whitening
     experience_norm applies to every estimator   every estimator       all but group_norm, cpgd
+    action mask (option)       stop sequences    stop sequences        stop sequences, or
+                                                                       process_sequences
     log-probs / temperature    raw logits        logits / temperature  raw logits
     invalid log-prob columns   kept              zeroed                kept
 
@@ -47,6 +49,12 @@ per-experience normalisation (its advantages_norm: `experience_norm`), then the 
 then the cross-batch whitening. An "experience" is LightRFT's Experience, one micro rollout
 batch; here it is one streamed micro-batch (BatchingOptions.micro_batch_size rows, whole
 groups), so shape_experience takes the request's micro-batch size (`experience_rows`).
+
+LightRFT derives its masks after generation from the tokens (process_sequences: EOS appended
+after each row's last token that is neither EOS nor pad, attention from the first such token to
+it, action mask by the state token); a request gets the same with AlgorithmOptions
+action_mask_rule "process_sequences" (any preset; "stop", the generator's mask, is every
+preset's default).
 
 Upstream defects (QUIRKS, below, with their source locations) are NOT reproduced by default:
 the preset follows the framework's intent. A request that sets
@@ -94,6 +102,12 @@ QUIRKS: Mapping[str, str] = MappingProxyType(
         # (experience_math.md 3.5 step 4): the score is reward.sum(-1), which collapses the
         # usual 1-D reward to one scalar whose std is 0, so every advantage is 0.
         "cpgd_zero_for_scalar_rewards": "lightrft",
+        # LightRFT, lightrft/models/actor_language.py, ActorLanguage.process_sequences (from
+        # OpenRLHF's former openrlhf/models/actor.py, Actor.process_sequences; experience_math.md
+        # 3.1): the EOS goes at min(last real token + 1, S - 1), so a row whose last column is
+        # a real token (truncated) gets that token overwritten by EOS. Only with
+        # action_mask_rule "process_sequences".
+        "eos_overwrites_last_token": "lightrft",
     }
 )
 """Upstream defects that AlgorithmOptions.reproduce_upstream_quirks reproduces: name ->
@@ -140,6 +154,8 @@ class AlgorithmConfig:
     length_normalized_log_probs: bool  # coati: info["length_normalized_log_probs"] (B, A)
     stop_properly_penalty: float | None  # ProRL: truncated rows' R <- c if c < 0 else R * c
     upstream_quirks: frozenset[str]  # names from QUIRKS reproduced for this request
+    # One of masking.ACTION_MASK_RULES: "stop" (the generator's) | "process_sequences" (LightRFT)
+    action_mask_rule: str
 
     @property
     def is_group_estimator(self) -> bool:
@@ -168,6 +184,11 @@ class AlgorithmConfig:
         if index > 0 and "gamma_first_experience_only" in self.upstream_quirks:
             return 1.0
         return self.effective_gamma
+
+    @property
+    def eos_over_last_token(self) -> bool:
+        """LightRFT's process_sequences writes its EOS over a truncated row's last token."""
+        return "eos_overwrites_last_token" in self.upstream_quirks
 
     @property
     def uses_experience_norm(self) -> bool:
@@ -247,6 +268,7 @@ _COATI = AlgorithmConfig(
     length_normalized_log_probs=False,
     stop_properly_penalty=None,
     upstream_quirks=frozenset(),
+    action_mask_rule="stop",
 )
 
 _OPENRLHF = replace(

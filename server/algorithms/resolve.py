@@ -15,6 +15,7 @@ from ...v1 import rollout_pb2
 from .advantages import WHITENINGS
 from .groups import ESTIMATORS
 from .kl import KL_ESTIMATORS
+from .masking import ACTION_MASK_RULES
 from .presets import PRESET_NAMES, AlgorithmConfig, preset_config
 from .rewards import OVERLONG_LENGTHS, REWARD_PLACEMENTS
 
@@ -85,6 +86,10 @@ def _request_values(options: rollout_pb2.AlgorithmOptions) -> dict[str, Any]:
     if options.overlong_length:
         values["overlong_length"] = _choice(
             "overlong_length", options.overlong_length, OVERLONG_LENGTHS
+        )
+    if options.action_mask_rule:
+        values["action_mask_rule"] = _choice(
+            "action_mask_rule", options.action_mask_rule, ACTION_MASK_RULES
         )
     if options.HasField("overlong_buffer"):
         if options.overlong_buffer < 0:

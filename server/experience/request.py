@@ -117,6 +117,11 @@ def decode_experience_request(
     n = _samples_per_prompt(request, algorithm, len(prompts), row_tokens, defaults)
     if algorithm.needs_reference and models.reference is None:
         raise FailedPrecondition("algorithm.kl_coef: > 0 needs a reference model")
+    if algorithm.action_mask_rule == "process_sequences" and models.tokenizer.eos_token_id is None:
+        raise FailedPrecondition(
+            "algorithm.action_mask_rule: 'process_sequences' needs an eos_token_id and this "
+            "server's tokenizer has none"
+        )
     _check_context(prompts, sampling.max_new_tokens, models.max_context_tokens)
     _check_request_tokens(len(prompts) * n, row_tokens, defaults.max_request_tokens)
     return ExperienceSpec(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ...client.protocol.experience import Experience
-from ..algorithms import shape_experience
+from ..algorithms import process_sequences, shape_experience
 from ..generation import GenerationSettings
 from ..models import ModelSet
 from .batches import ScoredBatch, to_experience
@@ -65,16 +65,28 @@ def generate_rows(
 
     Fields: sequences, attention_mask, the action mask before filters, rollout_log_probs
     (the behaviour log-probs), info response_length, total_length and truncated. Rows of one
-    group share their prompt's prefill.
+    group share their prompt's prefill. Under action_mask_rule "process_sequences" the masks
+    (and the EOS they imply) are LightRFT's, derived from the tokens before anything scores them.
     """
-    return generate(
+    pad_token_id = int(models.tokenizer.pad_token_id)
+    output = generate(
         models.actor.module,
         [spec.prompts[p] for p in rows],
         spec.sampling,
-        pad_token_id=int(models.tokenizer.pad_token_id),
+        pad_token_id=pad_token_id,
         generator=torch.Generator(device=models.device).manual_seed(seed),
         path=settings,
     )
+    if spec.algorithm.action_mask_rule != "process_sequences":
+        return output
+    derived = process_sequences(
+        output.sequences,
+        output.prompt_width,
+        int(models.tokenizer.eos_token_id),  # present: decode_experience_request checked it
+        pad_token_id,
+        eos_over_last_token=spec.algorithm.eos_over_last_token,
+    )
+    return replace(output, **vars(derived))
 
 
 @dataclass(frozen=True)

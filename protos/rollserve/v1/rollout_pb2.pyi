@@ -126,7 +126,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., stop_sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs_use_temperature: _Optional[bool] = ...) -> None: ...
 
 class AlgorithmOptions(_message.Message):
-    __slots__ = ("preset", "advantage_estimator", "gamma", "lam", "kl_coef", "kl_estimator", "kl_clamp", "kl_mode", "reward_placement", "reward_clip", "whitening", "advantage_clip", "group_std_eps", "high_entropy_token_ratio", "dynamic_sampling", "overlong_buffer", "overlong_factor", "clip_filter_eps", "reproduce_upstream_quirks", "experience_norm", "stop_properly_penalty", "overlong_length", "length_normalized_log_probs")
+    __slots__ = ("preset", "advantage_estimator", "gamma", "lam", "kl_coef", "kl_estimator", "kl_clamp", "kl_mode", "reward_placement", "reward_clip", "whitening", "advantage_clip", "group_std_eps", "high_entropy_token_ratio", "dynamic_sampling", "overlong_buffer", "overlong_factor", "clip_filter_eps", "reproduce_upstream_quirks", "experience_norm", "stop_properly_penalty", "overlong_length", "length_normalized_log_probs", "action_mask_rule")
     PRESET_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_ESTIMATOR_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class AlgorithmOptions(_message.Message):
     STOP_PROPERLY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     OVERLONG_LENGTH_FIELD_NUMBER: _ClassVar[int]
     LENGTH_NORMALIZED_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
+    ACTION_MASK_RULE_FIELD_NUMBER: _ClassVar[int]
     preset: str
     advantage_estimator: str
     gamma: float
@@ -173,7 +174,8 @@ class AlgorithmOptions(_message.Message):
     stop_properly_penalty: float
     overlong_length: str
     length_normalized_log_probs: bool
-    def __init__(self, preset: _Optional[str] = ..., advantage_estimator: _Optional[str] = ..., gamma: _Optional[float] = ..., lam: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., kl_clamp: _Optional[float] = ..., kl_mode: _Optional[str] = ..., reward_placement: _Optional[str] = ..., reward_clip: _Optional[float] = ..., whitening: _Optional[str] = ..., advantage_clip: _Optional[float] = ..., group_std_eps: _Optional[float] = ..., high_entropy_token_ratio: _Optional[float] = ..., dynamic_sampling: _Optional[bool] = ..., overlong_buffer: _Optional[int] = ..., overlong_factor: _Optional[float] = ..., clip_filter_eps: _Optional[float] = ..., reproduce_upstream_quirks: _Optional[bool] = ..., experience_norm: _Optional[bool] = ..., stop_properly_penalty: _Optional[float] = ..., overlong_length: _Optional[str] = ..., length_normalized_log_probs: _Optional[bool] = ...) -> None: ...
+    action_mask_rule: str
+    def __init__(self, preset: _Optional[str] = ..., advantage_estimator: _Optional[str] = ..., gamma: _Optional[float] = ..., lam: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., kl_clamp: _Optional[float] = ..., kl_mode: _Optional[str] = ..., reward_placement: _Optional[str] = ..., reward_clip: _Optional[float] = ..., whitening: _Optional[str] = ..., advantage_clip: _Optional[float] = ..., group_std_eps: _Optional[float] = ..., high_entropy_token_ratio: _Optional[float] = ..., dynamic_sampling: _Optional[bool] = ..., overlong_buffer: _Optional[int] = ..., overlong_factor: _Optional[float] = ..., clip_filter_eps: _Optional[float] = ..., reproduce_upstream_quirks: _Optional[bool] = ..., experience_norm: _Optional[bool] = ..., stop_properly_penalty: _Optional[float] = ..., overlong_length: _Optional[str] = ..., length_normalized_log_probs: _Optional[bool] = ..., action_mask_rule: _Optional[str] = ...) -> None: ...
 
 class RewardTerm(_message.Message):
     __slots__ = ("source", "weight")
