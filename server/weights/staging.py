@@ -1,8 +1,9 @@
 """Staging: an UpdateWeights stream's bytes into a verified StagedUpdate; then apply it.
 
-Staging runs on the gRPC handler thread and never writes the model: the bytes land in one host
-arena (at most one staging copy of the target, plus the chunk in flight), and every check runs
-before the StagedUpdate exists. apply runs on the engine thread between batches, which is what
+Staging runs on the gRPC handler thread and never writes the model: the bytes land in one arena
+(at most one staging copy of the target: in host memory for a model on the CPU, on the device
+for a model on a CUDA device; arena.py states the bound), and every check runs before the
+StagedUpdate exists. apply runs on the engine thread between batches, which is what
 makes the swap atomic for generation. The server stages into the target's reusable StagingArena
 (arena.py), leased for the whole stage-verify-apply, because the staged tensors are its views;
 update.py runs that sequence.
@@ -10,7 +11,7 @@ update.py runs that sequence.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -46,15 +47,16 @@ class AppliedUpdate:
 
 @dataclass(frozen=True)
 class StagedUpdate:
-    """A fully received and verified update, waiting in host memory to be applied."""
+    """A fully received and verified update, waiting in its arena to be applied."""
 
     target: int  # pb.ModelRole as sent (UNSPECIFIED means the actor; the servicer resolves it)
     version: int
     options: UpdateOptions
     plan: UpdatePlan
-    tensors: Mapping[str, torch.Tensor]  # wire dtype and shape, views into one host arena
+    tensors: Mapping[str, torch.Tensor]  # wire dtype and shape, views into one arena
     lora_state: LoraState | None
     arena: StagingArena | None = None  # the leased arena the tensors are views of
+    on_device: bool = False  # the tensors are in a device arena (pipeline.py)
 
     @property
     def total_bytes(self) -> int:
@@ -64,10 +66,16 @@ class StagedUpdate:
         """Copy the staged tensors into the model (casting floats to each parameter's dtype).
 
         All validation happened while staging, and the pre-pass below re-checks that the model
-        still has every target, before the first write. The only failure left is running out of
-        memory for one tensor's temporary: a host-side cast (or LoRA merge) of a single tensor;
-        nothing is allocated on the device, since each tensor is cast on the host and copied into
-        the existing parameter storage.
+        still has every target, before the first write. Every write goes into the existing
+        parameter storages (never a rebinding on a device: the generation engine's CUDA graphs
+        read those storages), except the adoption of a CPU arena (arena.py).
+
+        Temporaries, the only failure left: staged in host memory, each tensor is cast on the
+        host (one tensor-sized host temporary) and copied, so nothing is allocated on the
+        device. Staged on the device, each tensor is copied device to device and copy_ casts in
+        its kernel: no temporary at all; the copies are waited for before returning, so the
+        arena is free for the next update. A LoRA merge runs on the host either way (the
+        factors, a few MB, are copied there first): one weight-sized host temporary.
         """
         model_tensors = _resolve(model, self._targets())
         with torch.no_grad():
@@ -75,8 +83,11 @@ class StagedUpdate:
                 assert self.lora_state is not None and self.options.lora is not None
                 if not self.lora_state.names() <= model_tensors.keys():
                     raise FailedPrecondition("the LoraState belongs to another model")
+                factors = self.tensors
+                if self.on_device:  # merged on the host, as from a host arena (bit for bit)
+                    factors = {name: tensor.cpu() for name, tensor in self.tensors.items()}
                 apply_lora(
-                    model_tensors, self.plan.lora, self.tensors, self.lora_state, self.options.lora
+                    model_tensors, self.plan.lora, factors, self.lora_state, self.options.lora
                 )
             elif self._adoptable(model_tensors):
                 for entry, target in self.plan.copies:
@@ -88,13 +99,15 @@ class StagedUpdate:
                 for entry, target in self.plan.copies:
                     _copy_into(model_tensors[target.name], self.tensors[entry.name])
                 self._forget_lora_bases()
+            if self.on_device:
+                _wait_for_copies(self.tensors.values())
         return AppliedUpdate(tensors=len(self.tensors), bytes=self.total_bytes)
 
     def _adoptable(self, model_tensors: Mapping[str, torch.Tensor]) -> bool:
         """Whether the model's tensors can become views of the staged ones instead of copies
         (arena.py, "Adoption"): a full update on the CPU, every tensor of the model written,
         wire dtype = model dtype (no cast)."""
-        if self.options.mode != pb.UPDATE_MODE_FULL:
+        if self.options.mode != pb.UPDATE_MODE_FULL or self.on_device:
             return False
         written = set()
         for entry, target in self.plan.copies:
@@ -129,9 +142,20 @@ def _resolve(model: torch.nn.Module, targets: list[TargetTensor]) -> dict[str, t
 
 
 def _copy_into(destination: torch.Tensor, staged: torch.Tensor) -> None:
+    if staged.device == destination.device and staged.device.type != "cpu":
+        destination.copy_(staged)  # device to device: copy_ casts in its kernel, no temporary
+        return
     # Cast on the host (a temporary the size of one tensor) so the device needs no temporaries.
     source = staged if staged.dtype == destination.dtype else staged.to(destination.dtype)
     destination.copy_(source)
+
+
+def _wait_for_copies(staged: Iterable[torch.Tensor]) -> None:
+    """Wait for the device-to-device copies out of a device arena (issued on this thread's
+    current stream): once apply returns, the next update may rewrite the arena."""
+    devices = {tensor.device for tensor in staged if tensor.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
 
 
 class UpdateStager:
@@ -199,6 +223,7 @@ class UpdateStager:
             tensors=staged.tensors,
             lora_state=self._lora_state,
             arena=self._arena,
+            on_device=staged.on_device,
         )
 
 

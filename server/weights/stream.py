@@ -2,18 +2,25 @@
 
 The 8-byte length and the JSON header (the "head") are buffered and parsed once; then every data
 byte is copied exactly once, from where it arrived (a gRPC chunk, a shared-memory mapping, a
-broadcast bucket) straight into a host arena sized for the whole data section (no whole-file
-blob, no per-tensor blobs, no safetensors.load). Tensors are views into the arena in their wire
-dtype and shape. The arena is a reusable StagingArena when the caller leases one (the server
-does: see arena.py for why and for the memory bound), else a fresh buffer.
+broadcast bucket) straight into an arena sized for the whole data section (no whole-file blob,
+no per-tensor blobs, no safetensors.load). Tensors are views into the arena in their wire dtype
+and shape. The arena is a reusable StagingArena when the caller leases one (the server does: see
+arena.py for why and for the memory bound), else a fresh host buffer.
+
+Host or device. A host arena (a model on the CPU) is written with numpy copies and checked
+element by element as below. A device arena (a model on a CUDA device) is written through
+pipeline.py: host bytes via a pinned ring and asynchronous copies, device bytes (`feed_tensor`)
+device to device, and each tensor is checked on the device once all its bytes are in; `finish`
+waits once for all of it. Either way the head is parsed on the host, and crc32 and a streamed
+sha256 cover the host bytes as they pass.
 
 Lanes. The file arrives as one or more *lanes*: byte ranges [begin, end) of the file that tile
 it, each fed in order from its own thread (one lane for a single gRPC stream; one per stream for
 parallel streams; one per copying thread for shared memory). The lane that begins at 0 carries
-the head; the others wait until it is parsed. Each lane checks the values of the elements that
-lie wholly inside its range as soon as they arrive (the bytes are still in the CPU cache), and
-`finish` checks the few elements that straddle two lanes. Copies go through numpy, which
-releases the GIL, so lanes on different threads copy and check in parallel.
+the head; the others wait until it is parsed. In a host arena, each lane checks the values of
+the elements that lie wholly inside its range as soon as they arrive (the bytes are still in the
+CPU cache), and `finish` checks the few elements that straddle two lanes. Copies go through
+numpy, which releases the GIL, so lanes on different threads copy and check in parallel.
 
 The arena mirrors the data section byte for byte, so a run of bytes lands with one memcpy,
 except where a tensor would start at an offset that is not a multiple of its itemsize
@@ -27,7 +34,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,6 +45,7 @@ from ...client.protocol.errors import InvalidArgument
 from .arena import StagingArena
 from .checksum import crc32 as crc32_of
 from .header import PREFIX_BYTES, StreamEntry, parse_header
+from .pipeline import DevicePipeline
 
 __all__ = [
     "ArenaLayout",
@@ -61,8 +69,17 @@ class StreamChecks(Protocol):
         """Called on runs of a tensor's elements (1-D, wire dtype) as soon as they arrived.
 
         The runs of one tensor cover each element exactly once; they may come from several
-        threads at once (one per lane), never twice for the same element.
+        threads at once (one per lane), never twice for the same element. Host arenas only.
         """
+
+    def check_tensor(self, entry: StreamEntry, values: torch.Tensor) -> None:
+        """Device arenas (pipeline.py): called once per tensor (1-D, wire dtype, on the arena's
+        device) with the copy stream current, once all its bytes were copied; enqueues the
+        checks there without waiting for them. Called from any lane's thread."""
+
+    def settle(self) -> None:
+        """Device arenas: called once by `finish` after the copy stream was synchronised;
+        raises the first failure of the check_tensor checks, in data order."""
 
 
 @dataclass(frozen=True)
@@ -95,11 +112,12 @@ def plan_arena(entries: Sequence[StreamEntry], data_bytes: int) -> ArenaLayout:
 
 @dataclass(frozen=True)
 class StagedFile:
-    """A completely received and verified file: tensors are views into one host arena."""
+    """A completely received and verified file: tensors are views into one arena."""
 
     entries: tuple[StreamEntry, ...]
     tensors: Mapping[str, torch.Tensor]
     total_bytes: int
+    on_device: bool = False  # staged in a device arena (pipeline.py), not in host memory
 
 
 class _Data:
@@ -111,17 +129,29 @@ class _Data:
         data_start: int,
         arena: torch.Tensor,
         layout: ArenaLayout,
+        pipeline: DevicePipeline | None = None,
     ) -> None:
         self.entries = entries
         self.data_start = data_start  # file offset of the data section
         self.layout = layout
         self.arena = arena
-        self.arena_np = arena.numpy()
+        # pipeline: the arena is a device arena, written through it (pipeline.py).
+        self.pipeline = pipeline
+        self.arena_np = arena.numpy() if pipeline is None else None
         self.segment_begins = [begin for begin, _, _ in layout.segments]
         self.entry_ends = [entry.end for entry in entries]
 
+    @property
+    def on_device(self) -> bool:
+        return self.pipeline is not None
+
     def route(self, position: int, source: np.ndarray) -> None:
-        """Copy data-section bytes [position, position + len(source)) into the arena."""
+        """Copy data-section bytes [position, position + len(source)) into the arena (through
+        the pipeline's ring for a device arena; the values are checked there)."""
+        if self.pipeline is not None:
+            self.pipeline.host_bytes(position, source)
+            return
+        assert self.arena_np is not None
         segments = self.layout.segments
         index = bisect.bisect_right(self.segment_begins, position) - 1
         done = 0
@@ -133,6 +163,32 @@ class _Data:
             done += take
             position += take
             index += 1
+
+    def route_tensor(self, position: int, source: torch.Tensor) -> None:
+        """`route` for bytes in a 1-D uint8 tensor on any device: device to device into a device
+        arena; a host arena takes a host copy of device bytes."""
+        if self.pipeline is not None:
+            self.pipeline.tensor_bytes(position, source)
+        else:
+            self.route(position, source.cpu().numpy())
+
+    def written(self, position: int, size: int) -> None:
+        """Bytes a data plane wrote into `run`'s memory itself (see Lane.commit)."""
+        if self.pipeline is not None:
+            self.pipeline.written(position, size)
+
+    def host_bytes(self, begin: int, end: int) -> Iterator[np.ndarray]:
+        """Arena bytes [begin, end) in host memory, in order (read back from a device arena)."""
+        if self.pipeline is not None:
+            yield from self.pipeline.read_back(begin, end)
+        else:
+            assert self.arena_np is not None
+            yield self.arena_np[begin:end]
+
+    def check_tensor(self, checks: StreamChecks, index: int) -> None:
+        """The pipeline's hook: every byte of entries[index] was copied; enqueue its checks."""
+        entry = self.entries[index]
+        checks.check_tensor(entry, self.elements(index, 0, entry.nbytes // entry.dtype.itemsize))
 
     def run(self, position: int, size: int) -> torch.Tensor | None:
         """Arena bytes of data-section bytes [position, position + size) if one segment holds
@@ -156,7 +212,7 @@ class _Data:
     def tensor(self, index: int) -> torch.Tensor:
         entry = self.entries[index]
         if entry.nbytes == 0:
-            return torch.empty(entry.shape, dtype=entry.dtype)
+            return torch.empty(entry.shape, dtype=entry.dtype, device=self.arena.device)
         return self.elements(index, 0, entry.nbytes // entry.dtype.itemsize).view(entry.shape)
 
 
@@ -199,6 +255,13 @@ class _CheckCursor:
             self._next_element = 0
 
 
+class _DeviceChecks:
+    """The cursor of a lane into a device arena: the pipeline checks whole tensors instead."""
+
+    def advance(self, arrived: int) -> None:
+        return None
+
+
 class Lane:
     """One byte range [begin, end) of the file, fed in order (one thread at a time)."""
 
@@ -210,7 +273,7 @@ class Lane:
         self.position = begin  # file offset of the next byte
         self._stager = stager
         self._digest = hashlib.sha256() if hash_bytes else None
-        self._cursor: _CheckCursor | None = None
+        self._cursor: _CheckCursor | _DeviceChecks | None = None
 
     @property
     def complete(self) -> bool:
@@ -220,18 +283,7 @@ class Lane:
         """Take the next bytes of this lane; offset must equal the lane's position."""
         source = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
         size = len(source)
-        if offset != self.position:
-            raise InvalidArgument(
-                f"chunk at offset {offset}, expected {self.position}: chunks must arrive in "
-                "order, each exactly once"
-            )
-        if size == 0:
-            raise InvalidArgument(f"empty chunk at offset {offset}")
-        if offset + size > self.end:
-            what = "total_bytes" if self.end == self._stager.total_bytes else "its part's end"
-            raise InvalidArgument(
-                f"chunk at offset {offset} with {size} bytes runs past {what} {self.end}"
-            )
+        self._check_next(offset, size)
         if crc32 is not None and crc32_of(source) != crc32:
             raise InvalidArgument(f"crc32 mismatch in the chunk at offset {offset}")
         if self._digest is not None:
@@ -265,7 +317,40 @@ class Lane:
         crc32); the same contract as `feed`. Device bytes bound for a device arena are copied
         device to device; see SafetensorsStager.feed_tensor for when `data` may be reused."""
         _check_byte_tensor(data)
-        self.feed(offset, data.cpu().numpy())
+        if data.device.type == "cpu":
+            self.feed(offset, data.numpy())
+            return
+        while self._cursor is None and len(data):  # the head is parsed on the host
+            head = data[: self._stager.head_bytes_missing()].cpu().numpy()
+            self.feed(offset, head)
+            offset, data = offset + len(head), data[len(head) :]
+        if not len(data):
+            return
+        size = len(data)
+        self._check_next(offset, size)
+        if self._digest is not None:  # documented cost: a host copy of the bytes
+            self._digest.update(data.cpu().numpy())
+        self._stager.check_open()
+        self.position += size
+        assert self._cursor is not None
+        data_state = self._stager.data
+        position = offset - data_state.data_start
+        data_state.route_tensor(position, data)
+        self._cursor.advance(position + size)
+
+    def _check_next(self, offset: int, size: int) -> None:
+        if offset != self.position:
+            raise InvalidArgument(
+                f"chunk at offset {offset}, expected {self.position}: chunks must arrive in "
+                "order, each exactly once"
+            )
+        if size == 0:
+            raise InvalidArgument(f"empty chunk at offset {offset}")
+        if offset + size > self.end:
+            what = "total_bytes" if self.end == self._stager.total_bytes else "its part's end"
+            raise InvalidArgument(
+                f"chunk at offset {offset} with {size} bytes runs past {what} {self.end}"
+            )
 
     @property
     def file_data(self) -> _Data:
@@ -276,7 +361,8 @@ class Lane:
         """Where file bytes [offset, offset + size) of this lane go in the arena, as a writable
         uint8 tensor, when they are one run there (one segment) and the head is parsed; else
         None (use `feed`). `offset` may be ahead of the lane's position (a receive posted
-        before the previous bytes are committed).
+        before the previous bytes are committed). The run is on the arena's device: a plane
+        writes it only with a writer of that device (gloo: host memory; NCCL: the GPU).
 
         For data planes that can receive straight into memory (a broadcast): write the bytes
         there, then `commit(size)` in order; that skips the copy `feed` makes.
@@ -293,13 +379,15 @@ class Lane:
         SHA-256 is checked: the digest covers what landed), check them, move on."""
         self._stager.check_open()
         data = self._stager.data
+        position = self.position - data.data_start
         if self._digest is not None:
-            landed = data.run(self.position - data.data_start, size)
+            landed = data.run(position, size)
             assert landed is not None, "commit only what destination handed out"
-            self._digest.update(landed.numpy())
+            self._digest.update(landed.cpu().numpy())
         self.position += size
+        data.written(position, size)
         assert self._cursor is not None
-        self._cursor.advance(self.position - data.data_start)
+        self._cursor.advance(position + size)
 
     def start_in_data(self, timeout_s: float | None) -> None:
         """For a lane that does not begin at 0: wait for the head, check the range's place."""
@@ -429,8 +517,14 @@ class SafetensorsStager:
             raise InvalidArgument(f"part 0 did not deliver the file's head within {timeout_s:g} s")
         self.check_open()
 
-    def cursor(self, lane: Lane) -> _CheckCursor:
+    def head_bytes_missing(self) -> int:
+        """Bytes the head still needs before the next step of its parsing (at least 1)."""
+        return self._head_target() - len(self._head)
+
+    def cursor(self, lane: Lane) -> _CheckCursor | _DeviceChecks:
         data = self.data
+        if data.on_device:
+            return _DeviceChecks()
         low = max(lane.begin - data.data_start, 0)
         return _CheckCursor(data, self._checks, low, lane.end - data.data_start)
 
@@ -462,11 +556,24 @@ class SafetensorsStager:
         # Verify names, shapes and dtypes against the model before allocating anything big.
         self._checks.check_header(entries)
         layout = plan_arena(entries, data_bytes)
-        if self._reusable_arena is not None:
-            arena = self._reusable_arena.take(layout.arena_bytes)
+        reusable = self._reusable_arena
+        if reusable is not None:
+            arena = reusable.take(layout.arena_bytes)
         else:
             arena = torch.empty(layout.arena_bytes, dtype=torch.uint8)
-        self._data = _Data(entries, data_start, arena, layout)
+        pipeline = None
+        if reusable is not None and reusable.staged_on_device:
+            checks = self._checks
+            pipeline = DevicePipeline(
+                arena,
+                layout.segments,
+                entries,
+                ring=reusable.ring,
+                stream=reusable.copy_stream,
+                complete=lambda index: data.check_tensor(checks, index),
+            )
+        data = _Data(entries, data_start, arena, layout, pipeline)
+        self._data = data
         self._head_ready.set()
 
     # ---- the end ---------------------------------------------------------------------------
@@ -477,11 +584,15 @@ class SafetensorsStager:
         if received != self.total_bytes or self._data is None:
             raise InvalidArgument(f"stream ended after {received} of {self.total_bytes} bytes")
         data = self._data
-        self._check_lane_boundaries(data)
+        if data.pipeline is not None:
+            data.pipeline.synchronize()  # every copy and check issued: one wait for all
+            self._checks.settle()
+        else:
+            self._check_lane_boundaries(data)
         if self._sha256_hex is not None and self._sha256() != self._sha256_hex:
             raise InvalidArgument("sha256 of the received file does not match header.sha256")
         tensors = {entry.name: data.tensor(i) for i, entry in enumerate(data.entries)}
-        return StagedFile(data.entries, tensors, self.total_bytes)
+        return StagedFile(data.entries, tensors, self.total_bytes, on_device=data.on_device)
 
     def _check_lane_boundaries(self, data: _Data) -> None:
         """Check the elements cut in two by a boundary between lanes (no lane checked them)."""
@@ -502,9 +613,11 @@ class SafetensorsStager:
         if len(self._lanes) == 1 and self._lanes[0].hexdigest() is not None:
             return self._lanes[0].hexdigest()  # type: ignore[return-value]
         # Several lanes: hash the staged copy itself (head, then each segment in file order), so
-        # the digest covers exactly the bytes that will be applied.
+        # the digest covers exactly the bytes that will be applied. A device arena is read back
+        # through a ring slot for it: one device-to-host pass over the data section.
         data = self.data
         digest = hashlib.sha256(self._head)
         for begin, end, shift in data.layout.segments:
-            digest.update(data.arena_np[begin + shift : end + shift])
+            for piece in data.host_bytes(begin + shift, end + shift):
+                digest.update(piece)
         return digest.hexdigest()

@@ -16,11 +16,18 @@ Dtype rules (wire dtype -> parameter or buffer dtype):
   buffer, are refused.
 * NaN and infinity in floating tensors are refused unless header.allow_non_finite, which also
   lifts the range rule above. Bool tensors must hold only 0 and 1.
+
+Where values are checked: in a host arena, chunk by chunk on the host (`check_values`); in a
+device arena (pipeline.py), per whole tensor on the device (`DeferredValues`): one min/max
+reduction per tensor, enqueued without waiting, read back all at once when the file is complete.
+A failure is named by the first offending tensor in data order, with the message
+`check_values` gives for it.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -38,6 +45,7 @@ from .spec import ModelSpec, TargetTensor
 __all__ = [
     "UpdateChecks",
     "UpdatePlan",
+    "DeferredValues",
     "ValueRule",
     "check_values",
     "max_magnitude",
@@ -195,18 +203,100 @@ def check_values(name: str, tensor: torch.Tensor, rule: ValueRule) -> None:
     raise InvalidArgument(f"{name}: NaN or infinite values (header.allow_non_finite is off)")
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """One tensor's device check in flight: its place in data order and its extremes."""
+
+    order: int
+    name: str
+    rule: ValueRule
+    values: torch.Tensor  # the staged tensor, 1-D wire dtype (a view of the arena)
+    low: torch.Tensor  # 0-dim, on the device (uint8 for bools)
+    high: torch.Tensor
+
+
+class DeferredValues:
+    """`check_values` for tensors on a device, enqueued per tensor and judged once at the end.
+
+    `add` runs one aminmax per tensor that needs a check, on the caller's current stream, and
+    keeps the two 0-dim results without reading them: no host sync per tensor. NaN propagates
+    through min and max, an infinity is an extreme, and a value out of range is too, so the
+    extremes decide every rule of check_values. `settle` (after the stream was synchronised)
+    copies all extremes to the host at once and, for the first tensor that fails, re-runs
+    check_values on a host copy of it, so the message is check_values' own.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[_Pending] = []
+        self._lock = threading.Lock()
+
+    def add(self, order: int, name: str, values: torch.Tensor, rule: ValueRule) -> None:
+        if not values.numel():
+            return
+        if values.dtype == torch.bool:
+            low, high = torch.aminmax(values.view(torch.uint8))
+        elif rule.check_finite and values.dtype.is_floating_point:
+            low, high = torch.aminmax(values)
+        else:
+            return
+        with self._lock:
+            self._pending.append(_Pending(order, name, rule, values, low, high))
+
+    def settle(self) -> None:
+        with self._lock:
+            pending = sorted(self._pending, key=lambda p: p.order)
+            self._pending = []
+        if not pending:
+            return
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for position, item in enumerate(pending):
+            by_dtype.setdefault(item.low.dtype, []).append(position)
+        extremes: dict[int, tuple[float, float]] = {}
+        for positions in by_dtype.values():
+            pairs = [t for p in positions for t in (pending[p].low, pending[p].high)]
+            # float64 holds every value of every wire dtype exactly (and NaN, and infinities).
+            host = torch.stack(pairs).to("cpu", torch.float64).tolist()
+            for k, p in enumerate(positions):
+                extremes[p] = (host[2 * k], host[2 * k + 1])
+        for position, item in enumerate(pending):
+            low, high = extremes[position]
+            if _passes(item.values.dtype, item.rule, low, high):
+                continue
+            check_values(item.name, item.values.cpu(), item.rule)
+            raise InvalidArgument(f"{item.name}: values out of range (checked on the device)")
+
+
+def _passes(dtype: torch.dtype, rule: ValueRule, low: float, high: float) -> bool:
+    if dtype == torch.bool:
+        return high <= 1
+    limit = rule.max_abs if rule.max_abs is not None else torch.finfo(dtype).max
+    return -limit <= low and high <= limit  # False for NaN
+
+
 class UpdateChecks:
-    """The StreamChecks of one update: manifest and plan at the header, value rules per run."""
+    """The StreamChecks of one update: manifest and plan at the header, value rules per run
+    (host arenas) or per tensor on the device (device arenas)."""
 
     def __init__(self, spec: ModelSpec, options: UpdateOptions) -> None:
         self._spec = spec
         self._options = options
         self.plan: UpdatePlan | None = None
+        self._deferred = DeferredValues()
+        self._order: dict[str, int] = {}
 
     def check_header(self, entries: Sequence[StreamEntry]) -> None:
         check_manifest(entries, self._options.manifest)
         self.plan = plan_update(entries, self._spec, self._options)
+        self._order = {entry.name: index for index, entry in enumerate(entries)}
 
     def check_elements(self, entry: StreamEntry, values: torch.Tensor) -> None:
         assert self.plan is not None
         check_values(entry.name, values, self.plan.rules[entry.name])
+
+    def check_tensor(self, entry: StreamEntry, values: torch.Tensor) -> None:
+        assert self.plan is not None
+        rule = self.plan.rules[entry.name]
+        self._deferred.add(self._order[entry.name], entry.name, values, rule)
+
+    def settle(self) -> None:
+        self._deferred.settle()

@@ -1,0 +1,267 @@
+"""Pipelined staging into a device arena: host bytes pass a small ring, copies run asynchronously.
+
+For a model on a CUDA device the staging copy lives on that device (arena.py). Bytes that arrive
+in host memory (a gRPC chunk, a shared-memory mapping, a gloo bucket) are copied into a slot of
+a small ring of page-locked host buffers, and from there into the device arena by a copy issued
+with `non_blocking=True` on the arena's own copy stream; the call returns at once, so the next
+bytes arrive while the DMA engine moves these. A slot is taken again only after the event
+recorded behind its copy completed. Bytes that are already on a device (feed_tensor) are copied
+device to device on the same stream, with no pass through the host.
+
+Value checks run on the device too: once every byte of a tensor was copied (by whichever lane
+brought its last bytes; all copies go through the one copy stream, so the check is ordered after
+them), its checks are enqueued on the copy stream without waiting for them (verify.py,
+`DeferredValues`); `finish` synchronises once and reads every result at once.
+
+The same code runs with a "device" arena on the CPU (no stream, no pinning, every copy
+synchronous), which is how the CPU tests exercise the ring, the routing and the checks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .header import StreamEntry
+
+__all__ = ["RING_SLOTS", "SLOT_BYTES", "DevicePipeline", "SlotRing"]
+
+# The ring's bound: RING_SLOTS x SLOT_BYTES of host memory (page-locked for CUDA). Eight slots
+# keep every shared-memory copy lane (at most four) filling one slot while the DMA engine drains
+# another; 8 MiB is large enough that a copy's launch cost is small next to its transfer.
+RING_SLOTS = 8
+SLOT_BYTES = 8 << 20
+
+
+@dataclass
+class _Slot:
+    tensor: torch.Tensor  # uint8, SLOT_BYTES, pinned for CUDA
+    array: np.ndarray  # the same memory, for numpy's GIL-free copies
+    event: torch.cuda.Event | None = None  # recorded behind the slot's last copy
+
+
+class SlotRing:
+    """At most `slots` host buffers of `slot_bytes`, allocated on first use and kept.
+
+    `acquire` hands out a free slot, or waits for the oldest slot in flight to finish its copy;
+    `release` puts a slot back, in flight behind an event on `stream` (or free at once when
+    there is no stream: the copy already happened). A slot is only held while one caller fills
+    it from memory that is already there, so waiting for a slot never waits on a network.
+    """
+
+    def __init__(
+        self, *, pin_memory: bool, slots: int = RING_SLOTS, slot_bytes: int = SLOT_BYTES
+    ) -> None:
+        self.pin_memory = pin_memory
+        self.slot_bytes = slot_bytes
+        self._limit = slots
+        self._allocated = 0
+        self._free: deque[_Slot] = deque()
+        self._in_flight: deque[_Slot] = deque()  # in the order their copies were issued
+        self._changed = threading.Condition()
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host memory the ring holds (at most slots x slot_bytes)."""
+        with self._changed:
+            return self._allocated * self.slot_bytes
+
+    def acquire(self) -> _Slot:
+        with self._changed:
+            while True:
+                if self._free:
+                    return self._free.popleft()
+                if self._allocated < self._limit:
+                    self._allocated += 1
+                    break
+                if self._in_flight:
+                    slot = self._in_flight.popleft()
+                    event = slot.event
+                    if event is None:
+                        return slot
+                    # Wait outside the lock: other lanes may release meanwhile.
+                    self._changed.release()
+                    try:
+                        event.synchronize()
+                    finally:
+                        self._changed.acquire()
+                    return slot
+                self._changed.wait()  # every slot is being filled right now
+        try:
+            tensor = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        except BaseException:
+            with self._changed:
+                self._allocated -= 1
+                self._changed.notify()
+            raise
+        return _Slot(tensor, tensor.numpy())
+
+    def release(self, slot: _Slot, stream: torch.cuda.Stream | None) -> None:
+        if stream is not None:
+            if slot.event is None:
+                slot.event = torch.cuda.Event()
+            slot.event.record(stream)
+        with self._changed:
+            (self._in_flight if stream is not None else self._free).append(slot)
+            self._changed.notify()
+
+    def clear(self) -> None:
+        """Drop every slot (none may be in use; the copy stream was synchronised)."""
+        with self._changed:
+            self._free.clear()
+            self._in_flight.clear()
+            self._allocated = 0
+
+
+class DevicePipeline:
+    """One update's copies into a device arena, and the per-tensor checks behind them.
+
+    Thread-safe: lanes on several threads route bytes at once (each its own byte range).
+    `complete(index)` is called, with the copy stream current, once every byte of entries[index]
+    was copied: it enqueues the tensor's checks (never waits for the device).
+    """
+
+    def __init__(
+        self,
+        arena: torch.Tensor,
+        segments: Sequence[tuple[int, int, int]],
+        entries: Sequence[StreamEntry],
+        *,
+        ring: SlotRing,
+        stream: torch.cuda.Stream | None,
+        complete: Callable[[int], None],
+    ) -> None:
+        self.arena = arena
+        self._segments = tuple(segments)
+        self._segment_begins = [begin for begin, _, _ in segments]
+        self._entries = tuple(entries)
+        self._entry_ends = [entry.end for entry in entries]
+        self._missing = [entry.nbytes for entry in entries]  # bytes not yet copied, per tensor
+        self._ring = ring
+        self._stream = stream
+        self._complete = complete
+        self._lock = threading.Lock()
+        # Device sources still being read by the copy stream: kept alive until their event.
+        self._held: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+
+    @property
+    def device(self) -> torch.device:
+        return self.arena.device
+
+    def host_bytes(self, position: int, source: np.ndarray) -> None:
+        """Data-section bytes [position, position + len(source)) from host memory: through the
+        ring, then asynchronously into the arena. `source` may be reused when this returns."""
+        size = len(source)
+        done = 0
+        while done < size:
+            slot = self._ring.acquire()
+            try:
+                take = min(size - done, self._ring.slot_bytes)
+                np.copyto(slot.array[:take], source[done : done + take])
+                with self._on_stream():
+                    self._copy_runs(position + done, slot.tensor[:take])
+            finally:
+                self._ring.release(slot, self._stream)
+            done += take
+        self._arrived(position, size)
+
+    def tensor_bytes(self, position: int, source: torch.Tensor) -> None:
+        """Data-section bytes from a 1-D uint8 tensor: host tensors go through the ring (reusable
+        at once); device tensors are copied device to device and must stay unchanged until
+        `synchronize` (they are kept alive until their copy completed)."""
+        if source.device.type == "cpu":
+            self.host_bytes(position, source.numpy())
+            return
+        if self._stream is None:  # a CPU arena: the copy is synchronous
+            self._copy_runs(position, source)
+        else:
+            # The source was written on its producer's stream (a receive, a kernel).
+            self._stream.wait_stream(torch.cuda.current_stream(source.device))
+            with self._on_stream():
+                self._copy_runs(position, source)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            with self._lock:
+                while self._held and self._held[0][0].query():
+                    self._held.popleft()
+                self._held.append((event, source))
+        self._arrived(position, len(source))
+
+    def written(self, position: int, size: int) -> None:
+        """Bytes a data plane wrote into the arena itself (Lane.destination), on the caller's
+        current stream: the checks of the tensors they complete are ordered after them."""
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._arrived(position, size)
+
+    def synchronize(self) -> None:
+        """Wait for every copy and check issued so far."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        with self._lock:
+            self._held.clear()
+
+    def read_back(self, begin: int, end: int) -> Iterator[np.ndarray]:
+        """Arena bytes [begin, end) in host memory, piece by piece (through one ring slot)."""
+        if self.arena.device.type == "cpu":
+            yield self.arena[begin:end].numpy()
+            return
+        slot = self._ring.acquire()
+        try:
+            for start in range(begin, end, self._ring.slot_bytes):
+                take = min(end - start, self._ring.slot_bytes)
+                with self._on_stream():
+                    slot.tensor[:take].copy_(self.arena[start : start + take], non_blocking=True)
+                assert self._stream is not None
+                self._stream.synchronize()
+                yield slot.array[:take]
+        finally:
+            self._ring.release(slot, None)
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
+
+    def _copy_runs(self, position: int, source: torch.Tensor) -> None:
+        """Copy data-section bytes [position, position + len(source)) into the arena, one copy
+        per segment of constant shift they touch (stream.py, plan_arena)."""
+        index = bisect.bisect_right(self._segment_begins, position) - 1
+        done, size = 0, len(source)
+        while done < size:
+            _, segment_end, shift = self._segments[index]
+            take = min(size - done, segment_end - position)
+            start = position + shift
+            self.arena[start : start + take].copy_(source[done : done + take], non_blocking=True)
+            done += take
+            position += take
+            index += 1
+
+    def _arrived(self, position: int, size: int) -> None:
+        """Count the copied bytes per tensor; enqueue the checks of every tensor now complete.
+
+        Every copy into a tensor was issued on the copy stream before its lane counted it, so
+        the checks, issued after the count that completed the tensor, run after all of them."""
+        end = position + size
+        completed = []
+        with self._lock:
+            index = bisect.bisect_right(self._entry_ends, position)
+            while index < len(self._entries) and self._entries[index].begin < end:
+                entry = self._entries[index]
+                overlap = min(end, entry.end) - max(position, entry.begin)
+                if overlap > 0:
+                    self._missing[index] -= overlap
+                    if self._missing[index] == 0:
+                        completed.append(index)
+                index += 1
+        if completed:
+            with self._on_stream():
+                for index in completed:
+                    self._complete(index)

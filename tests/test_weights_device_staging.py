@@ -1,0 +1,567 @@
+"""Pipelined staging into a device arena (server/weights/pipeline.py): host bytes through a small
+ring of slots, copies into the arena, per-tensor value checks read once at the end.
+
+On the CPU the same code runs with a "device" arena on the CPU (no stream, no pinning), through a
+ring of small slots so every chunk crosses slot, tensor and lane boundaries: bytes land exactly,
+bad values are refused with the host path's messages and leave the old weights bit for bit, the
+parameters keep their storages, and a real gRPC server staged this way takes every transport.
+The tests marked `gpu` run the same on a CUDA bfloat16 model (skipped without CUDA).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_weights import (
+    in_place_updates,
+    perturbed,
+    state_hash,
+    update_in_place,
+    update_weights_requests,
+)
+from rollserve.client import RolloutClient
+from rollserve.client.protocol.errors import InvalidArgument
+from rollserve.client.weights.distributed import WeightsGroup
+from rollserve.server.config import ServerConfig
+from rollserve.server.models import ModelSet, load_models
+from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm
+from rollserve.server.serving.app import RolloutServer
+from rollserve.server.weights import UpdateStager, staging_arena
+from rollserve.server.weights.arena import StagingArena, set_staging_arena
+from rollserve.server.weights.header import StreamEntry
+from rollserve.server.weights.pipeline import RING_SLOTS, SLOT_BYTES, SlotRing
+from rollserve.server.weights.stream import SafetensorsStager
+from rollserve.server.weights.verify import ValueRule, check_values
+from rollserve.v1 import rollout_pb2 as pb
+from test_weights_staging import FAILURES, cut_requests, make_requests, recut
+from transformers import LlamaConfig, LlamaForCausalLM
+
+KIB = 1024
+WAIT_S = 30.0
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+def cpu_arena(slot_bytes: int = 4093, slots: int = 3, **options: object) -> StagingArena:
+    """A pipelined arena on the CPU whose ring has a few small, odd-sized slots."""
+    ring = SlotRing(pin_memory=False, slots=slots, slot_bytes=slot_bytes)
+    return StagingArena(device="cpu", ring=ring, **options)  # type: ignore[arg-type]
+
+
+def tiny_llama(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def pipelined(model: torch.nn.Module, **options: object) -> StagingArena:
+    arena = cpu_arena(**options)
+    set_staging_arena(model, arena)
+    return arena
+
+
+def every(chunk_bytes: int, requests: list[pb.UpdateWeightsRequest]) -> list:
+    """The same update in chunks of chunk_bytes."""
+    total = requests[0].header.total_bytes
+    return recut(requests, list(range(chunk_bytes, total, chunk_bytes)))
+
+
+def pointers(model: torch.nn.Module) -> dict[str, int]:
+    return {name: t.data_ptr() for name, t in model.state_dict(keep_vars=True).items()}
+
+
+def assert_bits_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name].cpu().view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+# ---- the stager: odd chunks, many lanes, out of order ---------------------------------------
+
+
+class Record:
+    """StreamChecks that record every whole-tensor check (device arenas call check_tensor)."""
+
+    def __init__(self) -> None:
+        self.checked: dict[str, torch.Tensor] = {}
+        self.settled = 0
+        self._lock = threading.Lock()
+
+    def check_header(self, entries: Sequence[StreamEntry]) -> None:
+        return None
+
+    def check_elements(self, entry: StreamEntry, values: torch.Tensor) -> None:
+        raise AssertionError("a device arena checks whole tensors, not runs")
+
+    def check_tensor(self, entry: StreamEntry, values: torch.Tensor) -> None:
+        assert values.dim() == 1 and values.dtype == entry.dtype
+        with self._lock:
+            assert entry.name not in self.checked, f"{entry.name} checked twice"
+            self.checked[entry.name] = values.clone()
+
+    def settle(self) -> None:
+        self.settled += 1
+
+
+SAFETENSORS_DTYPES = {torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32",
+                      torch.float64: "F64", torch.float16: "F16", torch.bool: "BOOL",
+                      torch.int32: "I32"}  # fmt: skip
+
+
+def misaligned_file() -> tuple[bytes, dict[str, torch.Tensor]]:
+    """Tensors of every width, some misaligned in the file (the arena shifts them), one empty."""
+    generator = torch.Generator().manual_seed(4)
+    tensors = {
+        "u": torch.tensor([7], dtype=torch.uint8),
+        "b": torch.randn(3001, generator=generator).to(torch.bfloat16),
+        "f": torch.randn(37, 29, generator=generator),
+        "empty": torch.zeros(0, 3),
+        "d": torch.randn(523, generator=generator, dtype=torch.float64),
+        "h": torch.randn(77, generator=generator).half(),
+        "flags": torch.tensor([True, False, True]),
+        "i": torch.arange(-50, 50, dtype=torch.int32),
+    }
+    header, data, cursor = {}, b"", 0
+    for name, tensor in tensors.items():
+        raw = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        dtype = SAFETENSORS_DTYPES[tensor.dtype]
+        header[name] = {"dtype": dtype, "shape": list(tensor.shape),
+                        "data_offsets": [cursor, cursor + len(raw)]}  # fmt: skip
+        data += raw
+        cursor += len(raw)
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data, tensors
+
+
+@pytest.mark.parametrize("sha256", [False, True])
+@pytest.mark.parametrize("lanes", [1, 2, 5])
+def test_odd_chunks_on_lanes_out_of_order_land_exactly(lanes: int, sha256: bool) -> None:
+    blob, tensors = misaligned_file()
+    data_start = 8 + int.from_bytes(blob[:8], "little")
+    arena = cpu_arena(slot_bytes=1000, slots=2)
+    checks = Record()
+    digest = hashlib.sha256(blob).hexdigest() if sha256 else None
+    stager = SafetensorsStager(len(blob), checks, max_header_bytes=1 << 20, sha256_hex=digest,
+                               arena=arena)  # fmt: skip
+    with arena.lease():
+        # Lane 0 holds the head and a little data; the rest is cut at odd offsets.
+        rng = random.Random(lanes)
+        cuts = sorted(rng.sample(range(data_start + 1, len(blob)), lanes - 1))
+        bounds = [0, *cuts, len(blob)]
+        spans = list(zip(bounds, bounds[1:], strict=False))
+        lane_list = [stager.lane(begin, end) for begin, end in spans]
+
+        def feed(lane_index: int) -> None:
+            lane = lane_list[lane_index]
+            if lane.begin > 0:
+                lane.start_in_data(timeout_s=WAIT_S)
+            while lane.position < lane.end:
+                size = min(rng_sizes[lane_index].randint(1, 2500), lane.end - lane.position)
+                lane.feed(lane.position, blob[lane.position : lane.position + size])
+
+        rng_sizes = [random.Random(100 + i) for i in range(lanes)]
+        threads = [threading.Thread(target=feed, args=(i,)) for i in reversed(range(lanes))]
+        for thread in threads:  # the last lanes start first: they wait for lane 0's head
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT_S)
+        staged = stager.finish()
+    assert staged.on_device and arena.staged_on_device and checks.settled == 1
+    assert_bits_equal(dict(staged.tensors), tensors)
+    # Every tensor with elements was checked once, after all its bytes were in.
+    assert sorted(checks.checked) == sorted(n for n, t in tensors.items() if t.numel())
+    for name, values in checks.checked.items():
+        assert torch.equal(values.view(torch.uint8), tensors[name].reshape(-1).view(torch.uint8))
+    assert arena.ring.allocated_bytes <= 2 * 1000
+
+
+def test_tensor_bytes_through_the_seam_land_exactly() -> None:
+    """feed_tensor: the next bytes as uint8 tensors, in pieces that straddle head and tensors."""
+    blob, tensors = misaligned_file()
+    file = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    for arena in (cpu_arena(slot_bytes=333), StagingArena()):
+        checks = Record() if arena.device else _Accept()
+        digest = hashlib.sha256(blob).hexdigest()
+        stager = SafetensorsStager(len(blob), checks, max_header_bytes=1 << 20, sha256_hex=digest,
+                                   arena=arena)  # fmt: skip
+        with arena.lease():
+            offset = 0
+            for size in (3, 9, 500, 4001, 7, len(blob)):
+                piece = file[offset : offset + size]
+                if len(piece):
+                    stager.feed_tensor(offset, piece)
+                offset += len(piece)
+            staged = stager.finish()
+        assert staged.on_device == (arena.device is not None)
+        assert_bits_equal(dict(staged.tensors), tensors)
+    with pytest.raises(InvalidArgument, match="1-D contiguous uint8"):
+        SafetensorsStager(8, _Accept(), max_header_bytes=64).feed_tensor(0, torch.zeros(2, 4))
+
+
+class _Accept:
+    def check_header(self, entries: Sequence[StreamEntry]) -> None:
+        return None
+
+    def check_elements(self, entry: StreamEntry, values: torch.Tensor) -> None:
+        return None
+
+
+# ---- the update path with a pipelined arena ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sender() -> LlamaForCausalLM:
+    return tiny_llama(1)
+
+
+@pytest.fixture
+def receiver() -> LlamaForCausalLM:
+    model = tiny_llama(2)
+    pipelined(model)
+    return model
+
+
+@pytest.mark.parametrize("chunk_bytes", [1013, 64 * KIB + 7])
+def test_a_full_update_lands_bit_for_bit_in_the_same_storages(
+    receiver: LlamaForCausalLM, sender: LlamaForCausalLM, chunk_bytes: int
+) -> None:
+    before = pointers(receiver)
+    arena = staging_arena(receiver)
+    first = make_requests(sender, sha256=True)
+    update_in_place(receiver, every(chunk_bytes, first))
+    assert arena.staged_on_device
+    assert_bits_equal(receiver.state_dict(), sender.state_dict())
+    assert pointers(receiver) == before  # copied into the storages, never rebound
+    # The arena is kept: a second update allocates nothing and lands as well.
+    allocations = arena.allocations
+    moved = perturbed(sender, seed=3)
+    update_in_place(receiver, make_requests(moved, version=6))
+    assert arena.allocations == allocations and pointers(receiver) == before
+    assert_bits_equal(receiver.state_dict(), moved)
+    assert arena.ring.allocated_bytes <= 3 * 4093
+
+
+def test_a_cast_a_partial_update_and_a_lora_adapter_match_the_host_path(
+    sender: LlamaForCausalLM,
+) -> None:
+    """Each update, staged on the "device" and in host memory, gives the same bits."""
+    models = [tiny_llama(2).to(torch.bfloat16) for _ in range(2)]
+    pipelined(models[0])
+    a = torch.randn(4, 64, generator=torch.Generator().manual_seed(8))
+    b = torch.randn(64, 4, generator=torch.Generator().manual_seed(9))
+    lora = {"base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight": a,
+            "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight": b}  # fmt: skip
+    updates = [
+        make_requests(sender, version=1),  # float32 into bfloat16: the range rule and a cast
+        make_requests({Q: sender.state_dict()[Q] * 3}, version=2, mode="partial"),
+        make_requests(lora, version=3, mode="lora", lora=pb.LoraAdapter(rank=4, alpha=8.0)),
+    ]
+    digests = []
+    for model in models:
+        updates_of_model = in_place_updates(model)  # one updater: the versions rise
+        for requests in updates:
+            updates_of_model.update(iter(requests))
+        digests.append(state_hash(model))
+    assert staging_arena(models[0]).staged_on_device
+    assert not staging_arena(models[1]).staged_on_device
+    assert digests[0] == digests[1] != state_hash(tiny_llama(2).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("case", sorted(FAILURES))
+def test_every_failure_leaves_the_model_bit_for_bit(
+    case: str, receiver: LlamaForCausalLM, sender: LlamaForCausalLM
+) -> None:
+    make_state, edit, match = FAILURES[case]
+    if case in ("shape_mismatch", "int_for_float"):  # shapes of the other (larger) tiny Llama
+        state = dict(sender.state_dict())
+        rows, cols = state[Q].shape
+        shape_or_dtype = (rows, cols - 1) if case == "shape_mismatch" else (rows, cols)
+        dtype = torch.int32 if case == "int_for_float" else torch.float32
+        state[Q] = torch.zeros(shape_or_dtype, dtype=dtype)
+        match = "shape" if case == "shape_mismatch" else "integer/bool"
+    else:
+        state = make_state(sender) if make_state else sender
+    requests = recut(make_requests(state, sha256=True), [1000, 30_000, 60_000, 90_000])
+    if edit is not None:
+        requests = edit(requests)
+    before, where = state_hash(receiver), pointers(receiver)
+    with pytest.raises(InvalidArgument, match=match):
+        update_in_place(receiver, requests, max_header_bytes=1 << 20)
+    assert state_hash(receiver) == before and pointers(receiver) == where
+
+
+@pytest.mark.parametrize(
+    ("value", "model_dtype", "wire_dtype", "match"),
+    [
+        (math.nan, torch.float32, torch.float32, "NaN or infinite"),
+        (-math.inf, torch.bfloat16, torch.bfloat16, "NaN or infinite"),
+        (70_000.0, torch.float16, torch.float32, "value 70000 is beyond"),
+        (-3.4e38, torch.bfloat16, torch.float32, "is beyond the model dtype"),
+    ],
+)
+def test_bad_values_are_named_like_the_host_path(
+    value: float, model_dtype: torch.dtype, wire_dtype: torch.dtype, match: str
+) -> None:
+    model = tiny_llama(2).to(model_dtype)
+    pipelined(model, slot_bytes=777)
+    weights = {k: v.to(wire_dtype) for k, v in tiny_llama(1).state_dict().items()}
+    weights[Q][7, 3] = value
+    before = state_hash(model)
+    requests = make_requests(weights)
+    with pytest.raises(InvalidArgument, match=f"^{Q}: .*{match}"):
+        update_in_place(model, requests)
+    assert state_hash(model) == before
+    # The same file through a host arena: the same message.
+    host = tiny_llama(2).to(model_dtype)
+    with pytest.raises(InvalidArgument) as on_host:
+        update_in_place(host, requests)
+    with pytest.raises(InvalidArgument) as on_device:
+        update_in_place(model, requests)
+    assert str(on_device.value) == str(on_host.value)
+
+
+def test_a_bool_with_a_byte_other_than_0_or_1_is_refused() -> None:
+    class Flags(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("mask", torch.tensor([True, False, True]))
+
+    model = Flags()
+    pipelined(model)
+    requests = make_requests({"mask": torch.tensor([True, True, True])}, crc32=False)
+    blob = b"".join(r.chunk.data for r in requests[1:])[:-1] + b"\x02"
+    with pytest.raises(InvalidArgument, match="0 and 1"):
+        update_in_place(model, cut_requests(requests[0].header, blob, [len(blob) - 2]))
+    assert model.mask.tolist() == [True, False, True]
+
+
+def test_a_cut_stream_leaves_the_model_and_the_next_update_lands(
+    receiver: LlamaForCausalLM, sender: LlamaForCausalLM
+) -> None:
+    class Cut(Exception):
+        pass
+
+    def cut_midway() -> Iterator[pb.UpdateWeightsRequest]:
+        requests = every(5000, make_requests(sender))
+        yield from requests[: len(requests) // 2]
+        raise Cut
+
+    before = state_hash(receiver)
+    with pytest.raises(Cut):
+        update_in_place(receiver, cut_midway())
+    assert state_hash(receiver) == before
+    update_in_place(receiver, make_requests(sender))
+    assert_bits_equal(receiver.state_dict(), sender.state_dict())
+
+
+def test_non_finite_values_apply_when_allowed(
+    receiver: LlamaForCausalLM, sender: LlamaForCausalLM
+) -> None:
+    weights = dict(sender.state_dict())
+    weights[Q] = weights[Q].clone()
+    weights[Q][1, 1] = math.nan
+    update_in_place(receiver, make_requests(weights, allow_non_finite=True))
+    assert_bits_equal(receiver.state_dict(), weights)
+
+
+def test_an_update_over_the_device_limit_stages_in_host_memory(sender: LlamaForCausalLM) -> None:
+    model = tiny_llama(2)
+    arena = pipelined(model, device_limit_bytes=1024)
+    before = pointers(model)
+    update_in_place(model, make_requests(sender))
+    assert not arena.staged_on_device and arena.allocations == 1
+    assert_bits_equal(model.state_dict(), sender.state_dict())
+    assert pointers(model) != before  # the host path adopts the arena on the CPU, as ever
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # check_values' sum of squares
+def test_the_value_checks_agree_with_check_values() -> None:
+    """DeferredValues (through UpdateChecks) refuses exactly what check_values refuses."""
+    from rollserve.server.weights.verify import DeferredValues
+
+    cases = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        big = torch.finfo(dtype).max
+        for values in ([1.0, -2.0], [big, -big], [math.nan], [math.inf, 0.0], [-math.inf]):
+            for max_abs in (None, 1.5):
+                cases.append((torch.tensor(values, dtype=dtype), ValueRule(True, max_abs)))
+    cases.append((torch.tensor([0, 1, 2], dtype=torch.uint8).view(torch.bool), ValueRule(False)))
+    cases.append((torch.tensor([True, False]), ValueRule(False)))
+    for values, rule in cases:
+        deferred = DeferredValues()
+        deferred.add(0, "t", values, rule)
+        try:
+            check_values("t", values, rule)
+            expected = None
+        except InvalidArgument as error:
+            expected = str(error)
+        try:
+            deferred.settle()
+            got = None
+        except InvalidArgument as error:
+            got = str(error)
+        assert got == expected, (values, rule)
+
+
+# ---- a real gRPC server whose actor stages through a pipelined arena ------------------------
+
+
+SPEC = TinyModelSpec(hidden_size=128, intermediate_size=384)
+TRANSPORTS = ["grpc", "grpc-parallel", "shm", "dist"]
+
+
+@pytest.fixture(scope="module")
+def actor_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("device-staging-actor"), SPEC)
+
+
+@pytest.fixture(scope="module")
+def models(actor_dir: Path) -> ModelSet:
+    loaded = load_models(ServerConfig(device="cpu", actor=str(actor_dir)))
+    pipelined(loaded.actor.module, slot_bytes=64 * KIB + 3, slots=4)
+    return loaded
+
+
+def send(client: RolloutClient, transport: str, weights: dict, **options: object) -> object:
+    """client.update_weights over one transport (grpc-parallel: 3 streams of 256 KiB chunks)."""
+    if transport == "dist":
+        with WeightsGroup([client], timeout_s=WAIT_S, bucket_bytes=96 * KIB) as group:
+            return client.update_weights(weights, transport="dist", group=group, **options)
+    if transport == "grpc-parallel":
+        options.update(streams=3, chunk_bytes=256 * KIB)
+        transport = "grpc"
+    elif transport == "grpc":
+        options.update(streams=1)
+    return client.update_weights(weights, transport=transport, **options)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_grpc_server_staged_this_way_takes_every_transport(
+    models: ModelSet, transport: str
+) -> None:
+    actor = models.actor.module
+    arena = staging_arena(actor)
+    config = ServerConfig(host="127.0.0.1", port=0, device="cpu", metrics_port=0)
+    with RolloutServer(config, models=models) as server:
+        with RolloutClient(server.address, timeout_s=WAIT_S) as client:
+            where = pointers(actor)
+            weights = perturbed(actor, seed=21)
+            result = send(client, transport, weights, version=1, sha256=True)
+            assert result.version == 1  # type: ignore[attr-defined]
+            assert arena.staged_on_device
+            assert_bits_equal(actor.state_dict(), weights)
+            assert pointers(actor) == where
+            # A bad value anywhere: refused, the served weights stay bit for bit.
+            bad = perturbed(actor, seed=22)
+            bad[Q][0, 0] = math.nan
+            before = state_hash(actor)
+            with pytest.raises(InvalidArgument, match="NaN or infinite"):
+                send(client, transport, bad, version=2)
+            assert state_hash(actor) == before and client.health().policy_version == 1
+    assert arena.ring.allocated_bytes <= 4 * (64 * KIB + 3)
+
+
+# ---- on a CUDA device (marked gpu: skipped without CUDA) ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_actor_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("gpu-staging-actor"), SPEC)
+
+
+def _host_pinned_bytes() -> int | None:
+    stats = torch.cuda.host_memory_stats()
+    value = stats.get("allocated_bytes.all.current", stats.get("allocated_bytes.current"))
+    return None if value is None else int(value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["grpc", "grpc-parallel", "shm"])
+def test_a_cuda_bf16_server_is_updated_on_the_device(gpu_actor_dir: Path, transport: str) -> None:
+    config = ServerConfig(host="127.0.0.1", port=0, device="cuda", dtype="bfloat16",
+                          metrics_port=0, actor=str(gpu_actor_dir))  # fmt: skip
+    models = load_models(config)
+    actor = models.actor.module
+    arena = staging_arena(actor)
+    where = pointers(actor)
+    pinned_before = _host_pinned_bytes()
+    with RolloutServer(config, models=models) as server:
+        with RolloutClient(server.address, timeout_s=WAIT_S) as client:
+            for version, device in ((1, "cpu"), (2, "cuda")):
+                source = {k: v.float().cpu() for k, v in actor.state_dict().items()}
+                weights = {k: (v + 0.01 * version).to(device) for k, v in perturbed_dict(source)}
+                send(client, transport, weights, version=version, sha256=version == 2)
+                assert arena.staged_on_device and arena.device.type == "cuda"
+                want = {k: v.cpu().to(torch.bfloat16) for k, v in weights.items()}
+                assert_bits_equal(actor.state_dict(), want)
+                assert pointers(actor) == where  # the engine's CUDA graphs stay valid
+            bad = {k: v.clone() for k, v in weights.items()}
+            bad[Q][2, 2] = math.inf
+            before = state_hash(actor)
+            with pytest.raises(InvalidArgument, match=f"{Q}: NaN or infinite"):
+                send(client, transport, bad, version=3)
+            assert state_hash(actor) == before and pointers(actor) == where
+            assert client.health().policy_version == 2
+    assert arena.ring.allocated_bytes <= RING_SLOTS * SLOT_BYTES
+    pinned_after = _host_pinned_bytes()
+    if pinned_before is not None and pinned_after is not None:
+        # Host pinned memory: the ring only (plus the caching allocator's rounding).
+        assert pinned_after - pinned_before <= 2 * RING_SLOTS * SLOT_BYTES
+
+
+def perturbed_dict(source: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(31)
+    for name, tensor in source.items():
+        yield name, tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
+
+
+@pytest.mark.gpu
+def test_device_bytes_are_copied_device_to_device_and_lora_applies(gpu_actor_dir: Path) -> None:
+    model = LlamaForCausalLM.from_pretrained(gpu_actor_dir).to("cuda", torch.bfloat16)
+    where = pointers(model)
+    source = {k: v.float() for k, v in tiny_weights_like(model).items()}
+    requests = list(update_weights_requests(source, target="actor", version=1, mode="full"))
+    blob = b"".join(r.chunk.data for r in requests[1:])
+    on_device = torch.frombuffer(bytearray(blob), dtype=torch.uint8).cuda()
+    arena = staging_arena(model)
+    with arena.lease():
+        stager = UpdateStager(requests[0].header, model, None, arena=arena)
+        for offset in range(0, len(blob), 1 << 20):
+            stager.feed_tensor(offset, on_device[offset : offset + (1 << 20)])
+        staged = stager.finish()
+        assert staged.on_device
+        staged.apply(model)
+    assert_bits_equal(model.state_dict(), {k: v.to(torch.bfloat16) for k, v in source.items()})
+    assert pointers(model) == where
+    # LoRA from a device arena merges like the host path (the factors go to the host).
+    name = "model.layers.0.self_attn.q_proj"
+    base = model.state_dict()[f"{name}.weight"].float().cpu()
+    generator = torch.Generator().manual_seed(5)
+    a = torch.randn(2, base.shape[1], generator=generator)
+    b = torch.randn(base.shape[0], 2, generator=generator)
+    adapter = {f"base_model.model.{name}.lora_A.weight": a,
+               f"base_model.model.{name}.lora_B.weight": b}  # fmt: skip
+    lora = pb.LoraAdapter(rank=2, alpha=2.0)
+    requests = make_requests(adapter, version=2, mode="lora", lora=lora)
+    in_place_updates(model).update(iter(requests))
+    want = (base + 1.0 * (b @ a)).to(torch.bfloat16)
+    assert torch.equal(model.state_dict()[f"{name}.weight"].cpu(), want)
+    assert pointers(model) == where
+
+
+def tiny_weights_like(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(41)
+    return {k: torch.randn(v.shape, generator=generator).to(v.dtype).cuda()
+            for k, v in model.state_dict().items()}  # fmt: skip
