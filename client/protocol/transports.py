@@ -13,6 +13,7 @@ from types import MappingProxyType
 __all__ = [
     "AUTO",
     "CLIENT_TRANSPORTS",
+    "CUDA_IPC",
     "DIST",
     "GRPC",
     "GRPC_PARALLEL",
@@ -26,13 +27,17 @@ GRPC = "grpc"  # chunks on the UpdateWeights stream
 GRPC_PARALLEL = "grpc-parallel"  # chunks on several UpdateWeights streams, a byte range each
 SHM = "shm"  # a sealed memfd of a trainer on the server's host
 DIST = "dist"  # a torch.distributed broadcast to a weights group
-AUTO = "auto"  # the trainer's choice: SHM on the server's host, else GRPC
+CUDA_IPC = "cuda_ipc"  # CUDA memory of a trainer on the server's host, opened by CUDA IPC
+# The trainer's choice: CUDA_IPC for CUDA tensors, else SHM, on the server's host; else GRPC.
+AUTO = "auto"
 
-# What a server may accept (--weight-transports); GRPC is always on.
-WEIGHT_TRANSPORTS: tuple[str, ...] = (GRPC, SHM, DIST)
+# What a server may accept (--weight-transports); GRPC is always on, CUDA_IPC only on CUDA.
+WEIGHT_TRANSPORTS: tuple[str, ...] = (GRPC, SHM, DIST, CUDA_IPC)
 # What a trainer may ask for.
-CLIENT_TRANSPORTS: tuple[str, ...] = (AUTO, GRPC, SHM, DIST)
+CLIENT_TRANSPORTS: tuple[str, ...] = (AUTO, GRPC, SHM, DIST, CUDA_IPC)
 # What a reply may name: the plane that carried the update.
-REPLY_TRANSPORTS: tuple[str, ...] = (GRPC, GRPC_PARALLEL, SHM, DIST)
+REPLY_TRANSPORTS: tuple[str, ...] = (GRPC, GRPC_PARALLEL, SHM, DIST, CUDA_IPC)
 # WeightsHeader's `source` oneof -> the transport it is.
-SOURCE_TRANSPORTS: Mapping[str, str] = MappingProxyType({"shared_memory": SHM, "distributed": DIST})
+SOURCE_TRANSPORTS: Mapping[str, str] = MappingProxyType(
+    {"shared_memory": SHM, "distributed": DIST, "cuda_ipc": CUDA_IPC}
+)

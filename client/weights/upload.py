@@ -9,9 +9,14 @@ verifies, versions and swaps the same way (server/weights/). What differs is the
 * "shm": the file in a sealed memfd on the server's host (shared_memory.py); the call carries
   the header, then how much of the file is written so far: the server copies each part as soon
   as it is written;
-* "auto": "shm" when the server says it shares this host (Health.shm_host_id), else "grpc". Auto
-  is the only mode that falls back: when shared memory fails before any byte is staged (the
-  server cannot open the memfd) it logs a warning and sends the update over gRPC.
+* "cuda_ipc": CUDA tensors of a trainer on the server's host, handed over as CUDA IPC handles
+  (cuda_ipc.py); the server copies them device to device. The call carries the header and the
+  file's head only, and the tensors are held until the reply;
+* "auto": "cuda_ipc" when every tensor is on CUDA and the server offers it on this host, else
+  "shm" when the server says it shares this host (Health.shm_host_id), else "grpc". Auto is the
+  only mode that falls back: when CUDA IPC or shared memory fails before any byte is staged (the
+  server cannot open the handles or the memfd) it logs a warning and sends the update the next
+  way down.
 
 The fourth, "dist", is a torch.distributed broadcast to every server of a WeightsGroup
 (distributed.py); it does not pass through here.
@@ -31,10 +36,12 @@ import grpc
 import torch
 
 from ...v1 import rollout_pb2 as pb
+from ..protocol.cuda_ipc import cuda_ipc_host_id
 from ..protocol.errors import FailedPrecondition
 from ..protocol.requests import Progress
 from ..protocol.shared_memory import shm_host_id
-from ..protocol.transports import AUTO, SHM
+from ..protocol.transports import AUTO, CUDA_IPC, SHM
+from .cuda_ipc import all_on_cuda, check_on_cuda, export_cuda_ipc
 from .server_calls import CallOptions, ServerCalls
 from .shared_memory import SharedMemoryFile
 from .update_file import UpdateFile, prepare_update
@@ -44,6 +51,9 @@ __all__ = ["Uploads", "default_streams"]
 _LOG = logging.getLogger(__name__)
 # The server's shm refusals that mean "this data plane cannot work here", not "bad update".
 _SHM_UNREACHABLE = "shared_memory: "
+# The same for CUDA IPC (server/weights/cuda_ipc.py: handles that do not open, a GPU it cannot
+# see): nothing was staged, the update can go another way.
+_CUDA_IPC_UNREACHABLE = "cuda_ipc: "
 # A streamed shared-memory update tells the server about every this many more written bytes.
 _WRITTEN_STEP_BYTES = 8 << 20
 
@@ -80,6 +90,7 @@ class Uploads:
         # so a second update from this client (another thread) must not overwrite it meanwhile.
         self._shm_lock = threading.Lock()
         self._server_shares_host: bool | None = None
+        self._server_takes_cuda_ipc: bool | None = None  # offered and on this host
 
     def send(
         self,
@@ -90,13 +101,23 @@ class Uploads:
         streams: int | None,
         progress: Progress | None,
     ) -> pb.UpdateWeightsResponse:
-        """Send one update over `transport` ("auto", "grpc" or "shm", checked by UpdateOptions)
-        and return the server's reply."""
+        """Send one update over `transport` ("auto", "grpc", "shm" or "cuda_ipc", checked by
+        UpdateOptions) and return the server's reply."""
+        if transport == CUDA_IPC or (transport == AUTO and self._auto_cuda_ipc(update, streams)):
+            try:
+                return self._send_cuda_ipc(update, options, progress)
+            except grpc.RpcError as error:
+                if transport == CUDA_IPC or not _unreachable(error, _CUDA_IPC_UNREACHABLE):
+                    raise
+                self._server_takes_cuda_ipc = False
+                _LOG.warning(
+                    "CUDA IPC failed (%s); sending this update another way", error.details()
+                )
         if transport == SHM or (transport == AUTO and self._auto_shm(update, streams)):
             try:
                 return self._send_shm(update, options, progress)
             except grpc.RpcError as error:
-                if transport == SHM or not _shm_unreachable(error):
+                if transport == SHM or not _unreachable(error, _SHM_UNREACHABLE):
                     raise
                 self._server_shares_host = False
                 _LOG.warning(
@@ -175,6 +196,54 @@ class Uploads:
         header.shared_memory.streamed = True
         return pb.UpdateWeightsRequest(header=header).SerializeToString()
 
+    # ---- CUDA IPC ----------------------------------------------------------------------------
+
+    def _auto_cuda_ipc(self, update: UpdateFile, streams: int | None) -> bool:
+        # Tensors not all on CUDA (no torch.cuda call then), or a request for the gRPC stream.
+        if not all_on_cuda(update.state_dict) or update.crc32 or streams is not None:
+            return False
+        if self._server_takes_cuda_ipc is None:
+            self._server_takes_cuda_ipc = self._takes_cuda_ipc(timeout_s=10.0)
+        return self._server_takes_cuda_ipc
+
+    def _takes_cuda_ipc(self, timeout_s: float) -> bool:
+        try:
+            health = self._health(timeout_s)
+        except grpc.RpcError:
+            return False  # the update itself will report why the server is unreachable
+        local = cuda_ipc_host_id()
+        return CUDA_IPC in health.weight_transports and bool(local) and health.shm_host_id == local
+
+    def _send_cuda_ipc(
+        self, update: UpdateFile, options: CallOptions, progress: Progress | None
+    ) -> pb.UpdateWeightsResponse:
+        check_on_cuda(update.state_dict)  # before asking the server anything
+        if self._server_takes_cuda_ipc is None:
+            self._server_takes_cuda_ipc = self._takes_cuda_ipc(options.timeout_s)
+        if not self._server_takes_cuda_ipc:
+            raise FailedPrecondition(
+                "transport 'cuda_ipc' needs the client on the server's host, in its PID "
+                "namespace, and a server on a CUDA device that accepts it (Health.shm_host_id "
+                "differs or 'cuda_ipc' is not in Health.weight_transports); use 'auto'"
+            )
+        # Exported only now: a storage exported to nobody stays allocated after the trainer
+        # frees it (torch's ref counter waits for a consumer that never comes).
+        export = export_cuda_ipc(update)
+        header = pb.WeightsHeader()
+        header.CopyFrom(update.header)
+        header.cuda_ipc.CopyFrom(export.source)
+        head_bytes = len(update.layout()[0])
+        if progress is not None:
+            progress(0, update.total_bytes)
+        # The head as chunks; the data section stays where it is. `export` holds the memory
+        # until the call has ended, whatever its outcome.
+        messages = update.messages(header, 0, head_bytes)
+        reply = self._calls[0](messages, timeout=options.timeout_s, metadata=options.metadata)
+        export.keep_alive.clear()
+        if progress is not None:
+            progress(update.total_bytes, update.total_bytes)
+        return reply
+
     # ---- gRPC streams ------------------------------------------------------------------------
 
     def _send_grpc(
@@ -251,11 +320,12 @@ class _WrittenStream:
             self._future.cancel()
 
 
-def _shm_unreachable(error: grpc.RpcError) -> bool:
-    """The server could not open the memfd at all: nothing was staged, sending again is safe."""
+def _unreachable(error: grpc.RpcError, prefix: str) -> bool:
+    """The server could not open the memfd or the CUDA IPC handles at all (its refusal starts
+    with `prefix`): nothing was staged, sending again another way is safe."""
     return error.code() == grpc.StatusCode.FAILED_PRECONDITION and (
         error.details() or ""
-    ).startswith(_SHM_UNREACHABLE)
+    ).startswith(prefix)
 
 
 def _part_ranges(update: UpdateFile, streams: int) -> list[tuple[int, int]]:

@@ -99,7 +99,9 @@ FLAGS: dict[str, Flag] = {
         "S",
     ),
     "weight_transports": Flag(
-        parse.weight_transports, "UpdateWeights data planes: grpc plus shm and/or dist", "LIST"
+        parse.weight_transports,
+        "UpdateWeights data planes: grpc plus any of shm, dist, cuda_ipc (on CUDA only)",
+        "LIST",
     ),
     "parallel_part_wait_s": Flag(
         parse.positive_seconds, "how long one stream of a parallel update waits for the others", "S"

@@ -84,9 +84,10 @@ class ServerConfig:
     # stalled uploader would otherwise hold the update lock and the staging memory forever.
     update_idle_timeout_s: float = 60.0
     # UpdateWeights data planes besides chunks on the stream (server/weights/): "shm" (a memfd of
-    # a client on this host) and "dist" (InitWeightsGroup makes the server join a process group
-    # at an address the admin-token caller names). "grpc" alone turns both off.
-    weight_transports: str = "grpc,shm,dist"
+    # a client on this host), "dist" (InitWeightsGroup makes the server join a process group
+    # at an address the admin-token caller names) and "cuda_ipc" (CUDA memory of a trainer on
+    # this host; offered only when the models are on a CUDA device). "grpc" alone turns them off.
+    weight_transports: str = "grpc,shm,dist,cuda_ipc"
     parallel_part_wait_s: float = 30.0  # how long a part of a parallel update waits for others
     # The longest an InitWeightsGroup rendezvous may wait, whatever timeout_s the caller asks for.
     max_group_timeout_s: float = 120.0

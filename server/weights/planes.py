@@ -20,15 +20,30 @@ from typing import Protocol
 import torch
 
 from ...client.protocol.errors import FailedPrecondition, InvalidArgument
-from ...client.protocol.transports import DIST, GRPC, GRPC_PARALLEL, SHM, SOURCE_TRANSPORTS
+from ...client.protocol.shared_memory import shm_host_id
+from ...client.protocol.transports import (
+    CUDA_IPC,
+    DIST,
+    GRPC,
+    GRPC_PARALLEL,
+    SHM,
+    SOURCE_TRANSPORTS,
+)
 from ...v1 import rollout_pb2 as pb
 from ..config import ServerConfig
+from .cuda_ipc import CudaIpcPlane, can_open_cuda_ipc
 from .distributed import GroupUpdate, WeightsGroups
 from .parallel import Assembly, ParallelUpdates, check_part, feed_part
 from .shared_memory import default_lanes, receive_shared_memory, release_mappings
 from .staging import Request, UpdateStager, iter_chunks
 
-__all__ = ["DataPlane", "Follower", "Planes"]
+__all__ = ["DataPlane", "Follower", "Planes", "offered_transports"]
+
+
+def offered_transports(transports: str, device: torch.device) -> list[str]:
+    """The transports a server offers (Health.weight_transports): --weight-transports (normalised,
+    "grpc,shm,dist,cuda_ipc"), less cuda_ipc unless the models are on a CUDA device."""
+    return [name for name in transports.split(",") if name != CUDA_IPC or can_open_cuda_ipc(device)]
 
 
 class DataPlane(Protocol):
@@ -155,7 +170,9 @@ class Planes:
         self, transports: str, device: torch.device, *, parallel_wait_s: float = 30.0
     ) -> None:
         # transports: --weight-transports, normalised ("grpc,shm,dist"); device: the models'.
-        offered = transports.split(",")
+        offered = offered_transports(transports, device)
+        self.device = device
+        self.host_id = shm_host_id()  # who may hand this server CUDA IPC handles
         self.sources = frozenset(s for s, name in SOURCE_TRANSPORTS.items() if name in offered)
         self.shm_lanes = default_lanes(os.cpu_count())  # threads copying from shared memory
         self.groups = WeightsGroups(device)
@@ -177,6 +194,14 @@ class Planes:
             if header.parallel.index > 0:
                 return Follower(self.parallel, header)
         source = header.WhichOneof("source")
+        if source == "cuda_ipc" and not parallel:
+            # Its shape, the host and the device first (each a clear refusal), then the flag.
+            plane = CudaIpcPlane(header, device=self.device, host_id=self.host_id)
+            if not self.accepts(source):
+                raise FailedPrecondition(
+                    "cuda_ipc: this server does not accept that transport (--weight-transports)"
+                )
+            return plane
         if source is not None and not self.accepts(source):
             raise FailedPrecondition(f"header.{source}: this server does not accept that transport")
         if parallel:

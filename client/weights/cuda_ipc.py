@@ -1,0 +1,159 @@
+"""The trainer side of transport "cuda_ipc": CUDA tensors handed to a server on this host as CUDA
+IPC handles, so that the server copies them device to device.
+
+`export_cuda_ipc` describes the update's data section as a CudaIpcSource: one buffer per
+distinct CUDA storage (torch's `UntypedStorage._share_cuda_()`, deduplicated by the storage's
+address, so a plain state dict needs no flattening copy and weights flattened into one buffer,
+flat_weights.py, are one buffer and one span), and spans that tile the data section in file
+order, each a run of bytes of one buffer (neighbours that lie back to back in one storage are
+one span). The stream itself carries only the header and the file's head.
+
+Lifetime (rollout.proto, CudaIpcSource): the values must be final before the header leaves
+(every device the tensors are on is synchronised first: the server reads on its own streams and
+cannot wait on ours), and the memory must stay allocated and unchanged until the reply:
+`CudaIpcExport` holds every tensor (and the contiguous copies of non-contiguous ones) until the
+caller drops it after the call. The server releases torch's ref counter of each storage, so the
+memory is freed normally once the trainer drops it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ...v1 import rollout_pb2 as pb
+from ..protocol.cuda_ipc import MAX_BUFFERS, MAX_SPANS, cuda_ipc_host_id, device_uuid
+from .update_file import UpdateFile
+
+__all__ = ["CudaIpcExport", "all_on_cuda", "check_on_cuda", "export_cuda_ipc"]
+
+_LOG = logging.getLogger(__name__)
+
+
+def all_on_cuda(state_dict: Mapping[str, torch.Tensor]) -> bool:
+    """Whether every tensor is on a CUDA device (and there is one); no torch.cuda call."""
+    return bool(state_dict) and all(t.device.type == "cuda" for t in state_dict.values())
+
+
+def check_on_cuda(state_dict: Mapping[str, torch.Tensor]) -> None:
+    """ValueError unless every tensor is on a CUDA device; no torch.cuda call."""
+    off_cuda = [name for name, tensor in state_dict.items() if tensor.device.type != "cuda"]
+    if off_cuda:
+        raise ValueError(
+            f"transport 'cuda_ipc' sends CUDA tensors only; {len(off_cuda)} tensor(s) are not "
+            f"on a CUDA device (first: {off_cuda[0]!r} on "
+            f"{state_dict[off_cuda[0]].device}); use 'shm', 'grpc' or 'auto' for them"
+        )
+
+
+@dataclass
+class CudaIpcExport:
+    """An update's data section as CUDA IPC buffers, and what must live until the reply."""
+
+    source: pb.CudaIpcSource
+    # The tensors the spans read (including contiguous copies) and their storages: dropped by
+    # the caller once the call has ended, never before.
+    keep_alive: list[object] = field(default_factory=list)
+    copied: list[str] = field(default_factory=list)  # non-contiguous tensors sent as copies
+
+
+def export_cuda_ipc(update: UpdateFile) -> CudaIpcExport:
+    """Describe the update's data section as CUDA IPC buffers and spans (see the module).
+
+    ValueError when a tensor is not on a CUDA device. Non-contiguous tensors are copied into
+    contiguous memory first (logged: a copy the trainer can avoid).
+    """
+    state_dict = update.state_dict
+    check_on_cuda(state_dict)
+    head, specs = update.layout()
+    data_start = len(head)
+    export = CudaIpcExport(pb.CudaIpcSource(host_id=cuda_ipc_host_id()))
+    buffers: dict[tuple[torch.device, int], int] = {}  # (device, storage address) -> index
+    storages: list[torch.UntypedStorage] = []
+    for spec in specs:
+        if not spec.nbytes:
+            continue
+        tensor = state_dict[spec.name].detach()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+            export.copied.append(spec.name)
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr())
+        index = buffers.get(key)
+        if index is None:
+            index = buffers[key] = len(storages)
+            storages.append(storage)
+        export.keep_alive.append(tensor)
+        _add_span(
+            export.source,
+            begin=data_start + spec.begin,
+            end=data_start + spec.end,
+            buffer=index,
+            offset=tensor.data_ptr() - storage.data_ptr(),
+        )
+    if len(storages) > MAX_BUFFERS or len(export.source.spans) > MAX_SPANS:
+        raise ValueError(
+            f"transport 'cuda_ipc': {len(storages)} storages and {len(export.source.spans)} "
+            f"runs of memory; a server takes at most {MAX_BUFFERS} and {MAX_SPANS} "
+            "(flatten the weights into one buffer, see WeightsGroup.flatten_weights)"
+        )
+    if export.copied:
+        _LOG.warning(
+            "cuda_ipc: %d non-contiguous tensor(s) were copied to contiguous memory to be sent "
+            "(first: %s); send contiguous tensors to avoid the copy",
+            len(export.copied),
+            export.copied[0],
+        )
+    # The server reads the memory from its own streams: every write to it must be done.
+    for device in {device for device, _ in buffers}:
+        torch.cuda.synchronize(device)
+    uuids: dict[torch.device, str] = {}
+    for (device, _), storage in zip(buffers, storages, strict=True):
+        if device not in uuids:
+            uuids[device] = device_uuid(device)
+        export.source.buffers.append(_shared(storage, uuids[device]))
+        export.keep_alive.append(storage)
+    return export
+
+
+def _add_span(source: pb.CudaIpcSource, *, begin: int, end: int, buffer: int, offset: int) -> None:
+    """Append file bytes [begin, end) at `offset` of `buffer`, merged into the previous span
+    when it continues it in the file and in the same buffer."""
+    if source.spans:
+        last = source.spans[-1]
+        if (
+            last.buffer == buffer
+            and last.end == begin
+            and last.offset + (last.end - last.begin) == offset
+        ):
+            last.end = end
+            return
+    source.spans.add(begin=begin, end=end, buffer=buffer, offset=offset)
+
+
+def _shared(storage: torch.UntypedStorage, uuid: str) -> pb.CudaIpcBuffer:
+    """The CudaIpcBuffer of one storage (torch's own export, as torch.multiprocessing does)."""
+    (
+        device,
+        handle,
+        storage_bytes,
+        storage_offset,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = storage._share_cuda_()
+    return pb.CudaIpcBuffer(
+        device_uuid=uuid,
+        device=int(device),
+        handle=bytes(handle),
+        storage_bytes=int(storage_bytes),
+        storage_offset=int(storage_offset),
+        ref_counter_handle=bytes(ref_counter_handle),
+        ref_counter_offset=int(ref_counter_offset),
+        event_handle=bytes(event_handle),
+        event_sync_required=bool(event_sync_required),
+    )

@@ -1,0 +1,312 @@
+"""The CUDA IPC data plane: an update whose data section is CUDA memory of a trainer on this host.
+
+The stream carries the header, whose CudaIpcSource lists the trainer's buffers (one per CUDA
+storage, as torch's `UntypedStorage._share_cuda_()` describes it) and the spans that tile the
+file's data section, then the file's head as chunks. The server copies every span device to
+device into the stager (`UpdateStager.feed_tensor`), where it is verified like any other byte.
+
+Order, so that nothing is opened for an update that will be refused:
+
+1. `check_source` (when the plane is picked): the source's shape: counts, field sizes, spans
+   that follow each other up to total_bytes and lie inside their buffer. INVALID_ARGUMENT.
+2. `CudaIpcPlane.__init__`: the trainer's host is this host, the models are on CUDA.
+   FAILED_PRECONDITION.
+3. `receive`: the head arrives on the stream and is verified (names, shapes, dtypes against the
+   model); the spans must begin where the data section begins; every buffer's GPU must be one
+   this process sees (by UUID). Only then are the handles opened (an event the trainer recorded
+   is waited for), the spans copied, and, in `__exit__` (after the swap, before the reply), the
+   storages dropped, which closes the handles.
+
+A handle that does not open (the trainer exited or freed the memory) is FAILED_PRECONDITION
+starting "cuda_ipc: ", like every refusal that says this plane cannot work here (the client's
+"auto" then sends another way; nothing was staged). The old weights keep serving either way.
+
+torch's producer-side ref counter: `_share_cuda_` sets a counter in a shared-memory file of the
+trainer to 1, and the trainer's allocator keeps the storage's memory until it is back to 0. A
+storage opened here decrements it when dropped (torch's deleter); a buffer never opened (a
+refusal after step 2) is released in `__exit__` (`_release_ipc_counter`), so a refused update
+does not pin the trainer's memory. The counter's file name and slot are checked in step 1: the
+release writes to that slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Iterator
+from types import TracebackType
+
+import torch
+
+from ...client.protocol.cuda_ipc import (
+    EVENT_HANDLE_BYTES,
+    MAX_BUFFERS,
+    MAX_HANDLE_BYTES,
+    MAX_SPANS,
+    REF_COUNTER_NAME,
+    REF_COUNTER_SLOTS,
+    device_uuid,
+)
+from ...client.protocol.errors import FailedPrecondition, InvalidArgument
+from ...client.protocol.transports import CUDA_IPC
+from ...v1 import rollout_pb2 as pb
+from .header import PREFIX_BYTES
+from .staging import Request, UpdateStager, iter_chunks
+
+__all__ = ["PIECE_BYTES", "CudaIpcPlane", "can_open_cuda_ipc", "check_source"]
+
+_LOG = logging.getLogger(__name__)
+# feed_tensor takes a span in pieces of at most this many bytes: a bounded temporary on a host
+# staging path, and the stager's checks overlap the next piece's copy on a device one.
+PIECE_BYTES = 64 << 20
+_REFUSED = "cuda_ipc: "  # the prefix of the refusals after which the client may go another way
+
+
+def can_open_cuda_ipc(device: torch.device) -> bool:
+    """Whether a server whose models are on `device` takes CUDA IPC updates: on CUDA only."""
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def check_source(source: pb.CudaIpcSource, total_bytes: int) -> None:
+    """The source's shape, before anything is opened; InvalidArgument naming the field."""
+    buffers, spans = source.buffers, source.spans
+    if len(buffers) > MAX_BUFFERS:
+        raise InvalidArgument(f"header.cuda_ipc.buffers: at most {MAX_BUFFERS}, got {len(buffers)}")
+    if len(spans) > MAX_SPANS:
+        raise InvalidArgument(f"header.cuda_ipc.spans: at most {MAX_SPANS}, got {len(spans)}")
+    for index, buffer in enumerate(buffers):
+        _check_buffer(f"header.cuda_ipc.buffers[{index}]", buffer)
+    position = None
+    for index, span in enumerate(spans):
+        field = f"header.cuda_ipc.spans[{index}]"
+        if index == 0 and span.begin <= PREFIX_BYTES:
+            raise InvalidArgument(f"{field}.begin: {span.begin} is inside the file's head")
+        if position is not None and span.begin != position:
+            what = "a gap" if span.begin > position else "an overlap"
+            raise InvalidArgument(
+                f"{field}.begin: {span.begin}, but the previous span ends at {position} "
+                f"({what}): spans tile the data section in file order"
+            )
+        if span.end <= span.begin:
+            raise InvalidArgument(f"{field}: end {span.end} is not above begin {span.begin}")
+        if span.end > total_bytes:
+            raise InvalidArgument(f"{field}.end: {span.end} is past total_bytes {total_bytes}")
+        if span.buffer >= len(buffers):
+            raise InvalidArgument(
+                f"{field}.buffer: {span.buffer}, but there are {len(buffers)} buffers"
+            )
+        size = buffers[span.buffer].storage_bytes
+        if span.offset > size or span.end - span.begin > size - span.offset:
+            raise InvalidArgument(
+                f"{field}: bytes [{span.offset}, {span.offset + span.end - span.begin}) are not "
+                f"inside buffers[{span.buffer}] ({size} bytes)"
+            )
+        position = span.end
+    if position is not None and position != total_bytes:
+        raise InvalidArgument(
+            f"header.cuda_ipc.spans: the last ends at {position}, not at total_bytes "
+            f"{total_bytes}: spans tile the data section"
+        )
+    unused = set(range(len(buffers))) - {span.buffer for span in spans}
+    if unused:
+        raise InvalidArgument(
+            f"header.cuda_ipc.buffers[{min(unused)}]: no span reads it ({len(unused)} unused)"
+        )
+
+
+def _check_buffer(field: str, buffer: pb.CudaIpcBuffer) -> None:
+    uuid = buffer.device_uuid
+    if len(uuid) != 32 or any(c not in "0123456789abcdef" for c in uuid):
+        raise InvalidArgument(f"{field}.device_uuid: 32 lowercase hex digits, got {uuid!r}")
+    if not 0 < len(buffer.handle) <= MAX_HANDLE_BYTES:
+        raise InvalidArgument(
+            f"{field}.handle: 1 to {MAX_HANDLE_BYTES} bytes, got {len(buffer.handle)}"
+        )
+    if buffer.storage_bytes == 0:
+        raise InvalidArgument(f"{field}.storage_bytes: an empty storage has nothing to share")
+    if buffer.storage_offset >= 1 << 62 or buffer.storage_bytes >= 1 << 62:
+        raise InvalidArgument(f"{field}: storage_offset and storage_bytes must be below 2^62")
+    if not REF_COUNTER_NAME.fullmatch(buffer.ref_counter_handle):
+        raise InvalidArgument(
+            f"{field}.ref_counter_handle: one name in /dev/shm ('/' and 1 to 254 of [A-Za-z0-9._-])"
+        )
+    if buffer.ref_counter_offset >= REF_COUNTER_SLOTS:
+        raise InvalidArgument(
+            f"{field}.ref_counter_offset: 0 to {REF_COUNTER_SLOTS - 1}, got "
+            f"{buffer.ref_counter_offset}"
+        )
+    if buffer.event_sync_required and len(buffer.event_handle) != EVENT_HANDLE_BYTES:
+        raise InvalidArgument(
+            f"{field}.event_handle: {EVENT_HANDLE_BYTES} bytes when event_sync_required, got "
+            f"{len(buffer.event_handle)}"
+        )
+
+
+class CudaIpcPlane:
+    """One update from CUDA IPC buffers (a DataPlane of planes.py)."""
+
+    name = CUDA_IPC
+
+    def __init__(
+        self,
+        header: pb.WeightsHeader,
+        *,
+        device: torch.device,
+        host_id: str,
+    ) -> None:
+        # device: the models'; host_id: this server's Health.shm_host_id.
+        source = header.cuda_ipc
+        check_source(source, header.total_bytes)
+        if not host_id or source.host_id != host_id:
+            raise FailedPrecondition(
+                f"{_REFUSED}the trainer is on another host or PID namespace (host_id "
+                f"{source.host_id!r}, this server's Health.shm_host_id {host_id!r}): CUDA IPC "
+                "works between processes of one host only; use 'shm', 'grpc' or 'dist'"
+            )
+        if not can_open_cuda_ipc(device):
+            raise FailedPrecondition(
+                f"{_REFUSED}this server's models are on {device}: it opens CUDA IPC handles "
+                "only when they are on a CUDA device; use 'shm', 'grpc' or 'dist'"
+            )
+        self._source = source
+        self._total_bytes = header.total_bytes
+        self._device = device
+        self._indices: list[int] = []  # this process's device index of each buffer
+        self._opened: list[torch.UntypedStorage | None] = []  # by buffer, once opened
+        self._released: list[bool] = [False] * len(source.buffers)  # counter given back
+
+    def __enter__(self) -> CudaIpcPlane:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Close every handle (drop the storages) and give back the counters of the buffers
+        never opened; before the reply, whatever happened."""
+        if error is not None and any(s is not None for s in self._opened):
+            # Copies of a failed update may still be in flight on the stager's stream: they
+            # must end before the trainer may free the memory.
+            for index in {self._device_index(), *self._indices}:
+                torch.cuda.synchronize(index)
+        for number in [n for n, storage in enumerate(self._opened) if storage is not None]:
+            self._released[number] = True  # torch's deleter decrements it on the drop
+        # The last references: dropping them closes the handles (torch's deleter syncs the
+        # device's current stream, decrements the trainer's counter, closes the mapping).
+        self._opened = []
+        self._release_unopened()
+
+    def finished(self, response: pb.UpdateWeightsResponse) -> None:
+        return None
+
+    def receive(self, stager: UpdateStager, requests: Iterator[Request]) -> None:
+        """The head from the stream, then every span device to device into the stager."""
+        data_start = _feed_head(stager, requests)
+        spans = self._source.spans
+        first = spans[0].begin if spans else self._total_bytes
+        if first != data_start:
+            raise InvalidArgument(
+                f"header.cuda_ipc.spans[0].begin: {first}, but the data section begins at "
+                f"{data_start}"
+            )
+        self._indices = self._map_devices()
+        self._open_all()
+        for span in spans:
+            storage = self._opened[span.buffer]
+            assert storage is not None
+            whole = torch.empty(0, dtype=torch.uint8, device=storage.device)
+            whole.set_(storage, 0, (storage.nbytes(),))
+            for begin in range(span.begin, span.end, PIECE_BYTES):
+                size = min(PIECE_BYTES, span.end - begin)
+                start = span.offset + begin - span.begin
+                stager.feed_tensor(begin, whole[start : start + size])
+            del whole
+
+    # ---- opening and closing ----------------------------------------------------------------
+
+    def _device_index(self) -> int:
+        index = self._device.index
+        return torch.cuda.current_device() if index is None else index
+
+    def _map_devices(self) -> list[int]:
+        """This process's index of each buffer's GPU, by UUID; FailedPrecondition for a GPU it
+        does not see (CUDA_VISIBLE_DEVICES hides it)."""
+        visible = {device_uuid(index): index for index in range(torch.cuda.device_count())}
+        indices = []
+        for number, buffer in enumerate(self._source.buffers):
+            index = visible.get(buffer.device_uuid)
+            if index is None:
+                raise FailedPrecondition(
+                    f"{_REFUSED}buffers[{number}] is on GPU {buffer.device_uuid} (the trainer's "
+                    f"cuda:{buffer.device}), which this server does not see"
+                )
+            indices.append(index)
+        return indices
+
+    def _open_all(self) -> None:
+        """Open every buffer's handle (after waiting for its event); FailedPrecondition when one
+        does not open. Storages opened before the failure are closed by __exit__."""
+        self._opened = [None] * len(self._source.buffers)
+        for number, (buffer, index) in enumerate(
+            zip(self._source.buffers, self._indices, strict=True)
+        ):
+            try:
+                if buffer.event_sync_required:
+                    # The trainer's event after its last write (a handle that also fails when
+                    # the trainer is gone). Waited on the host: the copies run on the stager's
+                    # own stream, which a stream wait on ours would not order.
+                    torch.cuda.Event.from_ipc_handle(index, buffer.event_handle).synchronize()
+                storage = torch.UntypedStorage._new_shared_cuda(
+                    index,
+                    buffer.handle,
+                    buffer.storage_bytes,
+                    buffer.storage_offset,
+                    buffer.ref_counter_handle,
+                    buffer.ref_counter_offset,
+                    buffer.event_handle,
+                    False,  # the event is waited for above
+                )
+            except (RuntimeError, ValueError, TypeError) as error:
+                reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+                raise FailedPrecondition(
+                    f"{_REFUSED}buffers[{number}] (GPU {buffer.device_uuid}) did not open: "
+                    f"{reason}; the trainer must keep its memory alive until the reply (did it "
+                    "exit or free the tensors?)"
+                ) from None
+            self._opened[number] = storage
+
+    def _release_unopened(self) -> None:
+        """Give back the ref counter of every buffer that was never opened (best effort: a
+        trainer that exited took its counters with it)."""
+        for number, buffer in enumerate(self._source.buffers):
+            if self._released[number]:
+                continue
+            self._released[number] = True
+            try:
+                torch.UntypedStorage._release_ipc_counter(
+                    buffer.ref_counter_handle,
+                    buffer.ref_counter_offset,
+                    device=self._indices[number] if self._indices else self._device_index(),
+                )
+            except Exception as error:  # the trainer is gone: nothing to give back
+                _LOG.debug("cuda_ipc: buffers[%d]: ref counter not released: %s", number, error)
+
+
+def _feed_head(stager: UpdateStager, requests: Iterator[Request]) -> int:
+    """Feed the stream's chunks (the file's head, nothing else); the data section's offset."""
+    prefix = bytearray()
+    fed = 0
+    for offset, data, crc32 in iter_chunks(requests):
+        if len(prefix) < PREFIX_BYTES:
+            prefix += bytes(memoryview(data)[: PREFIX_BYTES - len(prefix)])
+        stager.feed(offset, data, crc32)
+        fed += len(data)
+    data_start = PREFIX_BYTES + struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
+    if not stager.head_parsed or fed != data_start:
+        raise InvalidArgument(
+            "the stream of a cuda_ipc update must carry the file's head and nothing else (it "
+            f"carried {fed} bytes)"
+        )
+    return data_start

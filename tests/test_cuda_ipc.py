@@ -1,0 +1,383 @@
+"""Transport "cuda_ipc": a trainer's CUDA tensors handed to a CUDA server on the same host as CUDA
+IPC handles, copied device to device.
+
+CPU (runs everywhere): the protocol's refusals against a real server: a CPU server neither lists
+nor takes cuda_ipc (FAILED_PRECONDITION), malformed sources are INVALID_ARGUMENT and another host
+FAILED_PRECONDITION, before anything is opened and with the old weights serving; the client
+refuses CPU tensors itself, and "auto" never picks cuda_ipc for them.
+
+GPU (marked `gpu`): a trainer in a spawned process updates a CUDA server over cuda_ipc: bit-equal
+weights in the parameters' own storages, "auto" picks it, a flattened buffer is one buffer, and a
+trainer that exported its handles and exited before the server opened them is refused with the
+old weights serving.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from helpers_weights import perturbed, state_hash
+from rollserve.client import RolloutClient
+from rollserve.client.protocol.cuda_ipc import MAX_BUFFERS, MAX_SPANS, cuda_ipc_host_id
+from rollserve.client.protocol.wire import update_weights_callable
+from rollserve.client.weights.update_file import UpdateFile, prepare_update
+from rollserve.server.config import ServerConfig
+from rollserve.server.models import ModelSet, load_models
+from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm
+from rollserve.server.serving.app import RolloutServer
+from rollserve.server.weights.planes import offered_transports
+from rollserve.v1 import rollout_pb2 as pb
+
+WAIT_S = 30.0
+SPEC = TinyModelSpec()
+
+
+@pytest.fixture(scope="module")
+def actor_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("cuda-ipc-actor"), SPEC)
+
+
+def _config(**overrides: object) -> ServerConfig:
+    return ServerConfig(**{"host": "127.0.0.1", "port": 0, "device": "cpu", "metrics_port": 0,
+                           **overrides})  # fmt: skip
+
+
+# ---- CPU: the protocol and its refusals ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_models(actor_dir: Path) -> ModelSet:
+    return load_models(ServerConfig(device="cpu", actor=str(actor_dir)))
+
+
+@pytest.fixture(scope="module")
+def cpu_server(cpu_models: ModelSet) -> Iterator[RolloutServer]:
+    with RolloutServer(_config(), models=cpu_models) as running:
+        yield running
+
+
+def _update(models: ModelSet, version: int = 1) -> tuple[UpdateFile, int]:
+    """A full update of the actor (CPU tensors) and where its data section begins."""
+    update = prepare_update(perturbed(models.actor.module, seed=version), version=version)
+    return update, len(update.layout()[0])
+
+
+def _buffer(storage_bytes: int, **fields: object) -> pb.CudaIpcBuffer:
+    """A well-formed buffer (its handles name nothing: none of these updates opens one)."""
+    values: dict[str, object] = dict(
+        device_uuid="0" * 32, device=0, handle=b"\x01" * 64, storage_bytes=storage_bytes,
+        storage_offset=0, ref_counter_handle=b"/torch_1_2_3", ref_counter_offset=0,
+        event_handle=b"\x02" * 64, event_sync_required=True,
+    )  # fmt: skip
+    values.update(fields)
+    return pb.CudaIpcBuffer(**values)
+
+
+def _source(update: UpdateFile, data_start: int, **fields: object) -> pb.CudaIpcSource:
+    """A well-formed source: one buffer holding the data section, one span over it."""
+    data_bytes = update.total_bytes - data_start
+    source = pb.CudaIpcSource(**{"host_id": cuda_ipc_host_id(), **fields})
+    source.buffers.append(_buffer(data_bytes))
+    source.spans.add(begin=data_start, end=update.total_bytes, buffer=0, offset=0)
+    return source
+
+
+def _send(server: RolloutServer, update: UpdateFile, source: pb.CudaIpcSource) -> object:
+    """The cuda_ipc stream a trainer sends: the header with `source`, then the file's head."""
+    header = pb.WeightsHeader()
+    header.CopyFrom(update.header)
+    header.cuda_ipc.CopyFrom(source)
+    with grpc.insecure_channel(server.address) as channel:
+        call = update_weights_callable(channel)
+        return call(update.messages(header, 0, len(update.layout()[0])), timeout=WAIT_S)
+
+
+def _refused(server: RolloutServer, update: UpdateFile, source: pb.CudaIpcSource) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        _send(server, update, source)
+    return caught.value
+
+
+def test_a_cpu_server_neither_lists_nor_takes_cuda_ipc(
+    cpu_models: ModelSet, cpu_server: RolloutServer
+) -> None:
+    assert "cuda_ipc" in ServerConfig().weight_transports.split(",")  # on by default
+    assert offered_transports("grpc,shm,dist,cuda_ipc", torch.device("cpu")) == [
+        "grpc", "shm", "dist",
+    ]  # fmt: skip
+    with RolloutClient(cpu_server.address, timeout_s=WAIT_S) as client:
+        assert "cuda_ipc" not in client.health().weight_transports
+    before = state_hash(cpu_models.actor.module)
+    update, data_start = _update(cpu_models)
+    error = _refused(cpu_server, update, _source(update, data_start))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error.details().startswith("cuda_ipc: ") and "cpu" in error.details()
+    assert state_hash(cpu_models.actor.module) == before
+
+
+def _tiled(update: UpdateFile, data_start: int, cuts: list[tuple[int, int]]) -> pb.CudaIpcSource:
+    """A source whose spans are `cuts` ((begin, end) relative to the data section), one
+    buffer."""
+    source = _source(update, data_start)
+    del source.spans[:]
+    for begin, end in cuts:
+        source.spans.add(begin=data_start + begin, end=data_start + end, buffer=0, offset=begin)
+    return source
+
+
+def test_malformed_sources_are_refused_before_anything_is_opened(
+    cpu_models: ModelSet, cpu_server: RolloutServer
+) -> None:
+    update, data_start = _update(cpu_models)
+    data_bytes = update.total_bytes - data_start
+    half = data_bytes // 2
+    too_many = _source(update, data_start)
+    too_many.buffers.extend([_buffer(16)] * MAX_BUFFERS)
+    many_spans = _source(update, data_start)
+    del many_spans.spans[:]
+    step = data_bytes // (MAX_SPANS + 1)  # small steps: more than MAX_SPANS spans
+    for begin in range(0, data_bytes, step):
+        end = min(begin + step, data_bytes)
+        many_spans.spans.add(begin=data_start + begin, end=data_start + end, buffer=0, offset=begin)
+    assert len(many_spans.spans) > MAX_SPANS
+    out_of_buffer = _source(update, data_start)
+    out_of_buffer.spans[0].offset = 8  # the span runs 8 bytes past the buffer's end
+    wrong_buffer = _source(update, data_start)
+    wrong_buffer.spans[0].buffer = 1
+    past_the_file = _tiled(update, data_start, [(0, half), (half, data_bytes + 8)])
+    in_the_head = _source(update, data_start)
+    in_the_head.spans[0].begin = 4
+
+    def bad_buffer(**fields: object) -> pb.CudaIpcSource:
+        source = _source(update, data_start)
+        source.buffers[0].CopyFrom(_buffer(**{"storage_bytes": data_bytes, **fields}))
+        return source
+
+    unused = _source(update, data_start)
+    unused.buffers.append(_buffer(16))
+    cases = {
+        "a gap": (_tiled(update, data_start, [(0, half), (half + 8, data_bytes)]), "a gap"),
+        "an overlap": (_tiled(update, data_start, [(0, half), (half - 8, data_bytes)]), "overlap"),
+        "short": (_tiled(update, data_start, [(0, half)]), "not at total_bytes"),
+        "empty span": (_tiled(update, data_start, [(0, 0), (0, data_bytes)]), "not above"),
+        "past the file": (past_the_file, "past total_bytes"),
+        "in the head": (in_the_head, "inside the file's head"),
+        "out of its buffer": (out_of_buffer, "not inside buffers[0]"),
+        "no such buffer": (wrong_buffer, "there are 1 buffers"),
+        "too many buffers": (too_many, f"at most {MAX_BUFFERS}"),
+        "too many spans": (many_spans, f"at most {MAX_SPANS}"),
+        "unused buffer": (unused, "no span reads it"),
+        "bad uuid": (bad_buffer(device_uuid="GPU-0"), "device_uuid"),
+        "no handle": (bad_buffer(handle=b""), "handle"),
+        "counter outside /dev/shm": (bad_buffer(ref_counter_handle=b"/../etc/x"), "ref_counter"),
+        "counter slot": (bad_buffer(ref_counter_offset=10_000), "ref_counter_offset"),
+        "short event": (bad_buffer(event_handle=b"\x00" * 8), "event_handle"),
+        "empty storage": (bad_buffer(storage_bytes=0), "storage_bytes"),
+    }
+    before = state_hash(cpu_models.actor.module)
+    for name, (source, reason) in cases.items():
+        error = _refused(cpu_server, update, source)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, error.details())
+        assert reason in error.details(), (name, error.details())
+    other_host = _source(update, data_start, host_id="another-boot/4026531836")
+    error = _refused(cpu_server, update, other_host)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "another host" in error.details()
+    with RolloutClient(cpu_server.address, timeout_s=WAIT_S) as client:
+        assert client.health().policy_version == 0
+    assert state_hash(cpu_models.actor.module) == before
+
+
+def test_the_client_refuses_cpu_tensors_and_auto_never_picks_cuda_ipc_for_them(
+    cpu_models: ModelSet, cpu_server: RolloutServer
+) -> None:
+    actor = cpu_models.actor.module
+    with RolloutClient(cpu_server.address, timeout_s=WAIT_S) as client:
+        version = client.health().policy_version
+        with pytest.raises(ValueError, match="CUDA tensors only"):
+            client.update_weights(perturbed(actor, seed=3), version=version + 1,
+                                  transport="cuda_ipc")  # fmt: skip
+        assert client.health().policy_version == version  # nothing was sent
+        result = client.update_weights(perturbed(actor, seed=3), version=version + 1)
+        assert result.transport == ("shm" if cuda_ipc_host_id() else "grpc")
+
+
+# ---- GPU: a trainer process updates a CUDA server ------------------------------------------------
+
+
+def _trainer(commands: multiprocessing.Queue, results: multiprocessing.Queue) -> None:
+    """A trainer process (spawned): each command loads CUDA weights from a file and sends them.
+
+    ("update", address, path, version, transport, flat, mode): results gets (transport,
+    version, storages), or the error's text. ("export", path, version): results gets the
+    encoded messages of a cuda_ipc update whose handles this process exports, then the process
+    exits before anyone opens them.
+    """
+    from rollserve.client.weights.cuda_ipc import export_cuda_ipc
+    from rollserve.client.weights.flat_weights import flatten_weights
+    from safetensors.torch import load_file
+
+    torch.cuda.set_device(0)
+    while (command := commands.get()) is not None:
+        try:
+            if command[0] == "export":
+                _, path, version = command
+                weights = {k: v.cuda() for k, v in load_file(path).items()}
+                update = prepare_update(weights, version=version)
+                export = export_cuda_ipc(update)
+                header = pb.WeightsHeader()
+                header.CopyFrom(update.header)
+                header.cuda_ipc.CopyFrom(export.source)
+                results.put(list(update.messages(header, 0, len(update.layout()[0]))))
+                return  # exits with the handles unopened: the memory goes with the process
+            _, address, path, version, transport, flat, mode = command
+            weights = {k: v.cuda() for k, v in load_file(path).items()}
+            if flat:
+                flatten_weights(weights)
+            storages = len({t.untyped_storage().data_ptr() for t in weights.values()})
+            with RolloutClient(address, timeout_s=WAIT_S) as client:
+                result = client.update_weights(
+                    weights, version=version, transport=transport, mode=mode
+                )
+            results.put((result.transport, result.version, storages))
+        except Exception as error:  # the test reads it
+            results.put(f"{type(error).__name__}: {error}")
+
+
+@pytest.fixture(scope="module")
+def cuda_server(actor_dir: Path) -> Iterator[RolloutServer]:
+    config = _config(device="cuda", dtype="bfloat16", actor=str(actor_dir))
+    with RolloutServer(config, models=load_models(config)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def trainer() -> Iterator[tuple[multiprocessing.Queue, multiprocessing.Queue]]:
+    context = multiprocessing.get_context("spawn")
+    commands, results = context.Queue(), context.Queue()
+    process = context.Process(target=_trainer, args=(commands, results), daemon=True)
+    process.start()
+    try:
+        yield commands, results
+    finally:
+        commands.put(None)
+        process.join(timeout=WAIT_S)
+        if process.is_alive():
+            process.kill()
+
+
+def _weights_file(server: RolloutServer, folder: Path, version: int) -> tuple[str, dict]:
+    """The trainer's weights for `version` (bf16, what the server must hold bit for bit)."""
+    from safetensors.torch import save_file
+
+    weights = _bf16_weights(server.state.models.actor.module, version)
+    path = str(folder / f"v{version}.safetensors")
+    save_file(weights, path)
+    return path, weights
+
+
+def _bf16_weights(actor: torch.nn.Module, version: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(version)
+    return {name: (t.detach().float().cpu() + 0.05 * torch.randn(t.shape, generator=generator))
+            .to(torch.bfloat16).contiguous()
+            for name, t in actor.state_dict().items()}  # fmt: skip
+
+
+def _assert_serves(server: RolloutServer, weights: dict[str, torch.Tensor]) -> None:
+    served = server.state.models.actor.module.state_dict()
+    for name, tensor in weights.items():
+        assert torch.equal(served[name].cpu(), tensor), name
+
+
+@pytest.mark.gpu
+def test_a_trainer_process_updates_a_cuda_server_device_to_device(
+    cuda_server: RolloutServer, trainer, tmp_path: Path
+) -> None:
+    commands, results = trainer
+    actor = cuda_server.state.models.actor.module
+    with RolloutClient(cuda_server.address, timeout_s=WAIT_S) as client:
+        assert "cuda_ipc" in client.health().weight_transports
+    pointers = {name: p.data_ptr() for name, p in actor.state_dict().items()}
+    for version, transport, flat in ((1, "cuda_ipc", False), (2, "auto", False),
+                                     (3, "cuda_ipc", True)):  # fmt: skip
+        path, weights = _weights_file(cuda_server, tmp_path, version)
+        commands.put(("update", cuda_server.address, path, version, transport, flat, "full"))
+        answer = results.get(timeout=120)
+        assert not isinstance(answer, str), answer
+        sent_as, served_version, storages = answer
+        assert (sent_as, served_version) == ("cuda_ipc", version)
+        if flat:
+            assert storages == 1  # one buffer, one handle
+        _assert_serves(cuda_server, weights)
+        # Copied into the parameters' own storages: the engine's CUDA graphs still read them.
+        assert {name: p.data_ptr() for name, p in actor.state_dict().items()} == pointers
+    # A stale version is refused (the handles' counters are given back), the weights stay.
+    before = state_hash(actor)
+    commands.put(("update", cuda_server.address, path, 3, "cuda_ipc", False, "full"))
+    answer = results.get(timeout=120)
+    assert isinstance(answer, str) and "not above" in answer, answer
+    assert state_hash(actor) == before
+    # A partial update: one tensor, the rest keep their values.
+    name = "model.norm.weight"
+    one = {name: _bf16_weights(actor, 4)[name]}
+    from safetensors.torch import save_file
+
+    save_file(one, str(tmp_path / "partial.safetensors"))
+    commands.put(("update", cuda_server.address, str(tmp_path / "partial.safetensors"), 4,
+                  "cuda_ipc", False, "partial"))  # fmt: skip
+    answer = results.get(timeout=120)
+    assert not isinstance(answer, str) and answer[:2] == ("cuda_ipc", 4), answer
+    _assert_serves(cuda_server, {**weights, **one})
+
+
+@pytest.mark.gpu
+def test_handles_of_a_trainer_that_exited_are_refused_and_the_old_weights_serve(
+    cuda_server: RolloutServer, tmp_path: Path
+) -> None:
+    actor = cuda_server.state.models.actor.module
+    before = state_hash(actor)
+    with RolloutClient(cuda_server.address, timeout_s=WAIT_S) as client:
+        version = client.health().policy_version
+    path, _ = _weights_file(cuda_server, tmp_path, 50)
+    context = multiprocessing.get_context("spawn")
+    commands, results = context.Queue(), context.Queue()
+    process = context.Process(target=_trainer, args=(commands, results), daemon=True)
+    process.start()
+    commands.put(("export", path, version + 1))
+    messages = results.get(timeout=120)
+    process.join(timeout=WAIT_S)
+    assert not isinstance(messages, str), messages
+    assert process.exitcode == 0
+    with grpc.insecure_channel(cuda_server.address) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            update_weights_callable(channel)(iter(messages), timeout=WAIT_S)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION, caught.value.details()
+    assert caught.value.details().startswith("cuda_ipc: ")
+    assert state_hash(actor) == before
+    with RolloutClient(cuda_server.address, timeout_s=WAIT_S) as client:
+        assert client.health().policy_version == version
+
+
+@pytest.mark.gpu
+def test_spans_that_miss_the_data_section_are_refused_on_a_cuda_server(
+    cuda_server: RolloutServer,
+) -> None:
+    """Checked once the head arrived, before any handle opens (these name nothing)."""
+    actor = cuda_server.state.models.actor.module
+    before = state_hash(actor)
+    with RolloutClient(cuda_server.address, timeout_s=WAIT_S) as client:
+        version = client.health().policy_version
+    update = prepare_update(_bf16_weights(actor, 60), version=version + 1)
+    data_start = len(update.layout()[0])
+    source = pb.CudaIpcSource(host_id=cuda_ipc_host_id())
+    source.buffers.append(_buffer(update.total_bytes))
+    source.spans.add(begin=data_start - 8, end=update.total_bytes, buffer=0, offset=0)
+    error = _refused(cuda_server, update, source)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert "data section begins" in error.details()
+    assert state_hash(actor) == before
