@@ -26,6 +26,7 @@ from ..engine.runtime import Runtime
 from ..generation import GenerationSettings, built_engine, engine_path
 from ..state import Phase, ServerState
 from ..weights import WeightUpdates
+from ..weights.planes import offered_transports
 from .idle_deadline import IdleDeadline
 from .metrics import ServerMetrics
 from .status import handles_errors
@@ -148,7 +149,10 @@ def health_response(
         return response
     response.device = models.device_label
     response.shm_host_id = SHM_HOST_ID
-    response.weight_transports.extend(state.config.weight_transports.split(","))
+    # cuda_ipc only where the models are on CUDA (the server can open IPC handles there).
+    response.weight_transports.extend(
+        offered_transports(state.config.weight_transports, models.device)
+    )
     response.vocab_size = models.vocab_size
     response.max_context_tokens = models.max_context_tokens
     response.generation_path, response.kv_cache_tokens = generation_facts(state)
