@@ -222,3 +222,177 @@ def test_rejects_bad_arguments() -> None:
             ExperienceBuffer(limit=bad)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         ExperienceBuffer().append(split_experience_batch(build_experience([1], [1], version=1)))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Framework layouts ("lightrft", "openrlhf"), against the rules written as loops over lists
+# (docs/reference/experience_math.md section 6, "Buffer layouts")
+# ---------------------------------------------------------------------------------------------
+
+ACTION_FIELDS = (
+    "action_mask",
+    "action_log_probs",
+    "base_action_log_probs",
+    "values",
+    "kl",
+    "advantages",
+    "returns",
+    "action_entropy",
+    "rollout_log_probs",
+)
+TOKEN_FIELDS = ("sequences", "attention_mask")
+
+
+def ragged_experience(rows: list[tuple[int, list[int]]], *, version: int, seed: int) -> Experience:
+    """Rows (prompt length, action mask of the response) in the wire layout, every optional
+    field present, a per-token info entry and a per-row one. Masks are ragged: prefixes,
+    one with a gap (multi-turn), one all false (dynamic sampling)."""
+    gen = torch.Generator().manual_seed(seed)
+    b = len(rows)
+    p = max(lp for lp, _ in rows)
+    a = max(len(mask) for _, mask in rows)
+    sequences = torch.full((b, p + a), PAD, dtype=torch.int64)
+    attention_mask = torch.zeros(b, p + a, dtype=torch.bool)
+    action_mask = torch.zeros(b, a, dtype=torch.bool)
+    for i, (lp, mask) in enumerate(rows):
+        tokens = torch.arange(lp + len(mask)) + 1000 * version + 100 * i + 1
+        sequences[i, p - lp : p + len(mask)] = tokens
+        attention_mask[i, p - lp : p + len(mask)] = True
+        action_mask[i, : len(mask)] = torch.tensor(mask, dtype=torch.bool)
+
+    def floats() -> torch.Tensor:
+        return torch.randn(b, a, generator=gen)  # masked columns carry values too
+
+    return Experience(
+        sequences=sequences,
+        attention_mask=attention_mask,
+        action_mask=action_mask,
+        action_log_probs=floats(),
+        base_action_log_probs=floats(),
+        values=floats(),
+        reward=torch.randn(b, generator=gen),
+        kl=floats(),
+        advantages=floats(),
+        returns=floats(),
+        action_entropy=floats(),
+        rollout_log_probs=floats(),
+        info={
+            "high_entropy_mask": (floats() > 0).float(),  # per token
+            "response_length": torch.tensor([len(m) for _, m in rows], dtype=torch.int64),
+        },
+        policy_version=torch.full((b,), version, dtype=torch.int64),
+        prompt_index=torch.arange(b, dtype=torch.int64),
+        response_texts=tuple(f"v{version}r{i}" for i in range(b)),
+    )
+
+
+def expected_rows(e: Experience, layout: str) -> list[dict[str, list]]:
+    """Each row of e, stripped as `layout` says, as plain lists (loops, no tensor ops)."""
+    out = []
+    for i in range(e.num_rows):
+        seq = e.sequences[i].tolist()
+        att = e.attention_mask[i].tolist()
+        mask = e.action_mask[i].tolist()
+        width, actions = len(seq), len(mask)
+        prompt = width - actions
+        first = next(t for t in range(width) if att[t])
+        row: dict[str, list] = {}
+        fields = {name: getattr(e, name)[i].tolist() for name in ACTION_FIELDS}
+        fields["info:high_entropy_mask"] = e.info["high_entropy_mask"][i].tolist()
+        if layout == "lightrft":
+            invalid = sum(1 for v in mask if not v)
+            for name in TOKEN_FIELDS:
+                row[name] = (seq if name == "sequences" else att)[first : width - invalid]
+            for name, values in fields.items():
+                row[name] = values[: actions - invalid]
+        else:  # openrlhf: per token, column c <-> token c + 1 of the row without its left pad
+            tokens, attended = seq[first:], att[first:]
+            trailing = 0
+            while trailing < len(attended) and not attended[len(attended) - 1 - trailing]:
+                trailing += 1
+            kept = len(tokens) - trailing
+            row["sequences"], row["attention_mask"] = tokens[:kept], attended[:kept]
+            before = prompt - first - 1  # prompt tokens after the first: not actions
+            for name, values in fields.items():
+                zero = False if name == "action_mask" else 0.0
+                row[name] = ([zero] * before + values)[: kept - 1]
+        row["reward"] = e.reward[i].item()
+        row["info:response_length"] = e.info["response_length"][i].item()
+        row["response_text"] = (e.response_texts or ())[i]
+        out.append(row)
+    return out
+
+
+def check_batch(batch: Experience, rows: list[dict[str, list]], layout: str) -> None:
+    """batch == rows padded with zeros (left for lightrft, right for openrlhf), exactly."""
+
+    def padded(values: list[list], zero: object) -> list[list]:
+        width = max(len(v) for v in values)
+        if layout == "lightrft":
+            return [[zero] * (width - len(v)) + v for v in values]
+        return [v + [zero] * (width - len(v)) for v in values]
+
+    for name in (*TOKEN_FIELDS, *ACTION_FIELDS):
+        zero = False if name in ("attention_mask", "action_mask") else 0
+        got = getattr(batch, name)
+        want = torch.tensor(padded([r[name] for r in rows], zero), dtype=got.dtype)
+        assert got.shape == want.shape and torch.equal(got, want), name
+    want = torch.tensor(padded([r["info:high_entropy_mask"] for r in rows], 0.0))
+    assert torch.equal(batch.info["high_entropy_mask"], want)
+    assert batch.reward.tolist() == [r["reward"] for r in rows]
+    assert batch.info["response_length"].tolist() == [r["info:response_length"] for r in rows]
+    assert list(batch.response_texts or ()) == [r["response_text"] for r in rows]
+
+
+LAYOUT_ROWS = (
+    [(2, [1, 1, 1]), (4, [1]), (1, [1, 0, 1, 1]), (3, [0, 0])],
+    [(5, [1, 1, 1, 1, 1, 1]), (1, [1, 1])],
+)
+
+
+@pytest.mark.parametrize("layout", ["lightrft", "openrlhf"])
+def test_framework_layouts_strip_on_append_and_zero_pad_on_sampling(layout: str) -> None:
+    experiences = [
+        ragged_experience(list(rows), version=v, seed=v) for v, rows in enumerate(LAYOUT_ROWS)
+    ]
+    rows = [row for e in experiences for row in expected_rows(e, layout)]
+    buffer = ExperienceBuffer(layout=layout, pad_token_id=99)  # the frameworks pad with 0
+    for e in experiences:
+        buffer.append(e)
+    # Split: each held item is its row, stripped.
+    for item, row in zip(buffer.items, rows, strict=True):
+        assert item.sequences.tolist() == row["sequences"]
+        assert item.action_mask.tolist() == row["action_mask"]
+        assert item.advantages.tolist() == row["advantages"]
+    # Sample: the rows re-padded with 0, in the drawn order.
+    (batch,) = buffer.iter_batches(len(rows), shuffle=False)
+    check_batch(batch, rows, layout)
+    picks = torch.randperm(len(rows), generator=torch.Generator().manual_seed(5))[:4].tolist()
+    sampled = buffer.sample(4, generator=torch.Generator().manual_seed(5))
+    check_batch(sampled, [rows[i] for i in picks], layout)
+    # The gap row (its False entry taken for right padding by LightRFT) and the all-false row.
+    gap, empty = rows[2], rows[3]
+    if layout == "lightrft":
+        assert gap["action_mask"] == [True, False, True] and empty["action_mask"] == []
+        assert batch.prompt_width == batch.sequences.shape[1] - batch.num_actions
+    else:
+        assert batch.prompt_width == 1
+        assert empty["action_mask"] == [False] * 4 and len(empty["sequences"]) == 5
+
+
+def test_openrlhf_layout_batches_append_back_unchanged() -> None:
+    buffer = ExperienceBuffer(layout="openrlhf")
+    buffer.append(ragged_experience(list(LAYOUT_ROWS[0]), version=1, seed=1))
+    buffer.append(ragged_experience(list(LAYOUT_ROWS[1]), version=2, seed=2))
+    (batch,) = buffer.iter_batches(6, shuffle=False)
+    again = ExperienceBuffer(layout="openrlhf")
+    again.append(batch)
+    (same,) = again.iter_batches(6, shuffle=False)
+    for name in (*TOKEN_FIELDS, *ACTION_FIELDS, "reward"):
+        assert torch.equal(getattr(same, name), getattr(batch, name)), name
+
+
+def test_layout_is_checked_and_wire_stays_the_default() -> None:
+    assert ExperienceBuffer().layout == "wire"
+    with pytest.raises(InvalidArgument, match="layout"):
+        ExperienceBuffer(layout="verl")
