@@ -362,3 +362,87 @@ def test_warm_up_builds_the_workspace_later_requests_reuse(llama) -> None:
     ids, mask = pad_prompts(PROMPTS, PAD, torch.device("cpu"))  # width 7, the same layout
     engine.generate(ids, mask, params, pad_token_id=PAD, generator=torch.Generator())
     assert list(engine._workspaces.values()) == [warmed]
+
+
+def test_warm_up_covers_every_bucket_and_width_a_request_runs(llama) -> None:
+    """Every batch bucket up to the warm-up's rows, at every attention width of the layout:
+    a request of that shape (rows finishing at different steps: compactions) runs no step
+    shape the warm-up did not (on CUDA: no capture, no compile on the request path)."""
+    engine = Engine(llama, read_family(llama))
+    stops = tuple((t,) for t in range(3, VOCAB, 11))
+    params = SamplingParams(max_new_tokens=140, temperature=1.0, stop_sequences=stops)
+    prompts = [p for p in PROMPTS for _ in range(4)]  # 20 rows, prompts of width 7
+    engine.warm_up(params, len(prompts), 7, pad_token_id=PAD)
+    (ws,) = engine._workspaces.values()
+    widths = {128, 256}  # 7 + 1 .. 7 + 139 columns, in blocks of 128
+    assert ws.shapes == {(b, w) for b in (24, 16, 8, 4, 2, 1) for w in widths}
+    warmed = set(ws.shapes)
+    hotter = SamplingParams(
+        max_new_tokens=140, temperature=1.3, top_p=1.0, min_new_tokens=3, stop_sequences=stops
+    )
+    out = run(llama, hotter, seed=4, prompts=prompts)  # path="rollserve": its own engine
+    assert out.response_lengths.unique().numel() > 2  # rows left the batch at different steps
+    ids, mask = pad_prompts(prompts, PAD, torch.device("cpu"))
+    again = engine.generate(ids, mask, hotter, pad_token_id=PAD,
+                            generator=torch.Generator().manual_seed(4))  # fmt: skip
+    assert list(engine._workspaces.values()) == [ws]  # other values, same workspace
+    assert ws.shapes == warmed
+    actions = out.sequences.shape[1] - out.prompt_width  # generate() trims to the longest
+    assert torch.equal(again.response[:, :actions], out.sequences[:, out.prompt_width :])
+    assert (again.response[:, actions:] == PAD).all()
+
+
+def test_a_warm_up_over_its_budget_stops_after_the_first_bucket(llama) -> None:
+    engine = Engine(llama, read_family(llama))
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    engine.warm_up(params, 16, 5, pad_token_id=PAD, budget_s=0.0)
+    (ws,) = engine._workspaces.values()
+    assert ws.shapes == {(16, 128)}
+
+
+def test_sampling_values_are_loaded_into_a_reused_workspace(llama) -> None:
+    """Temperature, top-p and min_new_tokens are values the step reads: one workspace serves
+    requests that differ in them, each with its own tokens (equal to a fresh engine's)."""
+    stops = ((9,), (30, 31))
+    settings = [
+        SamplingParams(
+            max_new_tokens=16,
+            temperature=t,
+            top_p=p,
+            min_new_tokens=m,
+            top_k=20,
+            stop_sequences=stops,
+        )  # fmt: skip
+        for t, p, m in ((0.6, 0.9, 0), (1.4, 0.7, 5), (1.0, 0.95, 2))
+    ]
+    ids, mask = pad_prompts(PROMPTS * 3, PAD, torch.device("cpu"))
+    shared = Engine(llama, read_family(llama))
+    results = []
+    for params in settings:
+        g = torch.Generator().manual_seed(7)
+        mine = shared.generate(ids, mask, params, pad_token_id=PAD, generator=g)
+        fresh = Engine(llama, read_family(llama)).generate(
+            ids, mask, params, pad_token_id=PAD, generator=torch.Generator().manual_seed(7)
+        )
+        assert torch.equal(mine.response, fresh.response)
+        torch.testing.assert_close(mine.log_probs, fresh.log_probs, atol=0, rtol=0)
+        results.append(mine.response)
+    assert len(shared._workspaces) == 1
+    assert not torch.equal(results[0], results[1])  # the values did change the sampling
+    with_min = results[1][:, :5]
+    assert not ((with_min == 9).any())  # min_new_tokens 5 banned the single-token stop
+
+
+def test_engine_memory_reports_weights_and_the_kv_buffer(llama) -> None:
+    engine = Engine(llama, read_family(llama), kv_cache_tokens=4096)
+    before = engine.memory()
+    assert before.weights == sum(p.numel() * 4 for p in llama.parameters())
+    assert before.kv_cache == 0 and before.kv_capacity == 4096 * engine.cache.token_bytes
+    run_params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    ids, mask = pad_prompts(PROMPTS, PAD, torch.device("cpu"))
+    engine.generate(ids, mask, run_params, pad_token_id=PAD, generator=torch.Generator())
+    after = engine.memory()
+    # 5 rows -> bucket 8, 7 + 8 columns -> 128: K and V of every layer.
+    assert after.kv_cache == 8 * 128 * engine.cache.token_bytes
+    assert after.graphs == 0 and after.peak_allocated == 0  # no graphs and no CUDA figures here
+    assert after.as_info()["kv_cache"] == after.kv_cache / (1 << 30)

@@ -33,10 +33,11 @@ from collections.abc import Callable
 import torch
 
 from ...client.protocol.errors import FailedPrecondition, InvalidArgument
-from ..generation import Forward, GenerationSettings, scoring_forward
+from ..generation import SCORING_CHUNK_BYTES, Forward, GenerationSettings, scoring_forward
 
 __all__ = [
     "DEFAULT_POSITIONS_PER_CHUNK",
+    "default_positions_per_chunk",
     "position_ids_from_mask",
     "action_log_probs",
     "critic_values",
@@ -44,8 +45,18 @@ __all__ = [
     "reward_scores",
 ]
 
-# (row, column) pairs per float32 chunk: 512 x a 152k vocabulary is ~300 MB per temporary.
+# (row, column) pairs per float32 chunk at most; fewer for a large vocabulary, so that a
+# float32 block stays within SCORING_CHUNK_BYTES (128 MiB: ~220 positions of a 152k vocabulary),
+# the part of the memory budget the KV cache leaves to scoring (kv_cache.activation_reserve_bytes).
 DEFAULT_POSITIONS_PER_CHUNK = 512
+
+
+def default_positions_per_chunk(model: torch.nn.Module) -> int:
+    """DEFAULT_POSITIONS_PER_CHUNK, or fewer (at least 16) when a float32 block of the model's
+    vocabulary would pass SCORING_CHUNK_BYTES."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    vocab = getattr(head, "out_features", None) or model.get_input_embeddings().num_embeddings
+    return max(16, min(DEFAULT_POSITIONS_PER_CHUNK, SCORING_CHUNK_BYTES // (4 * int(vocab))))
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -186,14 +197,18 @@ def action_log_probs(
     forward_batch_size: int,
     temperature: float | None = None,
     with_entropy: bool = False,
-    positions_per_chunk: int = DEFAULT_POSITIONS_PER_CHUNK,
+    positions_per_chunk: int | None = None,
     path: Path = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, A) float32 of the action tokens under a causal LM, and optionally entropy.
 
     temperature: divide the logits by it first (logprobs_use_temperature); None means raw logits.
     Masked columns are scored like any other (callers apply the action mask). path: see Paths.
+    positions_per_chunk: None picks DEFAULT_POSITIONS_PER_CHUNK, or fewer for a vocabulary
+    whose float32 block would pass SCORING_CHUNK_BYTES.
     """
+    if positions_per_chunk is None:
+        positions_per_chunk = default_positions_per_chunk(model)
     _check_layout(sequences, attention_mask, num_actions, forward_batch_size)
     if temperature is not None and not temperature > 0:
         raise InvalidArgument(f"temperature must be > 0 or None, got {temperature}")

@@ -8,6 +8,7 @@ from .families import (
     read_family,
     unsupported_reason,
 )
+from .kv_cache import SCORING_CHUNK_BYTES
 from .model import Forward
 from .registry import (
     GENERATION_MODES,
@@ -20,12 +21,14 @@ from .registry import (
     scoring_forward,
     scoring_path,
 )
-from .runner import Engine, EngineResult
+from .runner import Engine, EngineMemory, EngineResult
 
 __all__ = [
     "GENERATION_MODES",
+    "SCORING_CHUNK_BYTES",
     "SUPPORTED_ARCHITECTURES",
     "Engine",
+    "EngineMemory",
     "EngineResult",
     "Forward",
     "GenerationSettings",

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DEFAULT_GPU_MEMORY_UTILIZATION", "KVCache", "default_capacity_tokens"]
+__all__ = [
+    "DEFAULT_GPU_MEMORY_UTILIZATION",
+    "KVCache",
+    "activation_reserve_bytes",
+    "default_capacity_tokens",
+]
 
 # Without a token budget (--kv-cache-tokens 0), on CUDA: the share of the device's total memory
 # that the device's use when the engine starts (the loaded weights, any other process) plus
@@ -21,17 +26,37 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.5
 DEFAULT_CPU_BYTES = 4 << 30
 
 
-def default_capacity_tokens(token_bytes: int, device: torch.device, utilization: float) -> int:
+# Rows of the decode step whose sampler temporaries the budget keeps room for, and float32
+# (rows, vocab) temporaries one step holds at its peak (logits cast, probabilities, the float64
+# CDF counting twice, the top-p sort): the captured graphs' private pool.
+RESERVE_ROWS = 512
+RESERVE_ROW_TEMPORARIES = 5
+# Scoring's lm_head chunk: its float32 block and two temporaries of the same size (the
+# log-sum-exp's exp, the entropy's probabilities), at most this many bytes each.
+SCORING_CHUNK_BYTES = 128 << 20
+
+
+def activation_reserve_bytes(vocab: int) -> int:
+    """What the KV budget leaves, inside the --gpu-memory-utilization share, for the device
+    memory that is not KV: the decode step's graph pool at RESERVE_ROWS rows and scoring's
+    lm_head chunks (scoring.py sizes them by SCORING_CHUNK_BYTES)."""
+    return RESERVE_ROW_TEMPORARIES * 4 * vocab * RESERVE_ROWS + 3 * SCORING_CHUNK_BYTES
+
+
+def default_capacity_tokens(
+    token_bytes: int, device: torch.device, utilization: float, reserve_bytes: int = 0
+) -> int:
     """Tokens the cache may hold without a token budget.
 
-    On CUDA: utilization x total memory, less what is in use now (like vLLM's
-    gpu_memory_utilization, except that the activations of generation and scoring are not
-    profiled: the rest of the device is their headroom); 0 when the use already reaches the
-    share (generation then takes the Hugging Face path). Elsewhere a fixed budget.
+    On CUDA: utilization x total memory, less what is in use now and `reserve_bytes` for the
+    activations of generation and scoring (activation_reserve_bytes; like vLLM's
+    gpu_memory_utilization, with the activations estimated rather than profiled); 0 when the
+    use already reaches the share (generation then takes the Hugging Face path). Elsewhere a
+    fixed budget.
     """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * utilization) - (total - free)
+        budget = int(total * utilization) - (total - free) - reserve_bytes
         return max(0, budget) // token_bytes
     return max(1, DEFAULT_CPU_BYTES // token_bytes)
 
@@ -54,6 +79,11 @@ class KVCache:
         self.token_bytes = 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
         self._buffer: torch.Tensor | None = None
         self.generation = 0  # bumps when the buffer is reallocated
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the buffer allocated now (it grows to the largest layout asked for)."""
+        return 0 if self._buffer is None else self._buffer.numel() * self._buffer.element_size()
 
     def rows_for(self, width: int) -> int:
         """How many rows of `width` columns fit in the budget."""

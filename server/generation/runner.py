@@ -12,6 +12,7 @@ addresses and calls invalidate() itself when they changed.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -21,12 +22,17 @@ from dataclasses import dataclass, field
 import torch
 
 from .families import Family
-from .kv_cache import DEFAULT_GPU_MEMORY_UTILIZATION, KVCache, default_capacity_tokens
+from .kv_cache import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    KVCache,
+    activation_reserve_bytes,
+    default_capacity_tokens,
+)
 from .model import Forward
 from .rotary import RopeTable
-from .sampler import Sampler
+from .sampler import Sampler, sampler_structure
 
-__all__ = ["Engine", "EngineResult", "batch_bucket"]
+__all__ = ["Engine", "EngineMemory", "EngineResult", "batch_bucket"]
 
 # Batch sizes a step runs at (rows beyond the live ones are finished fillers): a ~1.5x ladder
 # keeps the number of captured graphs small and the filler work under a third.
@@ -34,8 +40,10 @@ _LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 102
 CHECK_EVERY = 8  # decode steps between the host's looks at finished rows
 WIDTH_QUANTUM = 128  # attention reads the cache in blocks of this many columns
 PREFILL_TOKENS = 8192  # prompt tokens per prefill forward (rows are chunked to fit)
-MAX_WORKSPACES = 4  # layouts x sampling settings kept with their graphs
+MAX_WORKSPACES = 4  # layouts x sampling structures kept with their graphs
+WARM_UP_BUDGET_S = 60.0  # the warm-up starts no new batch bucket after this (it delays SERVING)
 _COMPILE_ENV = "ROLLSERVE_ENGINE_COMPILE"
+_log = logging.getLogger("rollserve.generation")
 
 
 def batch_bucket(rows: int, cap: int) -> int:
@@ -58,6 +66,32 @@ class EngineResult:
     log_probs: torch.Tensor  # (B, M) float32, 0 where not generated
     response_mask: torch.Tensor  # (B, M) bool
     stopped: torch.Tensor  # (B,) bool
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """Device memory of an engine's model, in bytes (Engine.memory). The device figures are
+    the caching allocator's (torch.cuda, since the last reset_peak_memory_stats; 0 off CUDA);
+    budget is --gpu-memory-utilization x the device's total (0 off CUDA)."""
+
+    weights: int  # the model's parameters
+    kv_cache: int  # the KV buffer allocated now (the largest layout asked for so far)
+    kv_capacity: int  # the KV budget (capacity_tokens x bytes per token)
+    graphs: int  # captured decode-step graphs
+    graph_pool: int  # bytes of the graphs' private pool (-1: unknown)
+    allocated: int
+    reserved: int
+    peak_allocated: int
+    peak_reserved: int
+    budget: int
+
+    def as_info(self) -> dict[str, float]:
+        """The figures in GiB (counts as they are), for logs and bench tables."""
+        gib = float(1 << 30)
+        return {
+            name: (value if name == "graphs" else value / gib)
+            for name, value in self.__dict__.items()
+        }
 
 
 @dataclass
@@ -87,6 +121,9 @@ class _Workspace:
     stopped: torch.Tensor  # (R + 1,) bool
     uniform: torch.Tensor  # (R + 1, W) float64: the random number of each row and step
     graphs: dict[tuple[int, int], object] = field(default_factory=dict)
+    # (bucket, attention width) of every step run so far: what a warm-up covered (and, on
+    # CUDA, which graphs exist; the graphs themselves are only captured there).
+    shapes: set[tuple[int, int]] = field(default_factory=set)
 
     @classmethod
     def allocate(
@@ -148,8 +185,10 @@ class Engine:
         probe = KVCache(layers, family.num_kv_heads, family.head_dim, self.dtype, self.device, 1)
         # kv_cache_tokens None or 0: derived from the memory budget (kv_cache.py).
         capacity = kv_cache_tokens or default_capacity_tokens(
-            probe.token_bytes, self.device, gpu_memory_utilization
-        )
+            probe.token_bytes, self.device, gpu_memory_utilization,
+            activation_reserve_bytes(family.vocab),
+        )  # fmt: skip
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.cache = KVCache(
             layers, family.num_kv_heads, family.head_dim, self.dtype, self.device, capacity
         )
@@ -183,6 +222,40 @@ class Engine:
     @property
     def capacity_tokens(self) -> int:
         return self.cache.capacity_tokens
+
+    def memory(self) -> EngineMemory:
+        """What the engine and its model hold on the device now, and the device's peaks: the
+        figures the memory target is read from (weights + KV of the batch + graph pool +
+        scoring temporaries, within the budget)."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        kv = self.cache.allocated_bytes
+        capacity = self.cache.capacity_tokens * self.cache.token_bytes
+        graphs = sum(len(ws.graphs) for ws in self._workspaces.values())
+        if self.device.type != "cuda":
+            return EngineMemory(weights, kv, capacity, graphs, 0, 0, 0, 0, 0, 0)
+        cuda = torch.cuda
+        total = cuda.get_device_properties(self.device).total_memory
+        return EngineMemory(
+            weights, kv, capacity, graphs, self._graph_pool_bytes(),
+            cuda.memory_allocated(self.device), cuda.memory_reserved(self.device),
+            cuda.max_memory_allocated(self.device), cuda.max_memory_reserved(self.device),
+            int(total * self.gpu_memory_utilization),
+        )  # fmt: skip
+
+    def _graph_pool_bytes(self) -> int:
+        """Bytes of the segments in the graphs' private pool (the allocator's snapshot)."""
+        if self._pool is None:
+            return 0
+        try:
+            segments = torch.cuda.memory._snapshot(self.device)["segments"]
+            pool = tuple(self._pool)
+            return sum(
+                seg["total_size"]
+                for seg in segments
+                if tuple(seg.get("segment_pool_id", ())) == pool
+            )
+        except Exception:  # noqa: BLE001 - a private API: report unknown rather than fail
+            return -1
 
     def fits(self, prompt_width: int, max_new_tokens: int) -> bool:
         """Whether one row of this shape fits the KV budget (else the caller uses HF)."""
@@ -222,36 +295,71 @@ class Engine:
                 parts.append(self._batch(ws, ids, mask, u, steps, share_prefill))
         return EngineResult(*(torch.cat(p, dim=0) for p in zip(*parts, strict=True)))
 
-    def warm_up(self, params: object, rows: int, prompt_width: int, *, pad_token_id: int) -> float:
-        """Run one request of this shape on dummy prompts, so that compiling the step and
-        capturing its graphs happen now (before a server reports SERVING) instead of in the
-        first real request; returns the seconds it took. Later requests with the same
-        sampling settings and layout (prompt width + max_new_tokens, rounded up to
-        WIDTH_QUANTUM) reuse what it built."""
+    def warm_up(
+        self,
+        params: object,
+        rows: int,
+        prompt_width: int,
+        *,
+        pad_token_id: int,
+        budget_s: float = WARM_UP_BUDGET_S,
+    ) -> float:
+        """Build now (before a server reports SERVING) what requests of this shape would build
+        on their path: the workspace of the layout (prompt_width + max_new_tokens, rounded up
+        to WIDTH_QUANTUM) and the sampling structure (sampler_structure: temperature, top-p
+        and min_new_tokens are values, so any request of the structure reuses it), and the
+        decode step of every batch bucket up to rows' (the bucket a batch starts at and the
+        smaller ones its finished rows move it to) at every attention width the request steps
+        through, compiled and (CUDA) captured. One step per (bucket, width) on dummy prompts,
+        not a whole request. No bucket is started after budget_s; returns the seconds."""
         start = time.perf_counter()
-        ids = torch.ones((rows, prompt_width), dtype=torch.long, device=self.device)
-        ids[:, 0] = torch.arange(rows, device=self.device) % self.family.vocab
-        mask = torch.ones_like(ids, dtype=torch.bool)
-        generator = torch.Generator(device=self.device).manual_seed(0)
-        self.generate(ids, mask, params, pad_token_id=pad_token_id, generator=generator)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - start
+        steps = params.max_new_tokens
+        with self._lock, torch.inference_mode():
+            ws = self.workspace(rows, prompt_width, params, pad_token_id)
+            top = batch_bucket(rows, ws.rows)
+            buckets = [top] + sorted({size for size in _LADDER if size < top}, reverse=True)
+            first_step: dict[int, int] = {}  # attention width -> the first step that reads it
+            for step in range(1, steps):
+                attend = min(ws.width, _round_up(prompt_width + step, WIDTH_QUANTUM))
+                first_step.setdefault(attend, step)
+            covered = []
+            for b in buckets:
+                if covered and time.perf_counter() - start > budget_s:
+                    break
+                ids = torch.ones((b, prompt_width), dtype=torch.long, device=self.device)
+                mask = torch.ones_like(ids, dtype=torch.bool)
+                uniform = None
+                if not ws.sampler.greedy:
+                    uniform = torch.full((b, steps), 0.5, dtype=torch.float64, device=self.device)
+                self.start(ws, ids, mask, uniform, steps, share=True)  # one distinct prompt
+                for attend, step in first_step.items():
+                    ws.step.fill_(step)
+                    self._run(ws, b, attend)
+                covered.append(b)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        _log.info(
+            "engine warm-up in %.2f s: batch buckets %s%s x attention widths %s, %d graphs",
+            seconds, covered, f" (not {buckets[len(covered):]}: over {budget_s:.0f} s)"
+            if len(covered) < len(buckets) else "", sorted(first_step), len(ws.graphs),
+        )  # fmt: skip
+        return seconds
 
     def workspace(
         self, batch: int, prompt_width: int, params: object, pad_token_id: int
     ) -> _Workspace:
-        """The workspace (layout, sampler, state, graphs) for a request of this shape; call
-        under torch.inference_mode()."""
+        """The workspace (layout, sampler, state, graphs) for a request of this shape, with
+        the request's sampling values loaded; call under torch.inference_mode().
+
+        Keyed by the layout and the sampling structure only: requests that differ in
+        temperature, top-p or min_new_tokens replay the same graphs (the values are device
+        tensors the step reads)."""
         layout_width = _round_up(prompt_width + params.max_new_tokens, WIDTH_QUANTUM)
         rows = batch_bucket(batch, self.cache.rows_for(layout_width))
         k, v = self.cache.view(rows, layout_width)
         self._check_storages()
-        key = (
-            rows, layout_width, params.temperature, params.top_k, params.top_p,
-            params.min_new_tokens, tuple(params.stop_sequences), params.logprobs_use_temperature,
-            pad_token_id,
-        )  # fmt: skip
+        key = (rows, layout_width, sampler_structure(params, self.family.vocab), pad_token_id)
         ws = self._workspaces.get(key)
         if ws is None:
             if len(self._workspaces) >= MAX_WORKSPACES:
@@ -259,6 +367,8 @@ class Engine:
             sampler = Sampler(params, self.family.vocab, self.device, compiled=self.compiled)
             ws = _Workspace.allocate(k, v, layout_width, sampler, pad_token_id)
             self._workspaces[key] = ws
+        else:
+            ws.sampler.load(params)
         return ws
 
     def _batch(
@@ -399,6 +509,7 @@ class Engine:
 
     def _run(self, ws: _Workspace, b: int, attend: int) -> None:
         """decode_step, replayed from a CUDA graph on CUDA (captured on first use)."""
+        ws.shapes.add((b, attend))
         if not self.use_graphs:
             self.decode_step(ws, b, attend)
             return

@@ -5,19 +5,23 @@ top-k and top-p; the min_new_tokens ban of single-token stop ids; log-probs over
 distribution (divided by the temperature only under logprobs_use_temperature, never for greedy);
 stop sequences matched on a rolling window of the last tokens, never reaching back into the
 prompt and not counting before min_new_tokens. The step is a tensor, so the same call serves
-every step (and a captured CUDA graph replays it). Random numbers come in as one uniform per
-row, drawn up front (inverse-CDF sampling), so same seed -> same tokens.
+every step (and a captured CUDA graph replays it). So are temperature, top-p and
+min_new_tokens: a captured graph reads them, and only the settings that change the kernels
+(sampler_structure) key the graphs. Random numbers come in as one uniform per row, drawn up
+front (inverse-CDF sampling), so same seed -> same tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .compiling import maybe_compiled
 
-__all__ = ["Sampler"]
+__all__ = ["Sampler", "sampler_structure"]
 
 
 @dataclass(frozen=True)
@@ -44,69 +48,113 @@ def _stops(stop_sequences: tuple[tuple[int, ...], ...], vocab: int, device: torc
     return _Stops(groups, max(by_length, default=1), single)
 
 
+def sampler_structure(params: object, vocab: int) -> tuple:
+    """What of the sampling settings shapes the step's kernels (and so keys its captured
+    graphs): greedy or not, top-k's k, whether top-p filters, whether log-probs use the
+    temperature, the stop sequences. The values of temperature, top-p and min_new_tokens are
+    device tensors read by the step (Sampler.load), so requests that differ only in them
+    share one workspace and its graphs."""
+    temperature = float(params.temperature)
+    return (
+        temperature == 0.0,
+        int(params.top_k) if 0 < params.top_k < vocab else 0,
+        float(params.top_p) < 1.0,
+        bool(params.logprobs_use_temperature) and temperature != 0.0,
+        tuple(tuple(seq) for seq in params.stop_sequences),
+    )
+
+
+def _prepare(
+    logits: torch.Tensor,
+    step: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    min_new_tokens: torch.Tensor,
+    single: torch.Tensor | None,
+    greedy: bool,
+    top_k: int,
+    filter_top_p: bool,
+    use_temperature: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The element-wise part over (b, V): (greedy token (b,) or candidate probabilities
+    (b, n), their token ids (None: n = V in id order), log-sum-exp of the log-prob
+    distribution (b,)).
+
+    Candidates follow HF's order: top-k, then top-p over the survivors' softmax (at least one
+    token is kept); the min_new_tokens ban applies before both. A module-level function of
+    tensors and structure flags, so one compiled code serves every Sampler.
+    """
+    raw = logits.float()
+    scaled = raw if greedy else raw / temperature
+    lse = torch.logsumexp(scaled if use_temperature else raw, dim=-1)
+    scores = scaled
+    if single is not None:
+        banned = single[None] & (step < min_new_tokens)  # (1, V)
+        scores = scores.masked_fill(banned, float("-inf"))
+    if greedy:
+        return scores.argmax(dim=-1), None, lse
+    ids = None
+    values = scores
+    if top_k:
+        values, ids = torch.topk(scores, top_k, dim=-1)  # (b, k) descending
+    elif filter_top_p:
+        values, ids = torch.sort(scores, dim=-1, descending=True)  # (b, V)
+    if filter_top_p:
+        probs = torch.softmax(values, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        # Index 0 always survives: its mass_before is 0 < top_p.
+        values = values.masked_fill(mass_before >= top_p, float("-inf"))
+    return torch.softmax(values, dim=-1), ids, lse
+
+
+# One compiled _prepare per process (torch.compile keys its cache by function, not by Sampler):
+# a new Sampler never compiles again, only a new shape or structure does.
+_COMPILED_PREPARE: dict[bool, Callable[..., Any]] = {}
+
+
+def _prepare_fn(compiled: bool) -> Callable[..., Any]:
+    if compiled not in _COMPILED_PREPARE:
+        _COMPILED_PREPARE[compiled] = maybe_compiled(_prepare, compiled)
+    return _COMPILED_PREPARE[compiled]
+
+
 class Sampler:
-    """One request's sampling settings, as tensors on the device (reused while they last)."""
+    """The sampling of one structure (sampler_structure), as tensors on the device; the
+    values of a request are loaded into them in place (load), so captured graphs stay valid."""
 
     def __init__(
         self, params: object, vocab: int, device: torch.device, *, compiled: bool = False
     ) -> None:
-        self.temperature = float(params.temperature)
-        self.greedy = self.temperature == 0.0
-        self.top_k = int(params.top_k) if 0 < params.top_k < vocab else 0
-        self.top_p = float(params.top_p)
-        self.min_new_tokens = int(params.min_new_tokens)
-        self.logprobs_use_temperature = bool(params.logprobs_use_temperature)
-        self.stops = _stops(tuple(params.stop_sequences), vocab, device)
+        self.structure = sampler_structure(params, vocab)
+        self.greedy, self.top_k, self.filter_top_p, self.use_temperature, stops = self.structure
+        self.stops = _stops(stops, vocab, device)
+        self.temperature = torch.ones((), dtype=torch.float32, device=device)
+        self.top_p = torch.ones((), dtype=torch.float32, device=device)
+        self.min_new_tokens = torch.zeros((), dtype=torch.long, device=device)
         # Compiled (CUDA): the float cast, softmax and log-sum-exp over (b, V) fuse into a
         # few passes over the logits instead of one pass per operation.
-        self._prepared = maybe_compiled(self._prepare, compiled)
+        self._prepared = _prepare_fn(compiled)
+        self.load(params)
+
+    def load(self, params: object) -> None:
+        """Take a request's temperature, top-p and min_new_tokens (same structure), in place
+        (device fills: no host synchronisation)."""
+        self.temperature.fill_(float(params.temperature) if not self.greedy else 1.0)
+        self.top_p.fill_(float(params.top_p))
+        self.min_new_tokens.fill_(int(params.min_new_tokens))
 
     @property
     def window(self) -> int:
         return self.stops.width
 
-    def _scaled(self, raw: torch.Tensor) -> torch.Tensor:
-        if self.greedy or self.temperature == 1.0:
-            return raw
-        return raw / self.temperature
-
-    def _prepare(
-        self, logits: torch.Tensor, step: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """The element-wise part over (b, V): (greedy token (b,) or candidate probabilities
-        (b, n), their token ids (None: n = V in id order), log-sum-exp of the log-prob
-        distribution (b,)).
-
-        Candidates follow HF's order: top-k, then top-p over the survivors' softmax (at least
-        one token is kept); the min_new_tokens ban applies before both.
-        """
-        raw = logits.float()
-        scaled = self._scaled(raw)
-        lse = torch.logsumexp(scaled if self.logprobs_use_temperature else raw, dim=-1)
-        scores = scaled
-        if self.min_new_tokens > 0 and self.stops.single is not None:
-            banned = self.stops.single[None] & (step < self.min_new_tokens)  # (1, V)
-            scores = scores.masked_fill(banned, float("-inf"))
-        if self.greedy:
-            return scores.argmax(dim=-1), None, lse
-        ids = None
-        values = scores
-        if self.top_k:
-            values, ids = torch.topk(scores, self.top_k, dim=-1)  # (b, k) descending
-        elif self.top_p < 1.0:
-            values, ids = torch.sort(scores, dim=-1, descending=True)  # (b, V)
-        if self.top_p < 1.0:
-            probs = torch.softmax(values, dim=-1)
-            mass_before = torch.cumsum(probs, dim=-1) - probs
-            # Index 0 always survives: its mass_before is 0 < top_p.
-            values = values.masked_fill(mass_before >= self.top_p, float("-inf"))
-        return torch.softmax(values, dim=-1), ids, lse
-
     def sample(
         self, logits: torch.Tensor, uniform: torch.Tensor, step: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token (b,) int64 and its log-prob (b,) float32 from logits (b, V) at `step` (0-d)."""
-        first, ids, lse = self._prepared(logits, step)
+        first, ids, lse = self._prepared(
+            logits, step, self.temperature, self.top_p, self.min_new_tokens, self.stops.single,
+            self.greedy, self.top_k, self.filter_top_p, self.use_temperature,
+        )  # fmt: skip
         if self.greedy:
             token = first
         else:
@@ -118,8 +166,8 @@ class Sampler:
             pick = pick.clamp_max(first.shape[-1] - 1)  # (b, 1)
             token = pick.squeeze(1) if ids is None else ids.gather(-1, pick).squeeze(1)
         chosen = logits.gather(-1, token[:, None]).squeeze(1).float()
-        if self.logprobs_use_temperature:
-            chosen = self._scaled(chosen)
+        if self.use_temperature:
+            chosen = chosen / self.temperature
         return token, chosen - lse
 
     def stop_hits(self, window: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
