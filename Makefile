@@ -43,9 +43,12 @@ GPU_DEPS := $(if $(GPU_PYTHON),,$(BIN)/.installed)
 test-gpu: $(GPU_DEPS)
 	$(GPU_PY) -m pytest -q -m gpu --durations=15 $(ARGS)
 
-# Generation on the GPU: HF generate against the engine on the same rows (bench/bench_gpu.py).
+# Generation on the GPU: HF generate against the engine on the same rows (bench/bench_gpu.py);
+# then UpdateWeights into a CUDA server per transport against the H2D and D2D copies
+# (bench/bench_gpu_weights.py; its own arguments in WEIGHTS_ARGS, e.g. "--quick").
 bench-gpu: $(GPU_DEPS)
 	$(GPU_PY) bench/bench_gpu.py $(ARGS)
+	$(GPU_PY) bench/bench_gpu_weights.py $(WEIGHTS_ARGS)
 
 # `ruff format` clean over the whole tree, and the lint rules of pyproject.toml.
 lint: $(BIN)/.installed

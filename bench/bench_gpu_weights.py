@@ -1,0 +1,271 @@
+"""UpdateWeights into a CUDA bfloat16 server, per transport, against the copies it cannot beat.
+
+The model is the random Qwen2-0.5B-shaped model of bench_generation.py (no download), saved to a
+temp dir and served by `rollserve serve --device cuda --dtype bfloat16 --generation-path hf` (a
+subprocess on a free port; the hf path skips the engine's compile, which this bench does not
+measure). The trainer is this process. Measured in the same run:
+
+* ceilings: a pinned host -> device memcpy of the file's bytes (what any host path must do last)
+  and a device -> device copy of them (what cuda_ipc must do), best of 3 each;
+* lanes, each one warm-up update then best of 3, applied GB/s = file bytes / wall seconds of
+  `update_weights` (until the server replied: received, verified, swapped in): cuda_ipc (CUDA
+  tensors; ratio to the device copy), shm (CPU tensors; CUDA tensors), grpc (CPU tensors) and
+  dist (a gloo WeightsGroup, CPU tensors), each host lane with its ratio to the pinned copy;
+* a CPU server of the same model (unless --no-cpu-reference): grpc and dist into it, so that
+  the GPU server's host lanes can be compared with what the same lanes do into host memory.
+
+Targets (issue 20, one H100): cuda_ipc >= 0.3 x device copy, shm >= 0.5 x pinned copy, grpc and
+dist no slower than into the CPU server. A failing lane prints its error; the run goes on.
+
+    python bench/bench_gpu_weights.py                       # a CUDA node, under 2 minutes
+    python bench/bench_gpu_weights.py --quick --device cpu  # a smoke test here (< 1 minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+sys.path.insert(0, str(_HERE.parent / "tests"))
+from bench_generation import build_model  # noqa: E402
+from helpers_server import start_server_process  # noqa: E402
+from rollserve.client import RolloutClient, WeightsGroup  # noqa: E402
+
+ROUNDS = 3
+WAIT_S = 120.0
+# Issue 20's targets: the lane's ratio to its ceiling ("cpu": to the same lane into a CPU server).
+TARGETS = {"cuda_ipc": 0.3, "shm": 0.5, "grpc": 1.0, "dist": 1.0}
+
+
+@dataclass
+class Row:
+    lane: str
+    tensors: str  # where the trainer's tensors are
+    gbps: float | None = None  # best of ROUNDS
+    ceiling: str = ""
+    ratio: float | None = None
+    target: str = ""
+    note: str = ""
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def best_copy_gbps(source: torch.Tensor, target: torch.Tensor, device: str) -> float:
+    """Best of ROUNDS of one copy of `source` into `target` (bytes copied / second)."""
+    best = 0.0
+    for _ in range(ROUNDS + 1):  # the first warms the copy engines up
+        _sync(device)
+        started = time.perf_counter()
+        target.copy_(source, non_blocking=True)
+        _sync(device)
+        best = max(best, source.numel() / (time.perf_counter() - started) / 1e9)
+    return best
+
+
+def save_actor(directory: Path, quick: bool) -> dict[str, torch.Tensor]:
+    """The random model (bfloat16) and the byte tokenizer in `directory`; its state dict (CPU)."""
+    from rollserve.server.models.default_model import build_byte_tokenizer
+
+    if quick:
+        model = build_model("small", 4096, 256, 2, torch.bfloat16, "cpu")
+    else:
+        model = build_model("0.5b", 0, 0, 0, torch.bfloat16, "cpu")
+    model.config.bos_token_id, model.config.eos_token_id = 1, 2
+    model.save_pretrained(directory)
+    build_byte_tokenizer().save_pretrained(directory)
+    return {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+
+
+class Trainer:
+    """This process as the trainer of one server: versions rise by one per update."""
+
+    def __init__(self, target: str) -> None:
+        self.client = RolloutClient(target, timeout_s=WAIT_S)
+        self.version = self.client.health().policy_version
+
+    def best_gbps(self, send: Callable[[int], object], total_bytes: int) -> tuple[float, str]:
+        """One warm-up update, then best of ROUNDS; GB/s and the reply's transport."""
+        best, transport = 0.0, ""
+        for round_ in range(ROUNDS + 1):
+            self.version += 1
+            started = time.perf_counter()
+            result = send(self.version)
+            seconds = time.perf_counter() - started
+            transport = result.transport  # type: ignore[attr-defined]
+            if round_:
+                best = max(best, total_bytes / seconds / 1e9)
+        return best, transport
+
+    def lane(self, weights: dict[str, torch.Tensor], transport: str, total_bytes: int) -> float:
+        if transport == "dist":
+            with WeightsGroup([self.client], backend="gloo", timeout_s=WAIT_S) as group:
+                gbps, sent_as = self.best_gbps(
+                    lambda v: self.client.update_weights(weights, version=v, group=group),
+                    total_bytes,
+                )
+        else:
+            gbps, sent_as = self.best_gbps(
+                lambda v: self.client.update_weights(weights, version=v, transport=transport),
+                total_bytes,
+            )
+        if sent_as != transport:
+            raise RuntimeError(f"asked for {transport}, the server says {sent_as}")
+        return gbps
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def run_lane(row: Row, measure: Callable[[], float]) -> None:
+    """Fill row.gbps, or its note with the error; print the row either way."""
+    try:
+        row.gbps = measure()
+    except Exception as error:
+        row.note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        traceback.print_exc(file=sys.stderr)
+    print(f"  {row.lane} ({row.tensors}): {_cell(row.gbps)} GB/s {row.note}", flush=True)
+
+
+def _cell(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--quick", action="store_true", help="a small Llama (smoke test)")
+    parser.add_argument("--no-cpu-reference", action="store_true")
+    args = parser.parse_args(argv)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --device cpu for the smoke test")
+    on_cuda = device == "cuda"
+    started = time.monotonic()
+    label = torch.cuda.get_device_name(0) if on_cuda else "cpu"
+    print(f"device: {label}; torch {torch.__version__}")
+    rows: list[Row] = []
+    servers = []
+    ceilings: dict[str, float | None] = {}
+    with tempfile.TemporaryDirectory(prefix="rollserve-gpu-weights-") as tmp:
+        weights = save_actor(Path(tmp), args.quick)
+        total_bytes = sum(t.nbytes for t in weights.values())  # the data section; + a few KiB
+        parameters = sum(t.numel() for t in weights.values())
+        print(f"model: {parameters / 1e6:.0f}M parameters, {total_bytes / 1e9:.2f} GB bfloat16, "
+              f"built in {time.monotonic() - started:.0f} s")  # fmt: skip
+        common = ("--dtype", "bfloat16", "--actor", tmp, "--generation-path", "hf",
+                  "--log-level", "WARNING", "--metrics-port", "0")  # fmt: skip
+        try:
+            proc, port = start_server_process("--device", device, *common, timeout_s=WAIT_S)
+            servers.append(proc)
+            print(f"server ({device}) serving after {time.monotonic() - started:.0f} s")
+            ceilings = measure_ceilings(total_bytes, on_cuda)
+            trainer = Trainer(f"127.0.0.1:{port}")
+            rows += gpu_server_lanes(trainer, weights, total_bytes, ceilings, on_cuda)
+            trainer.close()
+            if on_cuda and not args.no_cpu_reference:
+                proc, port = start_server_process("--device", "cpu", *common, timeout_s=WAIT_S)
+                servers.append(proc)
+                reference = Trainer(f"127.0.0.1:{port}")
+                rows += cpu_reference_lanes(reference, weights, total_bytes, rows)
+                reference.close()
+        finally:
+            for proc in servers:
+                proc.terminate_and_wait()
+    print()
+    print(f"UpdateWeights into a {device} bfloat16 server ({label}), best of {ROUNDS}, "
+          f"{total_bytes / 1e9:.2f} GB per update:")  # fmt: skip
+    for name, gbps in ceilings.items():
+        print(f"- ceiling {name}: {_cell(gbps)} GB/s")
+    print()
+    print("| lane | trainer's tensors | applied GB/s | ratio | to | target | note |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        print(f"| {row.lane} | {row.tensors} | {_cell(row.gbps)} | {_cell(row.ratio)} | "
+              f"{row.ceiling} | {row.target} | {row.note} |")  # fmt: skip
+    print(f"\ntotal {time.monotonic() - started:.0f} s")
+    return 0
+
+
+def measure_ceilings(total_bytes: int, on_cuda: bool) -> dict[str, float | None]:
+    """Pinned host -> device and device -> device copies of the file's bytes (None off CUDA)."""
+    if not on_cuda:
+        return {"pinned H2D": None, "D2D": None}
+    host = torch.empty(total_bytes, dtype=torch.uint8, pin_memory=True)
+    first = torch.empty(total_bytes, dtype=torch.uint8, device="cuda")
+    second = torch.empty_like(first)
+    ceilings = {
+        "pinned H2D": best_copy_gbps(host, first, "cuda"),
+        "D2D": best_copy_gbps(first, second, "cuda"),
+    }
+    del host, first, second
+    torch.cuda.empty_cache()
+    return ceilings
+
+
+def gpu_server_lanes(
+    trainer: Trainer,
+    weights: dict[str, torch.Tensor],
+    total_bytes: int,
+    ceilings: dict[str, float | None],
+    on_cuda: bool,
+) -> list[Row]:
+    print("lanes:", flush=True)
+    cuda_weights = {k: v.cuda() for k, v in weights.items()} if on_cuda else None
+    lanes = [
+        ("cuda_ipc", "CUDA", "D2D"),
+        ("shm", "CPU", "pinned H2D"),
+        ("shm", "CUDA", "pinned H2D"),
+        ("grpc", "CPU", "pinned H2D"),
+        ("dist", "CPU", "pinned H2D"),
+    ]
+    rows = []
+    for transport, where, ceiling in lanes:
+        row = Row(transport, where, ceiling=ceiling, target=f">= {TARGETS[transport]}")
+        if transport in ("grpc", "dist"):
+            row.target = f"{row.target} x into a cpu server"
+        rows.append(row)
+        if where == "CUDA" and cuda_weights is None:
+            row.note = "skipped: needs CUDA"
+            print(f"  {transport} ({where}): skipped (needs CUDA)", flush=True)
+            continue
+        tensors = cuda_weights if where == "CUDA" else weights
+        assert tensors is not None
+        run_lane(row, lambda t=transport, w=tensors: trainer.lane(w, t, total_bytes))
+        limit = ceilings.get(ceiling)
+        if row.gbps is not None and limit:
+            row.ratio = row.gbps / limit
+    return rows
+
+
+def cpu_reference_lanes(
+    reference: Trainer, weights: dict[str, torch.Tensor], total_bytes: int, rows: list[Row]
+) -> list[Row]:
+    """grpc and dist into a CPU server; the GPU server's rows of them get their ratio to it."""
+    print("the same lanes into a CPU server:", flush=True)
+    added = []
+    for transport in ("grpc", "dist"):
+        row = Row(transport, "CPU", ceiling="-", note="into a CPU server (reference)")
+        run_lane(row, lambda t=transport: reference.lane(weights, t, total_bytes))
+        added.append(row)
+        for gpu_row in rows:
+            if gpu_row.lane == transport and gpu_row.gbps is not None and row.gbps:
+                gpu_row.note = (f"{gpu_row.note} {gpu_row.gbps / row.gbps:.2f} x cpu server "
+                                f"({row.gbps:.2f} GB/s)").strip()  # fmt: skip
+    return added
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
