@@ -822,6 +822,7 @@ def test_lightrft_cpgd_end_to_end(quirk: bool) -> None:
         overlong_buffer=2,  # CPGD scores the recipe reward, before the penalty
         overlong_factor=1.0,
         experience_norm=True,  # LightRFT's CPGD has no advantages_norm
+        advantage_clip=0.5,  # nor does it read advantage_clip
         reproduce_upstream_quirks=quirk,
     )
     assert cfg.shapes_whole_request and cfg.effective_whitening == "none"
@@ -839,8 +840,32 @@ def test_lightrft_cpgd_end_to_end(quirk: bool) -> None:
             expected.append([z * masks[i][t] for t in range(A)])
     _close5(out.advantages, expected)
     _close5(out.returns, expected)
+    assert "advantage_clip_frac" not in out.info
     if quirk:
         assert out.advantages.abs().sum().item() == 0.0
+    else:
+        assert out.advantages.abs().max().item() > 0.5  # unclipped
+
+
+@pytest.mark.parametrize("preset", ["coati", "openrlhf"])
+def test_cpgd_is_clipped_outside_lightrft(preset: str) -> None:
+    cfg = _resolve(has_critic=False, preset=preset, advantage_estimator="cpgd", advantage_clip=0.5)
+    raw = [1.0, 0.0, 30.0, -6.0]
+    out = shape_experience(
+        cfg, group_size=2, max_new_tokens=A, experience_rows=2, **{**_batch(raw), "values": None}
+    )
+    masks = _masks()
+    expected, frac = [], []
+    for e in (0, 1):
+        scores = raw[2 * e : 2 * e + 2]
+        mean = sum(scores) / len(scores)
+        std = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
+        for i in (2 * e, 2 * e + 1):
+            z = (raw[i] - mean) / (std + 1e-6)
+            expected.append([max(-0.5, min(0.5, z)) * masks[i][t] for t in range(A)])
+            frac.append(float(abs(z) > 0.5) if sum(masks[i]) else 0.0)
+    _close5(out.advantages, expected)
+    _close5(out.info["advantage_clip_frac"], frac)
 
 
 def test_length_normalized_log_probs() -> None:

@@ -29,7 +29,7 @@ coati, OpenRLHF, LightRFT); the table lists every difference between them.
     overlong penalty variant   capped            capped (DAPO)         uncapped
     overlong length            response span     response span         valid columns
     advantage clip             after whitening   after whitening       per experience, before
-                                                                       the whitening
+                                                                       the whitening; not cpgd
     experience_norm applies to every estimator   every estimator       all but group_norm, cpgd
     action mask (option)       stop sequences    stop sequences        stop sequences, or
                                                                        process_sequences
@@ -65,8 +65,7 @@ Also not reproduced, and not behind the switch because they are trainer-side or 
 LightRFT's second whitening in its replay buffer (and its "grpo" vs "group_norm" naming),
 LightRFT's running reward normalisation (state across requests), LightRFT's GAE clip fraction
 (computed after its clamp, so always 0; info["advantage_clip_frac"] is the share the clamp
-changed, per row over valid columns), LightRFT ignoring advantage_clip for cpgd (a clip asked
-for applies to every estimator here), and NaN for a zero-variance group or n = 1 (we return 0).
+changed, per row over valid columns), and NaN for a zero-variance group or n = 1 (we return 0).
 
 Chosen against a framework: a negative kl_coef is INVALID_ARGUMENT in every preset, where
 OpenRLHF (and LightRFT) treat it as 0: a sign error should be heard, and 0 gives their numbers.
@@ -134,6 +133,7 @@ class AlgorithmConfig:
     whiten_estimators: frozenset[str]  # estimators the whitening applies to
     whiten_eps: float  # added to the unbiased std by "unbiased" whitening
     advantage_clip: float  # 0 disables
+    clip_estimators: frozenset[str]  # estimators the advantage clip applies to
     group_std_eps: float  # added to the group std by group_norm
     gamma_one_estimators: frozenset[str]  # estimators for which gamma is forced to 1
     broadcast_group_advantage: bool  # coati GRPO: group advantage repeated over all A columns
@@ -189,6 +189,10 @@ class AlgorithmConfig:
     def eos_over_last_token(self) -> bool:
         """LightRFT's process_sequences writes its EOS over a truncated row's last token."""
         return "eos_overwrites_last_token" in self.upstream_quirks
+
+    @property
+    def uses_advantage_clip(self) -> bool:
+        return self.advantage_clip > 0 and self.estimator in self.clip_estimators
 
     @property
     def uses_experience_norm(self) -> bool:
@@ -249,6 +253,7 @@ _COATI = AlgorithmConfig(
     whiten_estimators=frozenset(),
     whiten_eps=1e-8,
     advantage_clip=0.0,
+    clip_estimators=frozenset(ESTIMATORS),
     group_std_eps=1e-4,
     gamma_one_estimators=frozenset(),
     broadcast_group_advantage=True,
@@ -306,6 +311,8 @@ _LIGHTRFT = replace(
     overlong_length="count",
     # LightRFT's GroupNormCalculator and CPGDCalculator have no advantages_norm step.
     experience_norm_estimators=frozenset(ESTIMATORS) - {"group_norm", "cpgd"},
+    # LightRFT's CPGDCalculator never reads advantage_clip (CPGD clips in its loss).
+    clip_estimators=frozenset(ESTIMATORS) - {"cpgd"},
     clip_before_whitening=True,
 )
 

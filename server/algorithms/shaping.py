@@ -228,12 +228,13 @@ def _normalise(
     cfg: AlgorithmConfig, advantages: torch.Tensor, mask: torch.Tensor, experience_rows: int | None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Step 9: experience normalisation, whitening and the clip, in the preset's order;
-    (advantages (B, A), info: "advantage_clip_frac" (B,) when the clip is on)."""
+    (advantages (B, A), info: "advantage_clip_frac" (B,) when the clip applies)."""
     info: dict[str, torch.Tensor] = {}
 
     def clip(adv: torch.Tensor) -> torch.Tensor:
-        if cfg.advantage_clip > 0:
-            info["advantage_clip_frac"] = clip_fraction(adv, mask, cfg.advantage_clip)
+        if not cfg.uses_advantage_clip:
+            return adv
+        info["advantage_clip_frac"] = clip_fraction(adv, mask, cfg.advantage_clip)
         return clip_advantages(adv, cfg.advantage_clip)
 
     if cfg.uses_experience_norm:
