@@ -145,6 +145,26 @@ def test_random_ragged_rows_match_the_loops(overwrite: bool, pad_equals_eos: boo
         check_against_loops(rows, prompt_width, eos, pad, overwrite)
 
 
+@pytest.mark.gpu
+def test_on_cuda_the_same_as_on_cpu() -> None:
+    for seed in range(10):
+        rows, prompt_width = random_rows(seed, EOS, PAD)
+        for overwrite in (False, True):
+            cpu = process_sequences(
+                torch.tensor(rows), prompt_width, EOS, PAD, eos_over_last_token=overwrite
+            )
+            cuda = process_sequences(
+                torch.tensor(rows, device="cuda"),
+                prompt_width,
+                EOS,
+                PAD,
+                eos_over_last_token=overwrite,
+            )
+            for name in ("sequences", "attention_mask", "action_mask", "response_lengths"):
+                got = getattr(cuda, name)
+                assert got.device.type == "cuda" and torch.equal(got.cpu(), getattr(cpu, name))
+
+
 def test_rows_without_real_tokens_and_full_width_rows() -> None:
     """Edge rows: only EOS/pad tokens (upstream: EOS at the last column, all attended), and
     a batch where every row is truncated (each keeps its last token unless the quirk)."""

@@ -350,26 +350,31 @@ LAYOUT_ROWS = (
 )
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("layout", ["lightrft", "openrlhf"])
-def test_framework_layouts_strip_on_append_and_zero_pad_on_sampling(layout: str) -> None:
+def test_framework_layouts_strip_on_append_and_zero_pad_on_sampling(
+    layout: str, device: str
+) -> None:
     experiences = [
         ragged_experience(list(rows), version=v, seed=v) for v, rows in enumerate(LAYOUT_ROWS)
     ]
     rows = [row for e in experiences for row in expected_rows(e, layout)]
     buffer = ExperienceBuffer(layout=layout, pad_token_id=99)  # the frameworks pad with 0
     for e in experiences:
-        buffer.append(e)
+        buffer.append(e.to_device(device))
     # Split: each held item is its row, stripped.
     for item, row in zip(buffer.items, rows, strict=True):
         assert item.sequences.tolist() == row["sequences"]
         assert item.action_mask.tolist() == row["action_mask"]
         assert item.advantages.tolist() == row["advantages"]
-    # Sample: the rows re-padded with 0, in the drawn order.
+    # Sample: the rows re-padded with 0, in the drawn order (on the rows' device).
     (batch,) = buffer.iter_batches(len(rows), shuffle=False)
+    assert batch.sequences.device.type == batch.info["high_entropy_mask"].device.type == device
+    batch = batch.to_device("cpu")
     check_batch(batch, rows, layout)
     picks = torch.randperm(len(rows), generator=torch.Generator().manual_seed(5))[:4].tolist()
     sampled = buffer.sample(4, generator=torch.Generator().manual_seed(5))
-    check_batch(sampled, [rows[i] for i in picks], layout)
+    check_batch(sampled.to_device("cpu"), [rows[i] for i in picks], layout)
     # The gap row (its False entry taken for right padding by LightRFT) and the all-false row.
     gap, empty = rows[2], rows[3]
     if layout == "lightrft":
