@@ -25,7 +25,16 @@ from typing import Any
 import grpc
 import torch
 
-from .calls import BaseClient, SubscribedBatch, join_micro_batches, land, subscribed_batch
+from ..v1 import rollout_pb2 as pb
+from .calls import (
+    DEFAULT_SUBSCRIBE_WINDOW,
+    BaseClient,
+    SubscribedBatch,
+    join_micro_batches,
+    land,
+    subscribe_request,
+    subscribed_batch,
+)
 from .channel import open_aio_channel, open_channel
 from .client import POLL_CALL_S
 from .protocol.errors import DeadlineExceeded, RolloutError, Unavailable, typed_errors
@@ -115,14 +124,22 @@ class AsyncRolloutClient(BaseClient):
         *,
         timeout_s: float | None = None,
         device: torch.device | str | None = None,
+        window: int = DEFAULT_SUBSCRIBE_WINDOW,
     ) -> AsyncIterator[SubscribedBatch]:
-        """Batches of the server's continuous rollout (see RolloutClient.subscribe); closing
-        the iterator (aclose, or leaving `async for` early) cancels the call."""
-        call = self._subscribe_call(subscriber_id, max_batches, timeout_s)
+        """Batches of the server's continuous rollout (see RolloutClient.subscribe, `window`
+        included); closing the iterator (aclose, or leaving `async for` early) cancels the
+        call."""
+        first = subscribe_request(subscriber_id, max_batches, window)
+        call = self._subscribe_call(None, timeout_s)
         try:
             with typed_errors():
-                async for reply in call:
+                await call.write(first)
+                if not window:
+                    await call.done_writing()  # as a client before windows
+                while (reply := await call.read()) is not grpc.aio.EOF:
                     yield subscribed_batch(reply, device)
+                    if window:
+                        await _acknowledge(call)  # the trainer is back: it took that batch
         finally:
             call.cancel()
 
@@ -165,3 +182,10 @@ class AsyncRolloutClient(BaseClient):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+async def _acknowledge(call: Any) -> None:
+    """One batch taken; a call the server already ended refuses the write, and its next read
+    tells how it ended."""
+    with contextlib.suppress(asyncio.InvalidStateError, grpc.RpcError):
+        await call.write(pb.SubscribeRequest(taken=1))

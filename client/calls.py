@@ -9,9 +9,10 @@ differ only in how they wait.
 from __future__ import annotations
 
 import math
+import queue
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -34,10 +35,12 @@ from .weights.upload import Uploads
 __all__ = [
     "join_micro_batches",
     "AUTHORIZATION_KEY",
+    "DEFAULT_SUBSCRIBE_WINDOW",
     "REQUEST_ID_KEY",
     "BaseClient",
     "CallSettings",
     "Metadata",
+    "SubscribeRequests",
     "SubscribedBatch",
     "land",
     "subscribe_request",
@@ -209,9 +212,13 @@ class BaseClient:
             metadata=self._settings.metadata_for(request.request_id),
         )
 
-    def _subscribe_call(self, subscriber_id: str, max_batches: int, timeout_s: float | None) -> Any:
+    def _subscribe_call(
+        self, requests: Iterator[pb.SubscribeRequest] | None, timeout_s: float | None
+    ) -> Any:
+        """The Subscribe stream; `requests` None: grpc.aio's call, written to with write()."""
+        arguments = () if requests is None else (requests,)
         return self._stub.Subscribe(
-            subscribe_request(subscriber_id, max_batches),
+            *arguments,
             timeout=self._settings.timeout(timeout_s),
             metadata=self._settings.metadata_for(),
         )
@@ -293,13 +300,62 @@ class SubscribedBatch:
     step: int  # position of the batch in the rollout's schedule, from 0
 
 
-def subscribe_request(subscriber_id: str, max_batches: int) -> pb.SubscribeRequest:
-    """A validated SubscribeRequest (max_batches 0: until the rollout ends)."""
+# Batches the server may hand a subscriber before its trainer took them. 1: the next batch is
+# handed over when the trainer asks for it, so it is checked against --max-staleness after the
+# trainer's last push (a window of w lets a trainer that pushes after every batch read batches up
+# to w - 1 versions older, for overlapping w - 1 transfers with training). The server's queue
+# still makes the next batch while the trainer trains.
+DEFAULT_SUBSCRIBE_WINDOW = 1
+
+
+def _count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
+
+
+def subscribe_request(
+    subscriber_id: str, max_batches: int, window: int = DEFAULT_SUBSCRIBE_WINDOW
+) -> pb.SubscribeRequest:
+    """A validated first SubscribeRequest (max_batches 0: until the rollout ends; window 0: no
+    acknowledgements, as clients before windows; the server allows at most 16)."""
     if not isinstance(subscriber_id, str):
         raise TypeError(f"subscriber_id must be a string, got {subscriber_id!r}")
-    if isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 0:
-        raise ValueError(f"max_batches must be an integer >= 0, got {max_batches!r}")
-    return pb.SubscribeRequest(subscriber_id=subscriber_id, max_batches=max_batches)
+    return pb.SubscribeRequest(
+        subscriber_id=subscriber_id,
+        max_batches=_count("max_batches", max_batches),
+        window=_count("window", window),
+    )
+
+
+class SubscribeRequests:
+    """The request stream of a sync Subscribe call, which gRPC's own thread iterates: the first
+    request, then one acknowledgement per batch the trainer took, until `close()` (window 0:
+    closed after the first request, as a client before windows)."""
+
+    def __init__(self, first: pb.SubscribeRequest) -> None:
+        self._queue: queue.SimpleQueue[pb.SubscribeRequest | None] = queue.SimpleQueue()
+        self._queue.put(first)
+        if not first.window:
+            self.close()
+
+    def __iter__(self) -> SubscribeRequests:
+        return self
+
+    def __next__(self) -> pb.SubscribeRequest:
+        request = self._queue.get()
+        if request is None:
+            self._queue.put(None)  # every later next() ends too
+            raise StopIteration
+        return request
+
+    def acknowledge(self) -> None:
+        """The trainer took one more batch: the server may hand over one more."""
+        self._queue.put(pb.SubscribeRequest(taken=1))
+
+    def close(self) -> None:
+        """No more requests: gRPC's thread stops iterating (and the stream half-closes)."""
+        self._queue.put(None)
 
 
 def subscribed_batch(

@@ -9,7 +9,16 @@ from typing import Any
 
 import torch
 
-from .calls import BaseClient, SubscribedBatch, join_micro_batches, land, subscribed_batch
+from .calls import (
+    DEFAULT_SUBSCRIBE_WINDOW,
+    BaseClient,
+    SubscribedBatch,
+    SubscribeRequests,
+    join_micro_batches,
+    land,
+    subscribe_request,
+    subscribed_batch,
+)
 from .channel import open_channel
 from .protocol.errors import DeadlineExceeded, RolloutError, Unavailable, typed_errors
 from .protocol.experience import Experience, experience_from_proto
@@ -120,6 +129,7 @@ class RolloutClient(BaseClient):
         *,
         timeout_s: float | None = None,
         device: torch.device | str | None = None,
+        window: int = DEFAULT_SUBSCRIBE_WINDOW,
     ) -> Iterator[SubscribedBatch]:
         """Batches of the server's continuous rollout (--rollout-prompts) dealt to this trainer.
 
@@ -127,14 +137,22 @@ class RolloutClient(BaseClient):
         stream ends when the rollout is finished or after `max_batches` (0: no limit).
         `timeout_s` bounds the whole subscription: give a long rollout a long one. Closing the
         iterator cancels the call; batches not sent yet go to the other subscribers.
+        Back-pressure: the server hands over at most `window` batches the trainer has not
+        taken; a batch counts as taken when the trainer asks for the next one (the default, 1:
+        each batch is handed over, and checked against the server's --max-staleness, when the
+        trainer asks for it; 0: no acknowledgements, as clients before windows).
         FailedPrecondition when the server runs no continuous rollout.
         """
-        call = self._subscribe_call(subscriber_id, max_batches, timeout_s)
+        requests = SubscribeRequests(subscribe_request(subscriber_id, max_batches, window))
+        call = self._subscribe_call(requests, timeout_s)
         try:
             with typed_errors():
                 for reply in call:
                     yield subscribed_batch(reply, device)
+                    if window:
+                        requests.acknowledge()  # the trainer is back: it took that batch
         finally:
+            requests.close()  # gRPC's thread stops reading the request stream
             call.cancel()  # a no-op after the last batch; leaves the ring when abandoned
 
     # Send weights to the server: the shared implementation is the sync client's method.

@@ -28,6 +28,7 @@ import torch
 from helpers_server import ServerProcess
 from prometheus_client import generate_latest
 from rollserve.client import AsyncRolloutClient, FailedPrecondition, RolloutClient
+from rollserve.client.protocol.errors import InvalidArgument
 from rollserve.client.calls import SubscribedBatch
 from rollserve.client.protocol.experience import experience_from_proto
 from rollserve.server.config import ConfigError, ServerConfig
@@ -313,6 +314,58 @@ def test_dealer_keeps_the_turn_of_a_subscriber_that_comes_back_in_time() -> None
     assert taken == [3]
 
 
+def test_dealer_hands_a_windowed_subscriber_at_most_its_window() -> None:
+    dealer = Dealer(capacity=8, newest_version=lambda: 0, max_staleness=None)
+    sub = dealer.join("w", 0, lambda: True, window=2)
+    for step in range(4):
+        dealer.put(_made(step))
+    assert dealer.take(sub).step == 0 and dealer.take(sub).step == 1
+    assert sub.unacknowledged == 2 and not sub.has_room
+    taken: list[int] = []
+    waiting = threading.Thread(target=lambda: taken.append(dealer.take(sub).step))
+    waiting.start()  # at its window: it waits although two batches are queued
+    _wait_until(lambda: sub.waiting, "the subscriber waits in take")
+    assert taken == [] and dealer.counts()[3] == 2  # nothing handed over while it has no room
+    sub.acknowledge(1)  # the trainer took one: one more may go
+    waiting.join(WAIT_S)
+    assert taken == [2] and sub.unacknowledged == 2
+    with pytest.raises(InvalidArgument, match="taken: must be 1 to the 2"):
+        sub.acknowledge(3)
+    sub.close_acknowledgements()  # no more credit will come: the stream ends
+    assert dealer.take(sub) is None
+    assert dealer.counts() == (False, 3, 0, 1, 1)
+
+
+def test_dealer_lookahead_is_one_batch_per_windowed_subscriber() -> None:
+    dealer = Dealer(capacity=3, newest_version=lambda: 0, max_staleness=None)
+    assert not dealer._ring
+    a = dealer.join("a", 0, lambda: True, window=4)
+    assert dealer._lookahead_locked() == 1  # the batch `a` takes next
+    dealer.join("b", 0, lambda: True, window=1)
+    assert dealer._lookahead_locked() == 2
+    legacy = dealer.join("legacy", 0, lambda: True)  # no window: the whole queue
+    assert dealer._lookahead_locked() == 3
+    dealer.leave(legacy)
+    dealer.leave(a)
+    assert dealer._lookahead_locked() == 1
+    with pytest.raises(InvalidArgument, match="window: must be 1 to 16"):
+        dealer.join("big", 0, lambda: True, window=17)
+
+
+def test_dealer_checks_staleness_at_hand_over() -> None:
+    versions = {"newest": 0}
+    dealer = Dealer(capacity=8, newest_version=lambda: versions["newest"], max_staleness=1)
+    sub = dealer.join("w", 0, lambda: True, window=1)
+    dealer.put(_made(0, version=0))
+    dealer.put(_made(1, version=0))
+    assert dealer.take(sub).step == 0
+    versions["newest"] = 2  # batch 1 went stale while queued, waiting for an acknowledgement
+    dealer.put(_made(2, version=2))
+    sub.acknowledge(1)
+    assert dealer.take(sub).step == 2  # batch 1 was dropped when it would have been handed
+    assert dealer.counts() == (False, 2, 1, 0, 1)
+
+
 # ---- in-process servers -----------------------------------------------------------------------
 
 
@@ -335,7 +388,7 @@ def test_max_batches_hands_the_rest_to_the_next_subscriber(
         with grpc.insecure_channel(server.address) as channel:
             stub = rollout_pb2_grpc.RolloutStub(channel)
             with pytest.raises(grpc.RpcError) as refused:
-                next(stub.Subscribe(pb.SubscribeRequest(max_batches=-2), timeout=10))
+                next(stub.Subscribe(iter([pb.SubscribeRequest(max_batches=-2)]), timeout=10))
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         first = [_as_record(b) for b in client.subscribe("first", max_batches=3)]
         rest = [_as_record(b) for b in client.subscribe("rest", timeout_s=WAIT_S)]
@@ -467,28 +520,18 @@ def test_stale_batches_are_dropped_and_counted(
     models: ModelSet, files: dict[str, Path], actor_weights: dict[str, torch.Tensor]
 ) -> None:
     with (
-        # A queue of one: while the stale batch waits, the loop cannot queue another one made
-        # by version 0 before the updates land (that made two stale batches now and then).
-        serving(
-            models, files, rollout_epochs=0, max_staleness=1, rollout_queue_batches=1
-        ) as server,
+        serving(models, files, rollout_epochs=0, max_staleness=1) as server,
         RolloutClient(server.address) as client,
     ):
-        engine = server.runtime.engine
-        stream = client.subscribe("first", timeout_s=WAIT_S)
+        stream = client.subscribe("first", timeout_s=WAIT_S)  # window 1
         assert next(stream).experience.policy_version.tolist() == [0] * PER_BATCH * GROUP
-        # Hold the engine, so the loop's next batch waits behind the gate and is made by
-        # version 0 only after the subscriber has gone: it stays queued, and goes stale.
-        gate, gated = threading.Event(), threading.Event()
-        held = engine.submit(lambda: (gated.set(), gate.wait(WAIT_S)))
-        assert gated.wait(WAIT_S)
-        _wait_until(lambda: engine.queue_depth >= 1, "the loop queues its next batch")
+        # The trainer has not asked for its next batch: the loop makes one more (version 0),
+        # which waits in the queue (the lookahead of one window of 1), and makes no other.
+        _wait_until(lambda: _progress(server.address).queued_batches == 1, "a batch waits")
         stream.close()
         _wait_until(lambda: _progress(server.address).subscribers == 0, "the subscriber left")
-        gate.set()
-        held.result()
-        _wait_until(lambda: _progress(server.address).queued_batches == 1, "a batch waits")
         before = _progress(server.address)
+        assert (before.step, before.batches_delivered) == (2, 1)
         client.update_weights(actor_weights, version=1)
         client.update_weights(actor_weights, version=2)  # the queued batch is now 2 behind
         (batch,) = client.subscribe("second", max_batches=1, timeout_s=WAIT_S)

@@ -599,8 +599,10 @@ def test_a_subscriber_that_never_reads_does_not_stop_the_rollout(
         rollout, deadlines = server.rollout, server.send_deadlines
         target = f"127.0.0.1:{server.port}"
         with grpc.insecure_channel(target, options=_SMALL_WINDOWS) as stuck_channel:
+            # Window 0 (a client from before windows): every batch counts as taken once gRPC
+            # accepts it, so the handler blocks sending to a reader that never reads.
             stuck = _stub(stuck_channel).Subscribe(
-                pb.SubscribeRequest(subscriber_id="stuck"), timeout=60.0
+                iter([pb.SubscribeRequest(subscriber_id="stuck")]), timeout=60.0
             )
             # First in the ring, dealt a batch, and its handler blocked sending it.
             assert _until(lambda: deadlines.armed == 1, 30.0)
@@ -617,3 +619,157 @@ def test_a_subscriber_that_never_reads_does_not_stop_the_rollout(
             with pytest.raises(grpc.RpcError) as info:
                 list(stuck)
             assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+# ---- issue item 7: back-pressure, and staleness checked at hand-over ----------------------------
+
+TRAINER_STEPS = 8
+QUEUE = 4  # the server's --rollout-queue-batches in these tests
+
+
+def _small_rollout_files(directory: Path) -> tuple[Path, Path]:
+    """16 prompts, 2 per batch, 2 samples each, 4 new tokens: batches made in a few ms."""
+    prompts = directory / "prompts.jsonl"
+    lines = [json.dumps({"prompt": f"q{i}=", "gt_answer": str(i)}) for i in range(16)]
+    prompts.write_text("\n".join(lines) + "\n")
+    template = directory / "request.json"
+    template.write_text(
+        json.dumps(
+            {
+                "samplesPerPrompt": 2,
+                "sampling": {"maxNewTokens": 4},
+                "algorithm": {"advantageEstimator": "group_norm"},
+                "rewards": [{"source": "exact_match"}],
+            }
+        )
+    )
+    return prompts, template
+
+
+def _rollout_server(models: ModelSet, tmp_path: Path, **config: object) -> RolloutServer:
+    prompts, template = _small_rollout_files(tmp_path)
+    settings = dict(
+        host="127.0.0.1", port=0, device="cpu", metrics_port=0, log_level="WARNING",
+        rollout_prompts=str(prompts), rollout_request=str(template),
+        rollout_prompts_per_batch=2, rollout_epochs=0, rollout_queue_batches=QUEUE,
+    )  # fmt: skip
+    return RolloutServer(ServerConfig(**{**settings, **config}), models=models)
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_a_trainer_that_pushes_after_each_batch_reads_fresh_batches_and_nothing_runs_ahead(
+    models: ModelSet, tmp_path: Path, window: int
+) -> None:
+    # The issue's trainer: read a batch, train a while, push version + 1. It used to read
+    # batches 0 to 14 versions old while the server made 1,305 batches for the 15 it read.
+    # Here "a while" is until the server made every batch it may (it then waits): the most
+    # a trainer of any speed can let it make.
+    weights = {k: t.detach().clone() for k, t in models.actor.module.state_dict().items()}
+    with _rollout_server(models, tmp_path) as server:  # --max-staleness 1 (the default)
+        assert server.rollout is not None
+        rollout, target = server.rollout, f"127.0.0.1:{server.port}"
+        lags: list[int] = []
+        with RolloutClient(target, timeout_s=60.0) as client:
+            stream = client.subscribe("trainer", window=window, timeout_s=60.0)
+            for version in range(TRAINER_STEPS):
+                batch = next(stream)  # acknowledges the one before
+                lags.append(version - int(batch.experience.policy_version.min()))
+                taken = version + 1
+                # One batch made ahead (the one taken next), the window handed over: then the
+                # loop waits.
+                assert _until(lambda: rollout.stats().queued == 1, CALL_S)
+                stats = rollout.stats()
+                assert stats.made <= taken + window + QUEUE, stats
+                assert stats.delivered <= taken + window - 1, stats
+                client.update_weights(weights, version=version + 1)
+            stream.close()
+        # Handed over within --max-staleness; read at most window - 1 pushes later.
+        assert max(lags) <= 1 + (window - 1), lags
+        stats = rollout.stats()
+        assert stats.dropped_stale == 0 and stats.made <= TRAINER_STEPS + window + QUEUE, stats
+
+
+def test_a_batch_that_went_stale_in_the_queue_is_dropped_at_hand_over(
+    models: ModelSet, tmp_path: Path
+) -> None:
+    weights = {k: t.detach().clone() for k, t in models.actor.module.state_dict().items()}
+    with _rollout_server(models, tmp_path) as server:
+        assert server.rollout is not None
+        rollout, target = server.rollout, f"127.0.0.1:{server.port}"
+        with RolloutClient(target, timeout_s=60.0) as client:
+            stream = client.subscribe("slow", timeout_s=60.0)
+            assert int(next(stream).experience.policy_version.max()) == 0
+            assert _until(lambda: rollout.stats().queued == 1, CALL_S)  # made by version 0
+            client.update_weights(weights, version=1)
+            client.update_weights(weights, version=2)  # the queued batch is 2 versions behind
+            batch = next(stream)
+            assert batch.experience.policy_version.tolist() == [2] * 4
+            stream.close()
+        stats = rollout.stats()
+        assert (stats.dropped_stale, stats.delivered) == (1, 2)
+
+
+def _subscribe_calls(
+    channel: grpc.Channel, requests: list[pb.SubscribeRequest], release: threading.Event
+) -> Iterator[pb.SubscribeResponse]:
+    def stream() -> Iterator[pb.SubscribeRequest]:
+        yield from requests
+        release.wait(CALL_S)  # the request side stays open until the test is done
+
+    return _stub(channel).Subscribe(stream(), timeout=30.0)
+
+
+@pytest.mark.parametrize(
+    ("requests", "message"),
+    [
+        ([pb.SubscribeRequest(window=17)], "window: must be 0 (no acknowledgements) to 16"),
+        ([pb.SubscribeRequest(window=1, taken=1)], "taken: the first request opens"),
+        ([pb.SubscribeRequest(window=1), pb.SubscribeRequest(taken=2)], "taken: must be 1 to"),
+        ([pb.SubscribeRequest(window=1), pb.SubscribeRequest(window=1)], "only acknowledges"),
+    ],
+)
+def test_bad_subscribe_requests_are_invalid_argument(
+    models: ModelSet, tmp_path: Path, requests: list[pb.SubscribeRequest], message: str
+) -> None:
+    release = threading.Event()
+    with (
+        _rollout_server(models, tmp_path) as server,
+        grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                list(_subscribe_calls(channel, requests, release))
+        finally:
+            release.set()
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert message in info.value.details()
+        assert server.rollout is not None
+        assert _until(lambda: server.rollout.stats().subscribers == 0, CALL_S)
+
+
+def test_a_client_from_before_windows_still_subscribes(models: ModelSet, tmp_path: Path) -> None:
+    # The method's old shape: one request on a server-streaming call (window unset). The wire
+    # is the same as a bidirectional call whose client sends one message and closes its side.
+    with (
+        _rollout_server(models, tmp_path) as server,
+        grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        old_subscribe = channel.unary_stream(
+            "/rollserve.v1.Rollout/Subscribe",
+            request_serializer=pb.SubscribeRequest.SerializeToString,
+            response_deserializer=pb.SubscribeResponse.FromString,
+        )
+        replies = list(old_subscribe(pb.SubscribeRequest(max_batches=3), timeout=30.0))
+        assert [reply.batch_index for reply in replies] == [0, 1, 2]
+
+
+def test_closing_the_request_side_ends_the_stream_once_the_window_is_used(
+    models: ModelSet, tmp_path: Path
+) -> None:
+    with (
+        _rollout_server(models, tmp_path) as server,
+        grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        requests = [pb.SubscribeRequest(subscriber_id="two", window=2)]
+        replies = list(_stub(channel).Subscribe(iter(requests), timeout=30.0))
+        assert [reply.batch_index for reply in replies] == [0, 1]  # its window, then OK

@@ -135,8 +135,16 @@ class ContinuousRollout:
         )
         self._thread.start()
 
-    def subscribe(self, name: str, max_batches: int, is_live: Callable[[], bool]) -> Subscription:
-        return self.dealer.join(name, max_batches, is_live)
+    def subscribe(
+        self,
+        name: str,
+        max_batches: int,
+        is_live: Callable[[], bool],
+        *,
+        window: int | None = None,
+    ) -> Subscription:
+        """A new subscriber; `window` None: no acknowledgements (see dealer.py)."""
+        return self.dealer.join(name, max_batches, is_live, window)
 
     def stats(self) -> RolloutStats:
         finished, delivered, dropped, queued, subscribers = self.dealer.counts()

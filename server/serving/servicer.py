@@ -118,9 +118,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @handles_errors
     def Subscribe(
-        self, request: pb.SubscribeRequest, context: grpc.ServicerContext
+        self, request_iterator: Iterator[pb.SubscribeRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.SubscribeResponse]:
-        for response in serve_subscribe(self._rollout, request, context):
+        for response in serve_subscribe(self._rollout, request_iterator, context):
             self._metrics.observe_experience(response.experience)
             yield response
 

@@ -493,12 +493,16 @@ class DestroyWeightsGroupResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("subscriber_id", "max_batches")
+    __slots__ = ("subscriber_id", "max_batches", "window", "taken")
     SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_FIELD_NUMBER: _ClassVar[int]
     subscriber_id: str
     max_batches: int
-    def __init__(self, subscriber_id: _Optional[str] = ..., max_batches: _Optional[int] = ...) -> None: ...
+    window: int
+    taken: int
+    def __init__(self, subscriber_id: _Optional[str] = ..., max_batches: _Optional[int] = ..., window: _Optional[int] = ..., taken: _Optional[int] = ...) -> None: ...
 
 class SubscribeResponse(_message.Message):
     __slots__ = ("experience", "batch_index", "epoch", "step")

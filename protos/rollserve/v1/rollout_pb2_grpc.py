@@ -51,7 +51,7 @@ class RolloutStub:
                 request_serializer=rollserve_dot_v1_dot_rollout__pb2.HealthRequest.SerializeToString,
                 response_deserializer=rollserve_dot_v1_dot_rollout__pb2.HealthResponse.FromString,
                 _registered_method=True)
-        self.Subscribe = channel.unary_stream(
+        self.Subscribe = channel.stream_stream(
                 '/rollserve.v1.Rollout/Subscribe',
                 request_serializer=rollserve_dot_v1_dot_rollout__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=rollserve_dot_v1_dot_rollout__pb2.SubscribeResponse.FromString,
@@ -101,12 +101,25 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Subscribe(self, request, context):
+    def Subscribe(self, request_iterator, context):
         """Subscribes to the server's continuous rollout (a server started with --rollout-prompts):
         the server keeps making experience from its prompt source while subscribers are connected,
         and deals each batch to exactly one live subscriber, round-robin. Batches more than the
-        server's --max-staleness versions behind the newest actor weights are dropped, not sent.
-        FAILED_PRECONDITION when the server runs no continuous rollout.
+        server's --max-staleness versions behind the newest actor weights when they are handed
+        over are dropped, not sent.
+
+        Back-pressure: the first request opens the subscription and names its `window`; each later
+        request acknowledges batches the trainer took (`taken`). The server hands a subscriber at
+        most `window` batches it has not acknowledged, and makes batches only while the connected
+        subscribers can take them: at most --rollout-queue-batches wait, and, while every
+        subscriber has a window, at most one per subscriber (the one it takes next, made while its
+        trainer trains). A client that sends one request with window 0 and closes
+        its side (every client from before the window existed: the wire is the same as a
+        server-streaming call's) gets no acknowledgement-based limit: each batch counts as taken
+        once gRPC accepts it for sending, and HTTP/2 flow control lets the transport hold batches
+        the trainer has not read.
+        FAILED_PRECONDITION when the server runs no continuous rollout; INVALID_ARGUMENT for a bad
+        first request or acknowledgement.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -149,7 +162,7 @@ def add_RolloutServicer_to_server(servicer, server):
                     request_deserializer=rollserve_dot_v1_dot_rollout__pb2.HealthRequest.FromString,
                     response_serializer=rollserve_dot_v1_dot_rollout__pb2.HealthResponse.SerializeToString,
             ),
-            'Subscribe': grpc.unary_stream_rpc_method_handler(
+            'Subscribe': grpc.stream_stream_rpc_method_handler(
                     servicer.Subscribe,
                     request_deserializer=rollserve_dot_v1_dot_rollout__pb2.SubscribeRequest.FromString,
                     response_serializer=rollserve_dot_v1_dot_rollout__pb2.SubscribeResponse.SerializeToString,
@@ -259,7 +272,7 @@ class Rollout:
             _registered_method=True)
 
     @staticmethod
-    def Subscribe(request,
+    def Subscribe(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -269,8 +282,8 @@ class Rollout:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/rollserve.v1.Rollout/Subscribe',
             rollserve_dot_v1_dot_rollout__pb2.SubscribeRequest.SerializeToString,
