@@ -489,11 +489,16 @@ def test_cuda_sender_and_cuda_bfloat16_receiver(
     on_device = {k: v.cuda() for k, v in sender.state_dict().items()}
     on_device[Q] = sender.state_dict()[Q].T.contiguous().cuda().T  # a non-contiguous device view
     receiver = copy.deepcopy(actor).to("cuda", torch.bfloat16)
-    # The arena the update path leases: a CUDA model stages into page-locked host memory.
-    assert staging_arena(receiver).pin_memory
+    where = {k: v.data_ptr() for k, v in receiver.state_dict().items()}
+    # The arena the update path leases: a CUDA model stages on its device, through a ring of
+    # page-locked host slots (weights/pipeline.py).
+    arena = staging_arena(receiver)
+    assert arena.pin_memory and arena.device is not None and arena.device.type == "cuda"
     update_in_place(receiver, make_requests(on_device))
+    assert arena.staged_on_device
     want = {k: v.to(torch.bfloat16) for k, v in sender.state_dict().items()}
     assert_state_equal({k: v.cpu() for k, v in receiver.state_dict().items()}, want)
+    assert {k: v.data_ptr() for k, v in receiver.state_dict().items()} == where
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])

@@ -9,9 +9,13 @@ Where it lives. A model on the CPU stages in host memory (below). A model on a C
 stages ON THE DEVICE (`device`): bytes arriving on the host pass through a small ring of pinned
 slots and are copied asynchronously into the device buffer while the next bytes arrive
 (pipeline.py), the value checks run there, and apply copies device to device into the existing
-parameter storages. If the device buffer cannot be had (the device is full, or the update is
-over `device_limit_bytes`), that update and the following ones stage in pinned host memory
-instead, as a model on the CPU does, and apply copies host to device.
+parameter storages. The device buffer sits outside the generation engine's
+--gpu-memory-utilization share, so it is only allocated when the device keeps
+DEVICE_HEADROOM_FRACTION of its memory free afterwards; when it cannot be had (no room, an
+allocation that fails, or an update over `device_limit_bytes`), the update stages in pinned
+host memory instead, as a model on the CPU does, and apply copies host to device. A failed
+allocation is final for the arena (retrying would reallocate both buffers each update); the
+room check is retried at the next update that would need a new device buffer.
 
 Memory bound: a model has one arena. Its buffer grows (freeing the old buffer before allocating
 the new one) only when an update needs more bytes than it holds, and never shrinks by itself.
@@ -57,6 +61,10 @@ from .pipeline import SlotRing
 __all__ = ["StagingArena", "set_staging_arena", "staging_arena"]
 
 _LOG = logging.getLogger(__name__)
+# A device buffer is allocated only if at least this share of the device's memory stays free
+# (or cached by torch's allocator) after it: the engine's activations and KV growth, and any
+# colocated trainer, keep their room.
+DEVICE_HEADROOM_FRACTION = 0.1
 
 
 class StagingArena:
@@ -141,7 +149,30 @@ class StagingArena:
     def _wants_device(self, nbytes: int) -> bool:
         if self.device is None or self._device_refused:
             return False
-        return self.device_limit_bytes is None or nbytes <= self.device_limit_bytes
+        if self.device_limit_bytes is not None and nbytes > self.device_limit_bytes:
+            return False
+        if self._on_device and nbytes <= self.capacity_bytes:
+            return True  # the buffer is there: nothing to allocate
+        return self._device_has_room(nbytes)
+
+    def _device_has_room(self, nbytes: int) -> bool:
+        """Whether a new device buffer of nbytes leaves DEVICE_HEADROOM_FRACTION free."""
+        assert self.device is not None
+        if self.device.type != "cuda":
+            return True
+        free, total = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        held = self.capacity_bytes if self._on_device else 0  # freed before the new one
+        if free + cached + held - nbytes >= DEVICE_HEADROOM_FRACTION * total:
+            return True
+        _LOG.warning(
+            "staging %d bytes on %s would leave less than %.0f%% of its memory free; this "
+            "update stages in host memory",
+            nbytes,
+            self.device,
+            100 * DEVICE_HEADROOM_FRACTION,
+        )
+        return False
 
     def _device_buffer(self, nbytes: int) -> torch.Tensor | None:
         assert self.device is not None
@@ -164,9 +195,10 @@ class StagingArena:
         try:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
         except (RuntimeError, MemoryError) as error:  # torch's allocator: RuntimeError
+            where = "" if self.device is None else f" ({self.device} could not hold it either)"
             raise ResourceExhausted(
-                f"staging the update needs {nbytes} bytes of host memory, which cannot be "
-                f"allocated now ({type(error).__name__})"
+                f"staging the update needs {nbytes} bytes of host memory{where}, which cannot "
+                f"be allocated now ({type(error).__name__})"
             ) from None
 
     def adopted(self) -> None:

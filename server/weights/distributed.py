@@ -10,7 +10,10 @@ rank votes (an all-reduce MAX of 0 = ready, 1 = refused) so that nobody starts a
 server will not take; then rank 0 broadcasts the data section in ranges that follow the tensors
 (broadcast_spans), each received straight into the staging arena (a lane of the same stager as
 every other transport; verified as it lands) and taking the group's lanes (process groups over
-one rendezvous) in turn. One broadcast updates every server of the group.
+one rendezvous) in turn. Gloo receives into a host arena; NCCL into the device arena of a CUDA
+server (arena.py), so its broadcast lands on the GPU with no copy; gloo into a CUDA server goes
+through a host bucket and the pinned ring (pipeline.py). One broadcast updates every server of
+the group.
 
 A failure after the vote (a member died, a timeout) leaves the group's collectives out of step,
 so the group is dropped: the next update naming it gets FAILED_PRECONDITION until the trainer
@@ -368,6 +371,16 @@ def _check_init(
     return request.group, backend, timeout_s, lanes
 
 
+def _writes_to(backend_device: torch.device, arena_device: torch.device) -> bool:
+    """Whether a group whose receives land on backend_device can receive into arena_device
+    (a device without an index is the current one)."""
+    if backend_device.type != arena_device.type:
+        return False
+    if backend_device.type == "cpu" or backend_device.index == arena_device.index:
+        return True
+    return backend_device.index is None and arena_device.index == torch.cuda.current_device()
+
+
 def _shutdown(group: WeightsGroup) -> None:
     lanes, group.process_groups = group.process_groups, ()  # see shut_down
     shut_down(lanes)
@@ -451,11 +464,13 @@ class GroupUpdate:
 
         def post(index: int) -> tuple[dist.Work, torch.Tensor, bool]:
             position, size = spans[index]
-            # Gloo writes host memory: straight into the arena when the bytes are one run there
-            # (the common case); else into a bounce buffer that `feed` copies from.
-            direct = None
-            if group.device.type == "cpu" and refusal is None:
-                direct = lane.destination(position, size)
+            # Straight into the arena when the bytes are one run there (the common case) and
+            # the arena is where the backend writes (gloo: a host arena; NCCL: a device arena,
+            # so a CUDA server's broadcast lands on its GPU with no copy at all); else into a
+            # bounce buffer that `feed` copies from.
+            direct = lane.destination(position, size) if refusal is None else None
+            if direct is not None and not _writes_to(group.device, direct.device):
+                direct = None
             target = direct if direct is not None else bounce.take(index)[:size]
             work = lanes[index % len(lanes)].broadcast(target, 0)
             return work, target, direct is not None

@@ -7,11 +7,13 @@ truncation under a shared mapping would SIGBUS the server; only a memfd takes th
 maps it. The head goes through the lane that starts at 0 like any chunk; the data section is
 cut into stripes that `lanes` threads take in file order (numpy releases the GIL for the copy
 and the value checks), each copied straight from the mapping into the staging arena, in pieces
-that stay in the CPU cache for the value checks. A *streamed* file is still being written by the
-client when the call starts: the handler thread follows its SharedMemoryWritten counts
-(_Written) and each piece is copied once the count covers it, so the client's copy and the
-server's overlap. The mapping of the last file is kept for the next update from the same file
-(_RecentMapping): a sealed memfd cannot shrink, so its pages stay valid.
+that stay in the CPU cache for the value checks. Into a device arena (a CUDA model) each piece
+fills a slot of the pinned ring and is copied to the device asynchronously while the lane
+copies the next one (pipeline.py); the checks run on the device. A *streamed* file is still
+being written by the client when the call starts: the handler thread follows its
+SharedMemoryWritten counts (_Written) and each piece is copied once the count covers it, so the
+client's copy and the server's overlap. The mapping of the last file is kept for the next update
+from the same file (_RecentMapping): a sealed memfd cannot shrink, so its pages stay valid.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 from ...client.protocol.errors import FailedPrecondition, InvalidArgument
 from ...client.protocol.shared_memory import REQUIRED_SEALS
 from ...v1 import rollout_pb2 as pb
+from .pipeline import SLOT_BYTES
 from .staging import Request, UpdateStager, iter_chunks, iter_shm_written
 from .stream import Lane
 
@@ -41,6 +44,9 @@ __all__ = ["PIECE_BYTES", "default_lanes", "receive_shared_memory", "release_map
 # Copied and checked per piece: small enough to stay in L3 between the copy and the check,
 # large enough that the per-piece Python is small (the sizes tried: bench/RESULTS.md).
 PIECE_BYTES = 2 << 20
+# Into a device arena no host check follows the copy: a piece fills one slot of the pinned ring
+# (pipeline.py), so each host-to-device copy is as large as the ring allows.
+DEVICE_PIECE_BYTES = SLOT_BYTES
 MAX_LANES = 4  # copying threads; memory-bound copies gain little past two per socket
 # The data section is cut into stripes that the lanes take in file order: with a streamed file,
 # the lanes copy right behind the client's writes.
@@ -256,17 +262,24 @@ def _copy_stripes(
                 return
             if lane.begin > 0:
                 lane.start_in_data(timeout_s=0)  # the head was parsed before this thread started
-            _feed_range(lane.feed, file, lane.position, lane.end, written)
+            on_device = stager.head_parsed and lane.file_data.on_device
+            piece_bytes = DEVICE_PIECE_BYTES if on_device else PIECE_BYTES
+            _feed_range(lane.feed, file, lane.position, lane.end, written, piece_bytes)
     except BaseException as error:
         _stop(written, stager, error)
         raise
 
 
 def _feed_range(
-    feed: Callable[..., None], file: np.ndarray, begin: int, end: int, written: _Written
+    feed: Callable[..., None],
+    file: np.ndarray,
+    begin: int,
+    end: int,
+    written: _Written,
+    piece_bytes: int = PIECE_BYTES,
 ) -> None:
-    for offset in range(begin, end, PIECE_BYTES):
-        piece_end = min(offset + PIECE_BYTES, end)
+    for offset in range(begin, end, piece_bytes):
+        piece_end = min(offset + piece_bytes, end)
         written.wait_for(piece_end)
         feed(offset, file[offset:piece_end])
 

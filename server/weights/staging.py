@@ -142,8 +142,8 @@ def _resolve(model: torch.nn.Module, targets: list[TargetTensor]) -> dict[str, t
 
 
 def _copy_into(destination: torch.Tensor, staged: torch.Tensor) -> None:
-    if staged.device == destination.device and staged.device.type != "cpu":
-        destination.copy_(staged)  # device to device: copy_ casts in its kernel, no temporary
+    if staged.device.type != "cpu":
+        destination.copy_(staged)  # from a device arena: copy_ casts in its kernel, no temporary
         return
     # Cast on the host (a temporary the size of one tensor) so the device needs no temporaries.
     source = staged if staged.dtype == destination.dtype else staged.to(destination.dtype)
@@ -201,7 +201,17 @@ class UpdateStager:
     def feed_tensor(self, offset: int, data: torch.Tensor) -> None:
         """The next bytes of the single ordered stream (the same contract as `feed`, no crc32)
         as a 1-D contiguous uint8 tensor on any device (CPU or CUDA). Lane.feed_tensor is the
-        form for one lane of several."""
+        form for one lane of several.
+
+        Into a device arena (a CUDA model), CUDA bytes are copied device to device on the
+        arena's copy stream, after the caller's current stream (no host round trip); the copy
+        is asynchronous, so they must stay unchanged until `finish` returns (the stager keeps
+        them alive until then). Host bytes are copied before this returns. The head's bytes
+        are parsed on the host (a small device-to-host copy). With header.sha256, CUDA bytes
+        are hashed through a synchronous host copy of each piece: a device-to-host pass over
+        the file, plus the hash's own ~1-2 GB/s on one core, on top of the copy; a trainer that
+        wants device speed leaves sha256 off.
+        """
         self._stager.feed_tensor(offset, data)
 
     def lane(self, begin: int, end: int) -> Lane:
