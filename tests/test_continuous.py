@@ -28,8 +28,8 @@ import torch
 from helpers_server import ServerProcess
 from prometheus_client import generate_latest
 from rollserve.client import AsyncRolloutClient, FailedPrecondition, RolloutClient
-from rollserve.client.protocol.errors import InvalidArgument
 from rollserve.client.calls import SubscribedBatch
+from rollserve.client.protocol.errors import InvalidArgument
 from rollserve.client.protocol.experience import experience_from_proto
 from rollserve.server.config import ConfigError, ServerConfig
 from rollserve.server.continuous import (
