@@ -135,6 +135,41 @@ class ExperienceBuffer:
         """The rows held, oldest first (a snapshot), stripped as the layout says."""
         return tuple(self._items)
 
+    def normalize_advantages(
+        self,
+        *,
+        divide_by_std: bool = True,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """LightRFT's replay-buffer whitening of the advantages held ("lightrft" layout only):
+        mu = (sum of every held advantage) / (valid columns), var = sum((A - mu)^2 * mask) /
+        (valid columns), A <- (A - mu) * rsqrt(max(var, 1e-8)) on every held entry (only
+        A - mu without divide_by_std). LightRFT's PPOTrainer runs it before each training phase
+        for every estimator but the one named exactly "group_norm" (the trainer's call, not the
+        buffer's). all_reduce: sums a tensor over the data-parallel ranks (e.g. a wrapper of
+        torch.distributed.all_reduce that returns it), so every rank uses the global moments.
+        """
+        if self.layout != "lightrft":
+            raise InvalidArgument(
+                f"normalize_advantages: LightRFT's step, for layout 'lightrft', not {self.layout!r}"
+            )
+        if not self._items:
+            return
+        reduce = all_reduce or (lambda t: t)
+        values = torch.cat([item.advantages for item in self._items]).float()  # every entry
+        mask = torch.cat([item.action_mask for item in self._items]).float()
+        total, count = reduce(torch.stack([values.sum(), mask.sum()]))
+        if count.item() == 0:
+            raise InvalidArgument("normalize_advantages: no valid action column is held")
+        mean = total / count
+        rstd = torch.ones((), dtype=values.dtype, device=values.device)
+        if divide_by_std:
+            var = reduce(((values - mean).pow(2) * mask).sum()) / count
+            rstd = var.clamp(min=1e-8).rsqrt()
+        self._items = [
+            replace(item, advantages=(item.advantages - mean) * rstd) for item in self._items
+        ]
+
     def clear(self) -> None:
         self._items.clear()
 

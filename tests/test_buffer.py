@@ -1,6 +1,9 @@
-"""ExperienceBuffer: eviction order, sampled batches in the wire layout, epochs, CPU offload."""
+"""ExperienceBuffer: eviction order, sampled batches in the wire layout, epochs, CPU offload;
+the framework layouts and LightRFT's buffer whitening against loops over lists."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -401,3 +404,37 @@ def test_layout_is_checked_and_wire_stays_the_default() -> None:
     assert ExperienceBuffer().layout == "wire"
     with pytest.raises(InvalidArgument, match="layout"):
         ExperienceBuffer(layout="verl")
+
+
+@pytest.mark.parametrize("divide_by_std", [True, False])
+def test_lightrft_buffer_whitening_of_the_advantages(divide_by_std: bool) -> None:
+    experiences = [
+        ragged_experience(list(rows), version=v, seed=v) for v, rows in enumerate(LAYOUT_ROWS)
+    ]
+    rows = [row for e in experiences for row in expected_rows(e, "lightrft")]
+    calls = []
+
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:  # two identical ranks
+        calls.append(t.shape)
+        return t * 2
+
+    buffer = ExperienceBuffer(layout="lightrft")
+    for e in experiences:
+        buffer.append(e)
+    buffer.normalize_advantages(divide_by_std=divide_by_std, all_reduce=all_reduce)
+    # Every held entry (gap columns included) in the sum, the valid ones in the count.
+    values = [x for row in rows for x in row["advantages"]]
+    mask = [float(m) for row in rows for m in row["action_mask"]]
+    mean = sum(values) / sum(mask)
+    var = sum((x - mean) ** 2 * m for x, m in zip(values, mask, strict=True)) / sum(mask)
+    scale = 1 / math.sqrt(max(var, 1e-8)) if divide_by_std else 1.0
+    for item, row in zip(buffer.items, rows, strict=True):
+        want = torch.tensor([(x - mean) * scale for x in row["advantages"]])
+        torch.testing.assert_close(item.advantages, want, atol=1e-5, rtol=1e-5)
+    assert len(calls) == (2 if divide_by_std else 1)
+    with pytest.raises(InvalidArgument, match="layout 'lightrft'"):
+        ExperienceBuffer().normalize_advantages()
+    empty = ExperienceBuffer(layout="lightrft")
+    empty.append(ragged_experience([(2, [0, 0])], version=3, seed=3))
+    with pytest.raises(InvalidArgument, match="no valid action column"):
+        empty.normalize_advantages()

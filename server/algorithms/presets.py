@@ -62,8 +62,9 @@ AlgorithmOptions.reproduce_upstream_quirks gets them bit for bit, so that a team
 the framework can check its numbers against ours (AlgorithmConfig.upstream_quirks).
 
 Also not reproduced, and not behind the switch because they are trainer-side or stateful:
-LightRFT's second whitening in its replay buffer (and its "grpo" vs "group_norm" naming),
-LightRFT's running reward normalisation (state across requests), LightRFT's GAE clip fraction
+LightRFT's second whitening in its replay buffer (a trainer runs it with the client's
+ExperienceBuffer(layout="lightrft").normalize_advantages, skipping group_norm as LightRFT skips
+the estimator named exactly "group_norm"), LightRFT's running reward normalisation (state across requests), LightRFT's GAE clip fraction
 (computed after its clamp, so always 0; info["advantage_clip_frac"] is the share the clamp
 changed, per row over valid columns), and NaN for a zero-variance group or n = 1 (we return 0).
 
