@@ -190,3 +190,64 @@ def test_an_unsupported_body_scores_on_hf(tmp_path: Path) -> None:
                                path="rollserve")  # fmt: skip
     theirs, _ = action_log_probs(gpt2, sequences, mask, actions, forward_batch_size=4, path="hf")
     assert torch.equal(ours, theirs)
+
+
+def test_a_maker_on_the_engine_path_warms_up_and_scores_there(
+    tiny_actor_dir: Path, tiny_critic_dir: Path, tiny_reward_dir: Path
+) -> None:
+    """A server's maker with --generation-path rollserve: warm_up builds the actor's engine
+    (every bucket up to generate_batch_size); a request's actor, reference and critic scores
+    and reward model scores come from the engine's forward (the HF bodies never run) and
+    equal HF scoring of the returned rows; the recorded log-probs equal the re-scored ones."""
+    from rollserve.server.config import ServerConfig
+    from rollserve.server.experience.maker import NaiveExperienceMaker
+    from rollserve.server.experience.request import RequestDefaults
+    from rollserve.server.experience.rewards import RewardRegistry
+    from rollserve.server.generation import built_engine
+    from rollserve.server.models import load_models
+
+    config = ServerConfig(
+        actor=str(tiny_actor_dir), critic=str(tiny_critic_dir),
+        reward_model=str(tiny_reward_dir), device="cpu",
+    )  # fmt: skip
+    models = load_models(config)
+    defaults = RequestDefaults(
+        default_preset="openrlhf", max_new_tokens=10, generate_batch_size=8,
+        forward_batch_size=4, micro_batch_size=8, max_request_rows=64,
+    )  # fmt: skip
+    maker = NaiveExperienceMaker(
+        models, RewardRegistry.from_specs([]), defaults,
+        generation=GenerationSettings(path="rollserve"),
+    )  # fmt: skip
+    assert maker.warm_up() > 0
+    (warmed,) = built_engine(models.actor.module)._workspaces.values()
+    assert {b for b, _ in warmed.shapes} == {8, 4, 2, 1}
+    calls: list[str] = []
+    hooks = [
+        loaded.module.model.register_forward_pre_hook(lambda *_, r=loaded.role: calls.append(r))
+        for loaded in models.loaded()
+    ]
+    try:
+        e = maker.make_experience(
+            [[5, 6, 7], [8, 9, 10, 11, 12]], samples_per_prompt=2, seed=3, temperature=1.0,
+            rewards=["reward_model"], algorithm={"advantage_estimator": "gae"},
+        )  # fmt: skip
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls == []  # no HF body ran: generation and every score on the engine
+    mask, actions = e.action_mask, e.num_actions
+    seqs, attention = e.sequences, e.attention_mask
+    for module, mine in ((models.actor.module, e.action_log_probs),
+                         (models.reference.module, e.base_action_log_probs)):  # fmt: skip
+        hf, _ = action_log_probs(module, seqs, attention, actions, forward_batch_size=4, path="hf")
+        torch.testing.assert_close(mine[mask], hf[mask], atol=2e-5, rtol=1e-5)
+    values = critic_values(
+        models.critic.module, seqs, attention, actions, forward_batch_size=4, path="hf"
+    )
+    torch.testing.assert_close(e.values[mask], values[mask], atol=2e-5, rtol=1e-5)
+    scores = reward_scores(models.reward.module, seqs, attention, forward_batch_size=4, path="hf")
+    torch.testing.assert_close(e.info["reward/reward_model"], scores, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        e.rollout_log_probs[mask], e.action_log_probs[mask], atol=2e-5, rtol=0
+    )

@@ -34,6 +34,7 @@ for the same seed.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -48,6 +49,7 @@ from .batches import ScoredBatch, merge_batches
 from .micro_batches import MicroBatcher
 from .request import ExperienceSpec, RequestDefaults, decode_experience_request
 from .rewards import RewardRegistry
+from .scoring import action_log_probs, critic_values, reward_scores
 from .steps import (
     batch_seed,
     decode_responses,
@@ -95,15 +97,18 @@ class NaiveExperienceMaker:
         return int(self.models.tokenizer.pad_token_id)
 
     def warm_up(self) -> float | None:
-        """Run the actor's generation engine once on dummy prompts of a representative shape,
-        so that its KV cache, compiled step and CUDA graphs are built before the server
-        reports SERVING rather than in the first request; returns its seconds, None on the
-        hf path (nothing to build).
+        """Build the actor's generation engine for the server's default request before the
+        server reports SERVING, rather than in the first request: its KV cache, and the decode
+        step of every batch bucket up to generate_batch_size at every attention width of the
+        default layout, compiled and captured as CUDA graphs (Engine.warm_up, bounded by its
+        WARM_UP_BUDGET_S); then one scoring forward batch of each loaded model on the same rows.
+        Returns its seconds, None on the hf path (nothing to build).
 
-        The shape: a request with the server's defaults (its sampling settings, as decoding a
-        request without options resolves them), generate_batch_size rows of
-        WARM_UP_PROMPT_TOKENS prompt tokens (fewer when the context or the KV budget is
-        smaller). Requests of the same batch bucket and layout width reuse what it built.
+        The shape: the server's defaults (its sampling settings, as decoding a request without
+        options resolves them), WARM_UP_PROMPT_TOKENS prompt tokens (fewer when the context or
+        the KV budget is smaller). Requests of the same layout width and sampling structure
+        (any temperature, top-p, min_new_tokens) replay what it built; another layout only
+        captures its graphs again (the compiled code serves every batch size).
         """
         actor = self.models.actor.module
         engine = engine_for(actor, self.generation)
@@ -118,8 +123,27 @@ class NaiveExperienceMaker:
         width = max(1, min(WARM_UP_PROMPT_TOKENS, context - sampling.max_new_tokens))
         if not engine.fits(width, sampling.max_new_tokens):
             return None  # such requests take the Hugging Face path
-        rows = defaults.generate_batch_size
-        return engine.warm_up(sampling, rows, width, pad_token_id=self.pad_token_id)
+        start = time.perf_counter()
+        engine.warm_up(
+            sampling, defaults.generate_batch_size, width, pad_token_id=self.pad_token_id
+        )
+        self._warm_up_scoring(width + sampling.max_new_tokens, sampling.max_new_tokens)
+        return time.perf_counter() - start
+
+    def _warm_up_scoring(self, width: int, actions: int) -> None:
+        """One forward batch of dummy rows through each loaded model's scoring."""
+        models, rows = self.models, self.defaults.forward_batch_size
+        sequences = torch.ones((rows, width), dtype=torch.long, device=models.device)
+        mask = torch.ones_like(sequences)
+        for model in (models.actor, models.reference):
+            if model is not None:
+                action_log_probs(model.module, sequences, mask, actions, forward_batch_size=rows)
+        if models.critic is not None:
+            critic_values(models.critic.module, sequences, mask, actions, forward_batch_size=rows)
+        if models.reward is not None:
+            reward_scores(models.reward.module, sequences, mask, forward_batch_size=rows)
+        if models.device.type == "cuda":
+            torch.cuda.synchronize(models.device)
 
     def decode(self, request: pb.MakeExperienceRequest) -> ExperienceSpec:
         """Validate a MakeExperienceRequest against this maker's models and limits."""

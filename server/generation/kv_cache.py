@@ -89,6 +89,13 @@ class KVCache:
         """How many rows of `width` columns fit in the budget."""
         return self.capacity_tokens // width
 
+    def grows_for(self, rows: int, width: int) -> bool:
+        """Whether view(rows, width) must allocate a larger buffer (the caller drops every
+        view of the old one first, so that the two never exist at once)."""
+        layers, kv_heads, head_dim = self.shape
+        need = 2 * layers * rows * kv_heads * width * head_dim
+        return self._buffer is None or self._buffer.numel() < need
+
     def view(self, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views (layers, rows, Hkv, width, D) of the buffer, grown if needed."""
         if rows * width > self.capacity_tokens:
@@ -97,6 +104,10 @@ class KVCache:
         per_side = layers * rows * kv_heads * width * head_dim
         if self._buffer is None or self._buffer.numel() < 2 * per_side:
             self._buffer = None  # free the old buffer before allocating the larger one
+            if self.device.type == "cuda":
+                # Hand the old buffer's (and dropped graphs') blocks back to the device, so the
+                # caching allocator does not keep every size the cache ever had reserved.
+                torch.cuda.empty_cache()
             # Zeros, not empty: attention multiplies masked columns' V by a weight of 0, and
             # uninitialised memory may hold NaN (0 x NaN = NaN). Later garbage is finite.
             self._buffer = torch.zeros(2 * per_side, dtype=self.dtype, device=self.device)

@@ -357,6 +357,8 @@ class Engine:
         tensors the step reads)."""
         layout_width = _round_up(prompt_width + params.max_new_tokens, WIDTH_QUANTUM)
         rows = batch_bucket(batch, self.cache.rows_for(layout_width))
+        if self.cache.grows_for(rows, layout_width):
+            self.invalidate()  # the workspaces' views keep the old buffer alive: drop them first
         k, v = self.cache.view(rows, layout_width)
         self._check_storages()
         key = (rows, layout_width, sampler_structure(params, self.family.vocab), pad_token_id)
