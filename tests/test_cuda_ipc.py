@@ -251,7 +251,8 @@ def _trainer(commands: multiprocessing.Queue, results: multiprocessing.Queue) ->
 
 @pytest.fixture(scope="module")
 def cuda_server(actor_dir: Path) -> Iterator[RolloutServer]:
-    config = _config(device="cuda", dtype="bfloat16", actor=str(actor_dir))
+    # The hf generation path: no engine compile to wait for (these tests are about weights).
+    config = _config(device="cuda", dtype="bfloat16", actor=str(actor_dir), generation_path="hf")
     with RolloutServer(config, models=load_models(config)) as server:
         yield server
 

@@ -11,6 +11,7 @@ on its own index of that GPU.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 import torch
@@ -57,8 +58,11 @@ def device_uuid(device: torch.device | int) -> str:
     if index is None:
         index = torch.cuda.current_device()
     uuid = torch.cuda.get_device_properties(index).uuid
-    raw = getattr(uuid, "bytes", None)
-    if raw is not None:
+    raw = getattr(uuid, "bytes", None)  # torch's _CUuuid: 16 bytes
+    if isinstance(raw, bytes | bytearray | list | tuple) and len(raw) == 16:
         return bytes(raw).hex()
-    # Older torch: only its text ("GPU-xxxxxxxx-xxxx-..." or the bare UUID).
-    return str(uuid).lower().removeprefix("gpu-").replace("-", "")
+    # Only its text ("GPU-xxxxxxxx-xxxx-..." or the bare UUID): its hex digits, or a digest of
+    # it where that is not a UUID (both sides run this same function).
+    text = str(uuid).lower().removeprefix("gpu-")
+    digits = "".join(c for c in text if c in "0123456789abcdef")
+    return digits if len(digits) == 32 else hashlib.md5(text.encode()).hexdigest()
