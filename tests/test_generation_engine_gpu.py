@@ -239,6 +239,7 @@ def test_a_warmed_up_shape_captures_and_compiles_nothing_on_the_request_path(mod
 
 
 def test_engine_memory_on_cuda(model) -> None:
+    torch.cuda.reset_peak_memory_stats()  # the peaks of this test, not of the session's
     engine = Engine(model, read_family(model))
     params = SamplingParams(max_new_tokens=32, temperature=1.0)
     ids, mask = left_pad(prompts(16), PAD, torch.device("cuda"))
