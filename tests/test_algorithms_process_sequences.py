@@ -204,13 +204,22 @@ def test_the_option_resolves_per_preset_and_the_quirk_only_for_lightrft() -> Non
 # EOS (2) leads one prompt and sits inside another; pad (0) never occurs in a prompt here.
 PROMPTS = [[5, 6, 7], [2, 9, 10, 11, 12], [40, 2, 41], [70, 71]]
 MAX_NEW_TOKENS = 5
-# Many single-token stops, so that some rows stop on a token that is not EOS.
-STOPS = [[t] for t in range(3, 200, 2)]
+# Many single-token stops, so that some rows stop on a token that is not EOS (and, with 16
+# rows of 5 tokens, some run into the budget whatever the sampler draws).
+STOPS = [[t] for t in range(3, 200, 4)]
 
 
 @pytest.fixture(scope="module")
-def models(tiny_actor_dir):
-    return load_models(ServerConfig(actor=str(tiny_actor_dir), device="cpu", dtype="float32"))
+def models_on(tiny_actor_dir):
+    loaded: dict[str, object] = {}
+
+    def load(device: str):
+        if device not in loaded:
+            config = ServerConfig(actor=str(tiny_actor_dir), device=device, dtype="float32")
+            loaded[device] = load_models(config)
+        return loaded[device]
+
+    return load
 
 
 def make(models, **algorithm: object) -> Experience:
@@ -228,7 +237,7 @@ def make(models, **algorithm: object) -> Experience:
     )
     request = build_make_experience_request(
         PROMPTS,
-        samples_per_prompt=3,
+        samples_per_prompt=4,
         seed=11,
         preset="lightrft",
         algorithm={"kl_coef": 0.0, **algorithm},
@@ -242,12 +251,16 @@ def make(models, **algorithm: object) -> Experience:
     return concat_experiences(list(maker.iter_experience(spec, policy_version=0)))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("quirks", [False, True])
-def test_the_maker_returns_and_scores_the_derived_rows(models, quirks: bool) -> None:
+def test_the_maker_returns_and_scores_the_derived_rows(models_on, quirks: bool, device) -> None:
+    """On cuda the actor generates on rollserve's engine, and the rule follows it the same."""
+    models = models_on(device)
     stop = make(models, reproduce_upstream_quirks=quirks)
     derived = make(models, action_mask_rule="process_sequences", reproduce_upstream_quirks=quirks)
     # The same sampled tokens (the rule acts after generation); one generation batch, so the
     # widths are the generation's and the loops see the rows the rule saw.
+    stop, derived = stop.to_device("cpu"), derived.to_device("cpu")
     rows, width = stop.sequences.tolist(), stop.prompt_width
     seqs, attention, actions, lengths = loop_process_sequences(rows, width, EOS, PAD, quirks)
     # Micro-batches drop the prompt columns no row attends: here the EOS leading prompt 1.
@@ -281,17 +294,18 @@ def test_the_maker_returns_and_scores_the_derived_rows(models, quirks: bool) -> 
     # The models scored the derived rows (the leading EOS of prompt 1 unattended, appended
     # EOS actions): each row's attended tokens alone through the actor give its log-probs.
     actor = models.actor.module
+    tolerance = 1e-5 if device == "cpu" else 1e-4  # a batched forward against one row's
     for i in range(len(rows)):
         kept = torch.tensor(seqs[i])[torch.tensor(attention[i])]  # first real token .. EOS
         start = attention[i].index(True)
         with torch.no_grad():
-            logits = actor(kept[None]).logits[0].float()  # (n, V)
+            logits = actor(kept[None].to(models.device)).logits[0].float().cpu()  # (n, V)
         log_probs = torch.log_softmax(logits, dim=-1)
         for j, valid in enumerate(actions[i]):
             if valid:  # token width + j, scored by the logits of the token before it
                 expected = log_probs[width + j - 1 - start, seqs[i][width + j]]
                 torch.testing.assert_close(
-                    derived.action_log_probs[i, j], expected, atol=1e-5, rtol=1e-5
+                    derived.action_log_probs[i, j], expected, atol=tolerance, rtol=tolerance
                 )
 
 
