@@ -64,9 +64,10 @@ the framework can check its numbers against ours (AlgorithmConfig.upstream_quirk
 Also not reproduced, and not behind the switch because they are trainer-side or stateful:
 LightRFT's second whitening in its replay buffer (a trainer runs it with the client's
 ExperienceBuffer(layout="lightrft").normalize_advantages, skipping group_norm as LightRFT skips
-the estimator named exactly "group_norm"), LightRFT's running reward normalisation (state across requests), LightRFT's GAE clip fraction
-(computed after its clamp, so always 0; info["advantage_clip_frac"] is the share the clamp
-changed, per row over valid columns), and NaN for a zero-variance group or n = 1 (we return 0).
+the estimator named exactly "group_norm"), LightRFT's running reward normalisation (state
+across requests), LightRFT's GAE clip fraction (computed after its clamp, so always 0;
+info["advantage_clip_frac"] is the share the clamp changed, per row over valid columns), and
+NaN for a zero-variance group or n = 1 (we return 0).
 
 Chosen against a framework: a negative kl_coef is INVALID_ARGUMENT in every preset, where
 OpenRLHF (and LightRFT) treat it as 0: a sign error should be heard, and 0 gives their numbers.
