@@ -29,7 +29,7 @@ from helpers_weights import (
     update_weights_requests,
 )
 from rollserve.client import RolloutClient
-from rollserve.client.protocol.errors import InvalidArgument
+from rollserve.client.protocol.errors import InvalidArgument, ResourceExhausted
 from rollserve.client.weights.distributed import WeightsGroup
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, load_models
@@ -85,7 +85,7 @@ def assert_bits_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype, name
-        assert torch.equal(got[name].cpu().view(torch.uint8), tensor.view(torch.uint8)), name
+        assert torch.equal(got[name].cpu().view(torch.uint8), tensor.cpu().view(torch.uint8)), name
 
 
 # ---- the stager: odd chunks, many lanes, out of order ---------------------------------------
@@ -386,6 +386,16 @@ def test_an_update_over_the_device_limit_stages_in_host_memory(sender: LlamaForC
     assert pointers(model) != before  # the host path adopts the arena on the CPU, as ever
 
 
+def test_a_device_buffer_that_cannot_be_had_falls_back_to_the_host_for_good() -> None:
+    arena = cpu_arena()
+    with pytest.raises(ResourceExhausted, match="cpu could not hold it either"):
+        arena.take(1 << 50)  # neither the "device" nor the host has a petabyte
+    arena.take(4096)
+    assert not arena.staged_on_device  # a failed device allocation is final for this arena
+    arena.release()
+    assert arena.capacity_bytes == 0 and arena.ring.allocated_bytes == 0
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # check_values' sum of squares
 def test_the_value_checks_agree_with_check_values() -> None:
     """DeferredValues (through UpdateChecks) refuses exactly what check_values refuses."""
@@ -436,8 +446,9 @@ def models(actor_dir: Path) -> ModelSet:
 
 def send(client: RolloutClient, transport: str, weights: dict, **options: object) -> object:
     """client.update_weights over one transport (grpc-parallel: 3 streams of 256 KiB chunks)."""
-    if transport == "dist":
-        with WeightsGroup([client], timeout_s=WAIT_S, bucket_bytes=96 * KIB) as group:
+    if transport == "dist":  # gloo: host buckets, whatever the server's device
+        with WeightsGroup([client], timeout_s=WAIT_S, bucket_bytes=96 * KIB,
+                          backend="gloo") as group:  # fmt: skip
             return client.update_weights(weights, transport="dist", group=group, **options)
     if transport == "grpc-parallel":
         options.update(streams=3, chunk_bytes=256 * KIB)
@@ -488,7 +499,7 @@ def _host_pinned_bytes() -> int | None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport", ["grpc", "grpc-parallel", "shm"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_cuda_bf16_server_is_updated_on_the_device(gpu_actor_dir: Path, transport: str) -> None:
     config = ServerConfig(host="127.0.0.1", port=0, device="cuda", dtype="bfloat16",
                           metrics_port=0, actor=str(gpu_actor_dir))  # fmt: skip

@@ -321,7 +321,7 @@ class Lane:
             self.feed(offset, data.numpy())
             return
         while self._cursor is None and len(data):  # the head is parsed on the host
-            head = data[: self._stager.head_bytes_missing()].cpu().numpy()
+            head = data[: self._stager.head_bytes_missing() or len(data)].cpu().numpy()
             self.feed(offset, head)
             offset, data = offset + len(head), data[len(head) :]
         if not len(data):
@@ -518,8 +518,8 @@ class SafetensorsStager:
         self.check_open()
 
     def head_bytes_missing(self) -> int:
-        """Bytes the head still needs before the next step of its parsing (at least 1)."""
-        return self._head_target() - len(self._head)
+        """Bytes the head still needs before the next step of its parsing (0 once parsed)."""
+        return 0 if self._data is not None else self._head_target() - len(self._head)
 
     def cursor(self, lane: Lane) -> _CheckCursor | _DeviceChecks:
         data = self.data
