@@ -446,3 +446,23 @@ def test_engine_memory_reports_weights_and_the_kv_buffer(llama) -> None:
     assert after.kv_cache == 8 * 128 * engine.cache.token_bytes
     assert after.graphs == 0 and after.peak_allocated == 0  # no graphs and no CUDA figures here
     assert after.as_info()["kv_cache"] == after.kv_cache / (1 << 30)
+
+
+def test_sampling_in_row_blocks_equals_sampling_each_row_alone() -> None:
+    """The sampler works SAMPLE_ROWS rows at a time (bounding its temporaries): a row's token
+    and log-prob do not depend on its block or its neighbours."""
+    from rollserve.server.generation.sampler import SAMPLE_ROWS, Sampler
+
+    rows = 2 * SAMPLE_ROWS + 37
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn((rows, VOCAB), generator=g) * 3
+    uniform = torch.rand((rows,), generator=g, dtype=torch.float64)
+    step = torch.tensor(2)
+    params = SamplingParams(temperature=0.8, top_k=30, top_p=0.9, min_new_tokens=4,
+                            stop_sequences=((5,),))  # fmt: skip
+    sampler = Sampler(params, VOCAB, torch.device("cpu"))
+    tokens, log_probs = sampler.sample(logits, uniform, step)
+    alone = [sampler.sample(logits[r : r + 1], uniform[r : r + 1], step) for r in range(rows)]
+    assert torch.equal(tokens, torch.cat([t for t, _ in alone]))
+    torch.testing.assert_close(log_probs, torch.cat([lp for _, lp in alone]), atol=1e-6, rtol=0)
+    assert not (tokens == 5).any()  # min_new_tokens bans the single-token stop at step 2

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .sampler import SAMPLE_ROWS
+
 __all__ = [
     "DEFAULT_GPU_MEMORY_UTILIZATION",
     "KVCache",
@@ -26,11 +28,10 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.5
 DEFAULT_CPU_BYTES = 4 << 30
 
 
-# Rows of the decode step whose sampler temporaries the budget keeps room for, and float32
-# (rows, vocab) temporaries one step holds at its peak (logits cast, probabilities, the float64
-# CDF counting twice, the top-p sort): the captured graphs' private pool.
+# Rows of the decode step whose logits the budget keeps room for (float32 at most); the
+# sampler's temporaries come on top for SAMPLE_ROWS rows at a time (~16 bytes x vocab per row):
+# together, the captured graphs' private pool.
 RESERVE_ROWS = 512
-RESERVE_ROW_TEMPORARIES = 5
 # Scoring's lm_head chunk: its float32 block and two temporaries of the same size (the
 # log-sum-exp's exp, the entropy's probabilities), at most this many bytes each.
 SCORING_CHUNK_BYTES = 128 << 20
@@ -40,7 +41,7 @@ def activation_reserve_bytes(vocab: int) -> int:
     """What the KV budget leaves, inside the --gpu-memory-utilization share, for the device
     memory that is not KV: the decode step's graph pool at RESERVE_ROWS rows and scoring's
     lm_head chunks (scoring.py sizes them by SCORING_CHUNK_BYTES)."""
-    return RESERVE_ROW_TEMPORARIES * 4 * vocab * RESERVE_ROWS + 3 * SCORING_CHUNK_BYTES
+    return (4 * RESERVE_ROWS + 16 * SAMPLE_ROWS) * vocab + 3 * SCORING_CHUNK_BYTES
 
 
 def default_capacity_tokens(

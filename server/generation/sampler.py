@@ -21,7 +21,7 @@ import torch
 
 from .compiling import maybe_compiled
 
-__all__ = ["CDF_ROWS", "Sampler", "sampler_structure"]
+__all__ = ["SAMPLE_ROWS", "Sampler", "sampler_structure"]
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,12 @@ def _prepare(
     return torch.softmax(values, dim=-1), ids, lse
 
 
-# Rows whose float64 CDF exists at once: the scan over the vocabulary is the step's largest
-# temporary (8 bytes x vocab per row: ~80 MB for 64 rows of a 152k vocabulary, instead of
-# ~620 MB for a 512-row step), and it lives in the captured graphs' pool.
-CDF_ROWS = 64
+# Rows sampled at once. The float32 and float64 temporaries over the vocabulary (~16 bytes x
+# vocab per row: the float cast, the probabilities, the float64 CDF) are the step's largest,
+# and they live in the captured graphs' pool: ~310 MB for 128 rows of a 152k vocabulary, where
+# a 512-row step sampled at once would hold ~1.2 GB. Blocks are static slices, so the step's
+# shapes stay fixed; the extra launches are a few per block.
+SAMPLE_ROWS = 128
 
 
 def _row_blocks(rows: int, block: int) -> list[slice]:
@@ -173,7 +175,19 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, uniform: torch.Tensor, step: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token (b,) int64 and its log-prob (b,) float32 from logits (b, V) at `step` (0-d)."""
+        """Token (b,) int64 and its log-prob (b,) float32 from logits (b, V) at `step` (0-d),
+        SAMPLE_ROWS rows at a time (each row's numbers do not depend on its block)."""
+        if logits.shape[0] <= SAMPLE_ROWS:
+            return self._sample_rows(logits, uniform, step)
+        blocks = [
+            self._sample_rows(logits[rows], uniform[rows], step)
+            for rows in _row_blocks(logits.shape[0], SAMPLE_ROWS)
+        ]
+        return torch.cat([t for t, _ in blocks]), torch.cat([lp for _, lp in blocks])
+
+    def _sample_rows(
+        self, logits: torch.Tensor, uniform: torch.Tensor, step: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         first, ids, lse = self._prepared(
             logits, step, self.temperature, self.top_p, self.min_new_tokens, self.stops.single,
             self.greedy, self.top_k, self.filter_top_p, self.use_temperature,
@@ -181,12 +195,7 @@ class Sampler:
         if self.greedy:
             token = first
         else:
-            pick = torch.cat(
-                [
-                    _inverse_cdf(first[rows], uniform[rows])
-                    for rows in _row_blocks(first.shape[0], CDF_ROWS)
-                ]
-            )  # (b, 1)
+            pick = _inverse_cdf(first, uniform)  # (b, 1)
             token = pick.squeeze(1) if ids is None else ids.gather(-1, pick).squeeze(1)
         chosen = logits.gather(-1, token[:, None]).squeeze(1).float()
         if self.use_temperature:
