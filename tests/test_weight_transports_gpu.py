@@ -1,6 +1,7 @@
 """GPU data planes (marked `gpu`: skipped without CUDA; `make test-gpu` runs them): shared memory
-and gloo into a CUDA server (staged in pinned host memory, applied host-to-device), and NCCL
-between two GPUs."""
+and gloo into a CUDA server (staged on its device through a pinned ring, applied device to
+device: weights/pipeline.py), and NCCL between two GPUs (received straight into the device
+arena)."""
 
 from __future__ import annotations
 
