@@ -93,6 +93,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(
+        "--path", default="auto", choices=["auto", "rollserve", "hf"],
+        help="rollserve's generation path (auto: the engine on CUDA, the HF path on the CPU)",
+    )  # fmt: skip
+    parser.add_argument(
         "--threads", type=int, default=0,
         help="torch threads (0: torch's default); 1 avoids OpenMP barrier stalls on a busy host",
     )  # fmt: skip
@@ -112,8 +116,9 @@ def make_lanes(args: argparse.Namespace, model, prompts) -> dict[str, Callable[[
     def ours(share_prefill: bool = True) -> int:
         g = torch.Generator(device=args.device).manual_seed(0)
         out = generate(
-            model, prompts, params, pad_token_id=0, generator=g, share_prefill=share_prefill
-        )
+            model, prompts, params, pad_token_id=0, generator=g, share_prefill=share_prefill,
+            path=args.path,
+        )  # fmt: skip
         return int(out.response_lengths.sum())
 
     # HF's defaults (top_k=50) must not leak in: pass every setting, greedy as do_sample=False.
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         f"batch={args.batch} samples_per_prompt={args.samples_per_prompt} "
         f"prompt_len={args.min_prompt_len}..{args.prompt_len} new_tokens={args.new_tokens} "
         f"T={args.temperature} top_k={args.top_k} top_p={args.top_p} reps={args.reps} "
-        f"threads={torch.get_num_threads()}"
+        f"threads={torch.get_num_threads()} path={args.path}"
     )
     for name, r in rates.items():
         print(f"per-rep tokens/s {name:9s}", " ".join(f"{x:.0f}" for x in r))

@@ -466,3 +466,17 @@ def test_sampling_in_row_blocks_equals_sampling_each_row_alone() -> None:
     assert torch.equal(tokens, torch.cat([t for t, _ in alone]))
     torch.testing.assert_close(log_probs, torch.cat([lp for _, lp in alone]), atol=1e-6, rtol=0)
     assert not (tokens == 5).any()  # min_new_tokens bans the single-token stop at step 2
+
+
+def test_compaction_moves_the_written_columns_of_a_wider_layout(llama) -> None:
+    """140 new tokens after 7-column prompts: a 256-column layout whose rows leave the batch
+    while attention still reads 128 columns (compaction moves only those) and after it reads
+    256; the recorded log-probs still equal teacher-forced re-scoring by HF."""
+    params = SamplingParams(max_new_tokens=140, temperature=1.0, stop_sequences=((3,),))
+    prompts = [p for p in PROMPTS for _ in range(6)]  # 30 rows: bucket 32
+    out = run(llama, params, seed=2, prompts=prompts)
+    lengths = out.response_lengths
+    assert (lengths < 100).sum() > 10 and (lengths > 125).any()  # left early, and went on
+    expected = rescored(llama, out)
+    valid = out.action_mask
+    torch.testing.assert_close(out.action_log_probs[valid], expected[valid], atol=1e-5, rtol=0)

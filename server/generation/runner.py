@@ -390,9 +390,9 @@ class Engine:
                 live = int((~ws.finished[:b]).sum())  # the host's one look every few steps
                 if live == 0:
                     break
-                if batch_bucket(live, ws.rows) < b:
-                    b = self._compact(ws, b, batch_bucket(live, ws.rows))
             attend = min(ws.width, _round_up(width + step, WIDTH_QUANTUM))
+            if step % CHECK_EVERY == 0 and batch_bucket(live, ws.rows) < b:
+                b = self._compact(ws, b, batch_bucket(live, ws.rows), attend)
             self._run(ws, b, attend)
         return (
             ws.out_tokens[:n, :steps].clone(),
@@ -534,9 +534,10 @@ class Engine:
             self.decode_step(ws, b, attend)
         ws.graphs[(b, attend)] = graph
 
-    def _compact(self, ws: _Workspace, b: int, smaller: int) -> int:
+    def _compact(self, ws: _Workspace, b: int, smaller: int, columns: int) -> int:
         """Move the live rows of the first b to the front of a `smaller` bucket; fill the rest
-        with finished rows that write to the junk output row."""
+        with finished rows that write to the junk output row. Only the first `columns` cache
+        columns (those written so far, the step's attention width) are moved."""
         keep = (~ws.finished[:b]).nonzero().squeeze(1)
         live = keep.numel()
         order = torch.cat([keep, keep.new_zeros(smaller - live)])  # (smaller,)
@@ -545,6 +546,6 @@ class Engine:
         ws.finished[live:smaller] = True
         ws.row_ids[live:smaller] = ws.rows
         for layer in range(ws.k.shape[0]):  # one layer at a time bounds the temporary
-            ws.k[layer, :smaller] = ws.k[layer, order]
-            ws.v[layer, :smaller] = ws.v[layer, order]
+            ws.k[layer, :smaller, :, :columns] = ws.k[layer, order, :, :columns]
+            ws.v[layer, :smaller, :, :columns] = ws.v[layer, order, :, :columns]
         return smaller
