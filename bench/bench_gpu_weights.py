@@ -9,7 +9,8 @@ measure). The trainer is this process. Measured in the same run:
   and a device -> device copy of them (what cuda_ipc must do), best of 3 each;
 * lanes, each one warm-up update then best of 3, applied GB/s = file bytes / wall seconds of
   `update_weights` (until the server replied: received, verified, swapped in): cuda_ipc (CUDA
-  tensors; ratio to the device copy), shm (CPU tensors; CUDA tensors), grpc (CPU tensors) and
+  tensors, one handle per tensor; and flattened by flatten_weights, one handle; ratio to the
+  device copy), shm (CPU tensors; CUDA tensors), grpc (CPU tensors) and
   dist (a gloo WeightsGroup, CPU tensors), each host lane with its ratio to the pinned copy;
 * a CPU server of the same model (unless --no-cpu-reference): grpc and dist into it, so that
   the GPU server's host lanes can be compared with what the same lanes do into host memory.
@@ -40,6 +41,7 @@ sys.path.insert(0, str(_HERE.parent / "tests"))
 from bench_generation import build_model  # noqa: E402
 from helpers_server import start_server_process  # noqa: E402
 from rollserve.client import RolloutClient, WeightsGroup  # noqa: E402
+from rollserve.client.weights.flat_weights import flatten_weights  # noqa: E402
 
 ROUNDS = 3
 WAIT_S = 120.0
@@ -224,8 +226,13 @@ def gpu_server_lanes(
 ) -> list[Row]:
     print("lanes:", flush=True)
     cuda_weights = {k: v.cuda() for k, v in weights.items()} if on_cuda else None
+    flat_weights = None
+    if cuda_weights is not None:  # one buffer laid out like the data section: one handle
+        flat_weights = {k: v.clone() for k, v in cuda_weights.items()}
+        flatten_weights(flat_weights)
     lanes = [
         ("cuda_ipc", "CUDA", "D2D"),
+        ("cuda_ipc", "CUDA, flat", "D2D"),
         ("shm", "CPU", "pinned H2D"),
         ("shm", "CUDA", "pinned H2D"),
         ("grpc", "CPU", "pinned H2D"),
@@ -237,11 +244,11 @@ def gpu_server_lanes(
         if transport in ("grpc", "dist"):
             row.target = f"{row.target} x into a cpu server"
         rows.append(row)
-        if where == "CUDA" and cuda_weights is None:
+        if where.startswith("CUDA") and cuda_weights is None:
             row.note = "skipped: needs CUDA"
             print(f"  {transport} ({where}): skipped (needs CUDA)", flush=True)
             continue
-        tensors = cuda_weights if where == "CUDA" else weights
+        tensors = {"CUDA": cuda_weights, "CUDA, flat": flat_weights}.get(where, weights)
         assert tensors is not None
         run_lane(row, lambda t=transport, w=tensors: trainer.lane(w, t, total_bytes))
         limit = ceilings.get(ceiling)

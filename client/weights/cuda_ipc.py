@@ -12,23 +12,34 @@ Lifetime (rollout.proto, CudaIpcSource): the values must be final before the hea
 (every device the tensors are on is synchronised first: the server reads on its own streams and
 cannot wait on ours), and the memory must stay allocated and unchanged until the reply:
 `CudaIpcExport` holds every tensor (and the contiguous copies of non-contiguous ones) until the
-caller drops it after the call. The server releases torch's ref counter of each storage, so the
-memory is freed normally once the trainer drops it.
+caller drops it after the call.
+
+Each storage is exported once (`CudaIpcExports`, one per client: each server gives back what it
+was handed). `_share_cuda_` wraps the storage in a new producer-side record with a ref counter
+and an interprocess event each time it is called, kept until the storage is freed: exporting
+the same parameters at every step would grow that chain by one record per storage per update
+(host memory, counter slots in /dev/shm, CUDA events) for as long as the trainer runs. So the
+first update of a storage carries its ref counter, which that server gives back; later updates
+of the same live storage resend its description without a counter (nothing to give back) and
+without the event (this side synchronised the device, which orders every write before the
+header). A freed storage is forgotten, and a new storage at the same address is exported anew.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...v1 import rollout_pb2 as pb
 from ..protocol.cuda_ipc import MAX_BUFFERS, MAX_SPANS, cuda_ipc_host_id, device_uuid
 from .update_file import UpdateFile
 
-__all__ = ["CudaIpcExport", "all_on_cuda", "check_on_cuda", "export_cuda_ipc"]
+__all__ = ["CudaIpcExport", "CudaIpcExports", "all_on_cuda", "check_on_cuda", "export_cuda_ipc"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -60,8 +71,40 @@ class CudaIpcExport:
     copied: list[str] = field(default_factory=list)  # non-contiguous tensors sent as copies
 
 
-def export_cuda_ipc(update: UpdateFile) -> CudaIpcExport:
-    """Describe the update's data section as CUDA IPC buffers and spans (see the module).
+class CudaIpcExports:
+    """Each live storage's CUDA IPC description, made once by torch's `_share_cuda_` and resent
+    by later updates without its ref counter and event (see the module). One per client."""
+
+    def __init__(self) -> None:
+        # (the C++ storage, its address, its size) -> a weak reference to it, its description
+        self._described: dict[tuple[int, int, int], tuple[StorageWeakRef, pb.CudaIpcBuffer]] = {}
+        self._lock = threading.Lock()
+
+    def describe(self, storage: torch.UntypedStorage, uuid: str) -> pb.CudaIpcBuffer:
+        key = (storage._cdata, storage.data_ptr(), storage.nbytes())
+        with self._lock:
+            known = self._described.get(key)
+            if known is not None and not known[0].expired():
+                again = pb.CudaIpcBuffer()
+                again.CopyFrom(known[1])
+                again.ClearField("ref_counter_handle")  # given back by the first update
+                again.ClearField("ref_counter_offset")
+                again.ClearField("event_handle")  # the device was synchronised before this
+                again.ClearField("event_sync_required")
+                return again
+            for stale in [k for k, (weak, _) in self._described.items() if weak.expired()]:
+                del self._described[stale]  # freed storages
+            buffer = _shared(storage, uuid)
+            self._described[key] = (StorageWeakRef(storage), buffer)
+            return buffer
+
+    def __len__(self) -> int:
+        return len(self._described)
+
+
+def export_cuda_ipc(update: UpdateFile, exports: CudaIpcExports | None = None) -> CudaIpcExport:
+    """Describe the update's data section as CUDA IPC buffers and spans (see the module);
+    `exports`: the client's descriptions of storages it exported before (None: export anew).
 
     ValueError when a tensor is not on a CUDA device. Non-contiguous tensors are copied into
     contiguous memory first (logged: a copy the trainer can avoid).
@@ -114,7 +157,10 @@ def export_cuda_ipc(update: UpdateFile) -> CudaIpcExport:
     for (device, _), storage in zip(buffers, storages, strict=True):
         if device not in uuids:
             uuids[device] = device_uuid(device)
-        export.source.buffers.append(_shared(storage, uuids[device]))
+        if exports is None:
+            export.source.buffers.append(_shared(storage, uuids[device]))
+        else:
+            export.source.buffers.append(exports.describe(storage, uuids[device]))
         export.keep_alive.append(storage)
     return export
 

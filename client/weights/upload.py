@@ -41,7 +41,7 @@ from ..protocol.errors import FailedPrecondition
 from ..protocol.requests import Progress
 from ..protocol.shared_memory import shm_host_id
 from ..protocol.transports import AUTO, CUDA_IPC, SHM
-from .cuda_ipc import all_on_cuda, check_on_cuda, export_cuda_ipc
+from .cuda_ipc import CudaIpcExports, all_on_cuda, check_on_cuda, export_cuda_ipc
 from .server_calls import CallOptions, ServerCalls
 from .shared_memory import SharedMemoryFile
 from .update_file import UpdateFile, prepare_update
@@ -91,6 +91,7 @@ class Uploads:
         self._shm_lock = threading.Lock()
         self._server_shares_host: bool | None = None
         self._server_takes_cuda_ipc: bool | None = None  # offered and on this host
+        self._cuda_ipc_exports = CudaIpcExports()  # each storage exported once (cuda_ipc.py)
 
     def send(
         self,
@@ -228,7 +229,7 @@ class Uploads:
             )
         # Exported only now: a storage exported to nobody stays allocated after the trainer
         # frees it (torch's ref counter waits for a consumer that never comes).
-        export = export_cuda_ipc(update)
+        export = export_cuda_ipc(update, self._cuda_ipc_exports)
         header = pb.WeightsHeader()
         header.CopyFrom(update.header)
         header.cuda_ipc.CopyFrom(export.source)

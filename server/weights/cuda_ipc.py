@@ -26,7 +26,9 @@ trainer to 1, and the trainer's allocator keeps the storage's memory until it is
 storage opened here decrements it when dropped (torch's deleter); a buffer never opened (a
 refusal after step 2) is released in `__exit__` (`_release_ipc_counter`), so a refused update
 does not pin the trainer's memory. The counter's file name and slot are checked in step 1: the
-release writes to that slot.
+release writes to that slot. A buffer without a counter (a storage the trainer handed over
+before, whose counter an earlier update gave back) has nothing to give back: torch's deleter
+finds no file of that (empty) name and does nothing.
 """
 
 from __future__ import annotations
@@ -126,9 +128,11 @@ def _check_buffer(field: str, buffer: pb.CudaIpcBuffer) -> None:
         raise InvalidArgument(f"{field}.storage_bytes: an empty storage has nothing to share")
     if buffer.storage_offset >= 1 << 62 or buffer.storage_bytes >= 1 << 62:
         raise InvalidArgument(f"{field}: storage_offset and storage_bytes must be below 2^62")
-    if not REF_COUNTER_NAME.fullmatch(buffer.ref_counter_handle):
+    counter = buffer.ref_counter_handle
+    if counter and not REF_COUNTER_NAME.fullmatch(counter):
         raise InvalidArgument(
-            f"{field}.ref_counter_handle: one name in /dev/shm ('/' and 1 to 254 of [A-Za-z0-9._-])"
+            f"{field}.ref_counter_handle: empty, or one name in /dev/shm ('/' and 1 to 254 of "
+            "[A-Za-z0-9._-])"
         )
     if buffer.ref_counter_offset >= REF_COUNTER_SLOTS:
         raise InvalidArgument(
@@ -281,7 +285,7 @@ class CudaIpcPlane:
         """Give back the ref counter of every buffer that was never opened (best effort: a
         trainer that exited took its counters with it)."""
         for number, buffer in enumerate(self._source.buffers):
-            if self._released[number]:
+            if self._released[number] or not buffer.ref_counter_handle:
                 continue
             self._released[number] = True
             try:
