@@ -10,10 +10,13 @@ stages ON THE DEVICE (`device`): bytes arriving on the host pass through a small
 slots and are copied asynchronously into the device buffer while the next bytes arrive
 (pipeline.py), the value checks run there, and apply copies device to device into the existing
 parameter storages. The device buffer sits outside the generation engine's
---gpu-memory-utilization share, so it is only allocated when the device keeps
-DEVICE_HEADROOM_FRACTION of its memory free afterwards; when it cannot be had (no room, an
-allocation that fails, or an update over `device_limit_bytes`), the update stages in pinned
-host memory instead, as a model on the CPU does, and apply copies host to device. A failed
+--gpu-memory-utilization share, so it is only allocated when, after it, the device keeps
+DEVICE_HEADROOM_FRACTION of its memory free besides what the engines on it were promised and
+have not taken yet (their KV caches grow to their budget as batches need it; memory torch's
+allocator caches is not counted as free: it is the engine's activations of the last batch).
+When it cannot be had (no room, an allocation that fails, or an update over
+`device_limit_bytes`), the update stages in pinned host memory instead, as a model on the CPU
+does, and apply copies host to device. A failed
 allocation is final for the arena (retrying would reallocate both buffers each update); the
 room check is retried at the next update that would need a new device buffer.
 
@@ -26,7 +29,8 @@ So:
 * CUDA model: the device holds one staging copy of the largest update's data section, in the
   wire dtype (a float32 update into a bfloat16 model stages twice the model's size); the host
   holds only the ring, at most RING_SLOTS x SLOT_BYTES of pinned memory (pipeline.py), plus the
-  chunk being received. Applying needs no further device memory (copy_ casts in its kernel).
+  chunk being received (and, when a value check fails, a host copy of that one tensor to word
+  the refusal). Applying needs no further device memory (copy_ casts in its kernel).
   After a fall back to the host, the bound is the CPU model's, in pinned memory.
 
 `release` gives all of it back.
@@ -55,6 +59,7 @@ from contextlib import contextmanager
 import torch
 
 from ...client.protocol.errors import ResourceExhausted
+from ..generation.registry import built_engine
 from ..models.memory import take_load_buffer
 from .pipeline import SlotRing
 
@@ -62,8 +67,8 @@ __all__ = ["StagingArena", "set_staging_arena", "staging_arena"]
 
 _LOG = logging.getLogger(__name__)
 # A device buffer is allocated only if at least this share of the device's memory stays free
-# (or cached by torch's allocator) after it: the engine's activations and KV growth, and any
-# colocated trainer, keep their room.
+# after it and after the engines' promised KV growth: room for a colocated trainer's peaks and
+# for the allocator's fragmentation.
 DEVICE_HEADROOM_FRACTION = 0.1
 
 
@@ -156,21 +161,24 @@ class StagingArena:
         return self._device_has_room(nbytes)
 
     def _device_has_room(self, nbytes: int) -> bool:
-        """Whether a new device buffer of nbytes leaves DEVICE_HEADROOM_FRACTION free."""
+        """Whether a new device buffer of nbytes leaves DEVICE_HEADROOM_FRACTION free, beyond
+        the KV growth the engines on the device were promised."""
         assert self.device is not None
         if self.device.type != "cuda":
             return True
         free, total = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         held = self.capacity_bytes if self._on_device else 0  # freed before the new one
-        if free + cached + held - nbytes >= DEVICE_HEADROOM_FRACTION * total:
+        promised = _promised_kv_bytes(self.device)
+        if free + held - promised - nbytes >= DEVICE_HEADROOM_FRACTION * total:
             return True
         _LOG.warning(
-            "staging %d bytes on %s would leave less than %.0f%% of its memory free; this "
-            "update stages in host memory",
+            "staging %d bytes on %s would leave less than %.0f%% of its memory free (%d bytes "
+            "free, %d promised to KV caches); this update stages in host memory",
             nbytes,
             self.device,
             100 * DEVICE_HEADROOM_FRACTION,
+            free,
+            promised,
         )
         return False
 
@@ -219,6 +227,23 @@ class StagingArena:
 
 _ARENAS: weakref.WeakKeyDictionary[torch.nn.Module, StagingArena] = weakref.WeakKeyDictionary()
 _ARENAS_LOCK = threading.Lock()
+
+
+def _promised_kv_bytes(device: torch.device) -> int:
+    """KV cache bytes the generation engines on `device` may still allocate (their budget, less
+    what they hold), over the models that have an arena (the ones updates reach)."""
+    with _ARENAS_LOCK:
+        models = list(_ARENAS.keys())
+    promised = 0
+    for model in models:
+        engine = built_engine(model)
+        if engine is None or engine.device.type != device.type:
+            continue
+        if engine.device.index != device.index:
+            continue
+        cache = engine.cache
+        promised += max(0, cache.capacity_tokens * cache.token_bytes - cache.allocated_bytes)
+    return promised
 
 
 def staging_arena(model: torch.nn.Module) -> StagingArena:
