@@ -211,18 +211,22 @@ def test_the_client_refuses_cpu_tensors_and_auto_never_picks_cuda_ipc_for_them(
 
 
 def _trainer(commands: multiprocessing.Queue, results: multiprocessing.Queue) -> None:
-    """A trainer process (spawned): each command loads CUDA weights from a file and sends them.
+    """A trainer process (spawned), one client across commands; results gets (transport,
+    version, storages) of each update, or the error's text.
 
-    ("update", address, path, version, transport, flat, mode): results gets (transport,
-    version, storages), or the error's text. ("export", path, version): results gets the
-    encoded messages of a cuda_ipc update whose handles this process exports, then the process
-    exits before anyone opens them.
+    ("update", address, path, version, transport, flat, mode): load CUDA weights from a file
+    (flattened into one buffer if flat) and send them. ("again", version, scale): scale the
+    same weights in place (an optimizer step on the same storages) and send them over
+    cuda_ipc. ("export", path, version): results gets the encoded messages of a cuda_ipc update
+    whose handles this process exports, then the process exits before anyone opens them.
     """
     from rollserve.client.weights.cuda_ipc import export_cuda_ipc
     from rollserve.client.weights.flat_weights import flatten_weights
     from safetensors.torch import load_file
 
     torch.cuda.set_device(0)
+    client: RolloutClient | None = None
+    weights: dict[str, torch.Tensor] = {}
     while (command := commands.get()) is not None:
         try:
             if command[0] == "export":
@@ -235,15 +239,21 @@ def _trainer(commands: multiprocessing.Queue, results: multiprocessing.Queue) ->
                 header.cuda_ipc.CopyFrom(export.source)
                 results.put(list(update.messages(header, 0, len(update.layout()[0]))))
                 return  # exits with the handles unopened: the memory goes with the process
-            _, address, path, version, transport, flat, mode = command
-            weights = {k: v.cuda() for k, v in load_file(path).items()}
-            if flat:
-                flatten_weights(weights)
+            if command[0] == "again":
+                _, version, scale = command
+                for tensor in weights.values():
+                    tensor.mul_(scale)
+                transport, mode = "cuda_ipc", "full"
+            else:
+                _, address, path, version, transport, flat, mode = command
+                weights = {k: v.cuda() for k, v in load_file(path).items()}
+                if flat:
+                    flatten_weights(weights)
+                if client is None:
+                    client = RolloutClient(address, timeout_s=WAIT_S)
+            assert client is not None
             storages = len({t.untyped_storage().data_ptr() for t in weights.values()})
-            with RolloutClient(address, timeout_s=WAIT_S) as client:
-                result = client.update_weights(
-                    weights, version=version, transport=transport, mode=mode
-                )
+            result = client.update_weights(weights, version=version, transport=transport, mode=mode)
             results.put((result.transport, result.version, storages))
         except Exception as error:  # the test reads it
             results.put(f"{type(error).__name__}: {error}")
@@ -317,22 +327,29 @@ def test_a_trainer_process_updates_a_cuda_server_device_to_device(
         _assert_serves(cuda_server, weights)
         # Copied into the parameters' own storages: the engine's CUDA graphs still read them.
         assert {name: p.data_ptr() for name, p in actor.state_dict().items()} == pointers
+    # The same (flat) storage after an in-place step: its description is resent, without the
+    # ref counter the first update gave back; the server reads the new values.
+    commands.put(("again", 4, 0.5))
+    answer = results.get(timeout=120)
+    assert not isinstance(answer, str) and answer == ("cuda_ipc", 4, 1), answer
+    weights = {name: tensor * 0.5 for name, tensor in weights.items()}  # exact in bfloat16
+    _assert_serves(cuda_server, weights)
     # A stale version is refused (the handles' counters are given back), the weights stay.
     before = state_hash(actor)
-    commands.put(("update", cuda_server.address, path, 3, "cuda_ipc", False, "full"))
+    commands.put(("update", cuda_server.address, path, 4, "cuda_ipc", False, "full"))
     answer = results.get(timeout=120)
     assert isinstance(answer, str) and "not above" in answer, answer
     assert state_hash(actor) == before
     # A partial update: one tensor, the rest keep their values.
     name = "model.norm.weight"
-    one = {name: _bf16_weights(actor, 4)[name]}
+    one = {name: _bf16_weights(actor, 5)[name]}
     from safetensors.torch import save_file
 
     save_file(one, str(tmp_path / "partial.safetensors"))
-    commands.put(("update", cuda_server.address, str(tmp_path / "partial.safetensors"), 4,
+    commands.put(("update", cuda_server.address, str(tmp_path / "partial.safetensors"), 5,
                   "cuda_ipc", False, "partial"))  # fmt: skip
     answer = results.get(timeout=120)
-    assert not isinstance(answer, str) and answer[:2] == ("cuda_ipc", 4), answer
+    assert not isinstance(answer, str) and answer[:2] == ("cuda_ipc", 5), answer
     _assert_serves(cuda_server, {**weights, **one})
 
 
