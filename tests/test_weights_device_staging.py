@@ -500,9 +500,16 @@ def _host_pinned_bytes() -> int | None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_cuda_bf16_server_is_updated_on_the_device(gpu_actor_dir: Path, transport: str) -> None:
+def test_a_cuda_bf16_server_is_updated_on_the_device(
+    gpu_actor_dir: Path, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One transport with the generation engine (its CUDA graphs, its KV budget weighed by the
+    # arena), uncompiled to keep the test short; the others on the Hugging Face path.
+    monkeypatch.setenv("ROLLSERVE_ENGINE_COMPILE", "0")
+    path = "auto" if transport == "grpc" else "hf"
     config = ServerConfig(host="127.0.0.1", port=0, device="cuda", dtype="bfloat16",
-                          metrics_port=0, actor=str(gpu_actor_dir))  # fmt: skip
+                          metrics_port=0, actor=str(gpu_actor_dir),
+                          generation_path=path)  # fmt: skip
     models = load_models(config)
     actor = models.actor.module
     arena = staging_arena(actor)
@@ -576,3 +583,18 @@ def tiny_weights_like(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(41)
     return {k: torch.randn(v.shape, generator=generator).to(v.dtype).cuda()
             for k, v in model.state_dict().items()}  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_a_cuda_model_over_the_device_limit_stages_in_pinned_host_memory(
+    gpu_actor_dir: Path,
+) -> None:
+    model = LlamaForCausalLM.from_pretrained(gpu_actor_dir).to("cuda", torch.bfloat16)
+    arena = StagingArena(device=torch.device("cuda"), pin_memory=True, device_limit_bytes=1)
+    set_staging_arena(model, arena)
+    where = pointers(model)
+    source = {k: v.float() for k, v in tiny_weights_like(model).items()}
+    update_in_place(model, make_requests(source))
+    assert not arena.staged_on_device and arena.capacity_bytes > 0
+    assert_bits_equal(model.state_dict(), {k: v.to(torch.bfloat16) for k, v in source.items()})
+    assert pointers(model) == where
