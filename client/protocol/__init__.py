@@ -5,6 +5,7 @@ dtypes.py          torch dtype <-> wire DType <-> safetensors name: one table
 roles.py           model role name <-> wire ModelRole: one table
 transports.py      the names of UpdateWeights' data planes
 shared_memory.py   who can open whose memfd, and the seals a shared-memory update needs
+cuda_ipc.py        who can open whose CUDA IPC handles, a GPU's name across processes, bounds
 codec.py           torch tensors <-> rollserve.v1.Tensor
 wire.py            UpdateWeights' messages, hand-encoded and parsed without copies
 process_group.py   the torch.distributed side of a weights group (both ranks' builders)
