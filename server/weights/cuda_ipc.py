@@ -217,16 +217,21 @@ class CudaIpcPlane:
             )
         self._indices = self._map_devices()
         self._open_all()
-        for span in spans:
-            storage = self._opened[span.buffer]
-            assert storage is not None
-            whole = torch.empty(0, dtype=torch.uint8, device=storage.device)
-            whole.set_(storage, 0, (storage.nbytes(),))
-            for begin in range(span.begin, span.end, PIECE_BYTES):
-                size = min(PIECE_BYTES, span.end - begin)
-                start = span.offset + begin - span.begin
-                stager.feed_tensor(begin, whole[start : start + size])
-            del whole
+        storage = whole = None
+        try:
+            for span in spans:
+                storage = self._opened[span.buffer]
+                assert storage is not None
+                whole = torch.empty(0, dtype=torch.uint8, device=storage.device)
+                whole.set_(storage, 0, (storage.nbytes(),))
+                for begin in range(span.begin, span.end, PIECE_BYTES):
+                    size = min(PIECE_BYTES, span.end - begin)
+                    start = span.offset + begin - span.begin
+                    stager.feed_tensor(begin, whole[start : start + size])
+        finally:
+            # No reference of this frame may outlive the call (a traceback keeps the frame):
+            # the handles close when __exit__ drops the storages.
+            storage = whole = None
 
     # ---- opening and closing ----------------------------------------------------------------
 
