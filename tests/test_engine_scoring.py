@@ -76,13 +76,17 @@ def models(family: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, t
     return {kind: _built(kind, family, root / kind) for kind in ("causal_lm", "critic", "reward")}
 
 
-def rows() -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Sequences (B, P + A) of left-padded prompts and right-padded responses, their mask, A."""
+def rows(samples: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Sequences (B, P + A) of left-padded prompts and right-padded responses, their mask, A;
+    each prompt `samples` times in a row (a GRPO group: the engine runs its prompt once), the
+    pad ids under a group's prompt differing (they must not matter)."""
     g = torch.Generator().manual_seed(0)
     width, actions = max(map(len, PROMPTS)), max(RESPONSE_LENGTHS)
-    sequences = torch.full((len(PROMPTS), width + actions), PAD, dtype=torch.long)
+    prompts = [p for p in PROMPTS for _ in range(samples)]
+    lengths = [(n + i) % actions + 1 for n in RESPONSE_LENGTHS for i in range(samples)]
+    sequences = torch.randint(0, VOCAB, (len(prompts), width + actions), generator=g)
     mask = torch.zeros_like(sequences)
-    for row, (prompt, length) in enumerate(zip(PROMPTS, RESPONSE_LENGTHS, strict=True)):
+    for row, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
         response = torch.randint(1, VOCAB, (length,), generator=g)
         sequences[row, width - len(prompt) : width] = torch.tensor(prompt)
         sequences[row, width : width + length] = response
@@ -90,9 +94,20 @@ def rows() -> tuple[torch.Tensor, torch.Tensor, int]:
     return sequences, mask, actions
 
 
-def test_actor_log_probs_and_entropy_equal_hf(models) -> None:
+def compared(model: torch.nn.Module, mask: torch.Tensor, actions: int) -> torch.Tensor:
+    """The action columns compared with HF: every one, the right-padded ones included (a pad
+    query sees the real keys before it, as in HF), except, under a sliding window, pad queries
+    with no real key inside their window: HF gives them a zero attention output, the engine
+    their own value (finite either way; masked columns, never read)."""
+    if getattr(model.config, "sliding_window", None) is None:
+        return torch.ones((mask.shape[0], actions), dtype=torch.bool)
+    return mask[:, -actions - 1 : -1].bool()
+
+
+@pytest.mark.parametrize("samples", [1, 3])
+def test_actor_log_probs_and_entropy_equal_hf(models, samples: int) -> None:
     model = models["causal_lm"]
-    sequences, mask, actions = rows()
+    sequences, mask, actions = rows(samples)
     assert scoring_path(model, "rollserve") == "rollserve"
     kw = dict(forward_batch_size=2, with_entropy=True, positions_per_chunk=7)
     for temperature in (None, 0.7):
@@ -100,19 +115,21 @@ def test_actor_log_probs_and_entropy_equal_hf(models) -> None:
                                 path="rollserve", **kw)  # fmt: skip
         theirs = action_log_probs(model, sequences, mask, actions, temperature=temperature,
                                   path="hf", **kw)  # fmt: skip
-        # Every column, the right-padded ones included: a pad query sees what HF's sees.
+        where = compared(model, mask, actions)
         for mine, hf in zip(ours, theirs, strict=True):
-            torch.testing.assert_close(mine, hf, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(mine[where], hf[where], atol=1e-5, rtol=1e-5)
 
 
-def test_critic_values_equal_hf(models) -> None:
+@pytest.mark.parametrize("samples", [1, 3])
+def test_critic_values_equal_hf(models, samples: int) -> None:
     critic = models["critic"]
-    sequences, mask, actions = rows()
+    sequences, mask, actions = rows(samples)
     assert scoring_path(critic, "rollserve") == "rollserve"
-    ours = critic_values(critic, sequences, mask, actions, forward_batch_size=3, path="rollserve")
-    theirs = critic_values(critic, sequences, mask, actions, forward_batch_size=3, path="hf")
-    assert ours.shape == (len(PROMPTS), actions)
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    ours = critic_values(critic, sequences, mask, actions, forward_batch_size=4, path="rollserve")
+    theirs = critic_values(critic, sequences, mask, actions, forward_batch_size=4, path="hf")
+    assert ours.shape == (len(PROMPTS) * samples, actions)
+    where = compared(critic, mask, actions)
+    torch.testing.assert_close(ours[where], theirs[where], atol=1e-5, rtol=1e-5)
 
 
 def test_reward_scores_equal_hf(models) -> None:

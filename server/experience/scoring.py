@@ -115,10 +115,12 @@ Path = GenerationSettings | str | None
 
 
 def _engine_hidden(
-    forward: Forward, ids: torch.Tensor, mask: torch.Tensor, keep: slice
+    forward: Forward, ids: torch.Tensor, mask: torch.Tensor, keep: slice, actions: int = 0
 ) -> torch.Tensor:
-    """The engine's final-normed hidden states (b, len(keep), H) of the columns `keep`."""
-    return forward.hidden_states(ids, mask, position_ids_from_mask(mask))[:, keep]
+    """The engine's final-normed hidden states (b, len(keep), H) of the columns `keep`; with
+    `actions`, the S - actions prompt columns of a group's rows run once (Forward.hidden_states)."""
+    prompt_width = ids.shape[1] - actions if actions else 0
+    return forward.hidden_states(ids, mask, position_ids_from_mask(mask), prompt_width)[:, keep]
 
 
 def _action_logits(
@@ -133,7 +135,7 @@ def _action_logits(
     """
     forward = scoring_forward(model, path)
     if forward is not None and forward.family.lm_head is not None:
-        hidden = _engine_hidden(forward, ids, mask, slice(-actions - 1, -1))  # (b, A, H)
+        hidden = _engine_hidden(forward, ids, mask, slice(-actions - 1, -1), actions)  # (b, A, H)
         return lambda rows, columns: forward.logits(hidden[rows, columns])
     position_ids = position_ids_from_mask(mask)
     split = _logits_head(model)
@@ -254,7 +256,8 @@ def critic_values(
             mask = attention_mask[start : start + forward_batch_size]
             ids = sequences[start : start + forward_batch_size]
             if forward is not None:
-                hidden = _engine_hidden(forward, ids, mask, slice(-num_actions - 1, -1))
+                keep = slice(-num_actions - 1, -1)
+                hidden = _engine_hidden(forward, ids, mask, keep, num_actions)
                 values.append(_single_label(head(hidden), expected_ndim=3))
                 continue
             out = critic(

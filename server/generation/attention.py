@@ -9,8 +9,9 @@ import torch.nn.functional as F
 __all__ = ["decode_attention", "prefill_attention", "prefill_mask"]
 
 
-def prefill_mask(valid: torch.Tensor, window: int | None) -> torch.Tensor:
-    """(b, 1, s, s) bool: causal, real keys only, within the sliding window when set.
+def prefill_mask(valid: torch.Tensor, window: int | None, first_query: int = 0) -> torch.Tensor:
+    """(b, 1, s - first_query, s) bool: queries at columns first_query .. s - 1 against every
+    column: causal, real keys only, within the sliding window when set.
 
     As HF's mask for a padded batch: a query attends to the real keys at or before it, so a
     right-pad query (scoring's rows end in pads) sees the real tokens before it, as in HF. A
@@ -18,20 +19,21 @@ def prefill_mask(valid: torch.Tensor, window: int | None) -> torch.Tensor:
     output is never read (real queries never attend to a pad column).
     """
     s = valid.shape[1]
-    columns = torch.arange(s, device=valid.device)
-    allowed = columns[None, :] <= columns[:, None]  # (s, s) causal
+    keys = torch.arange(s, device=valid.device)
+    queries = keys[first_query:]
+    allowed = keys[None, :] <= queries[:, None]  # (q, s) causal
     if window is not None:
-        allowed = allowed & (columns[None, :] > columns[:, None] - window)
-    mask = allowed[None] & valid[:, None, :]  # (b, s, s)
-    alone = ~mask.any(-1, keepdim=True)  # (b, s, 1): queries with no real key
-    mask = mask | (alone & torch.eye(s, dtype=torch.bool, device=valid.device)[None])
+        allowed = allowed & (keys[None, :] > queries[:, None] - window)
+    mask = allowed[None] & valid[:, None, :]  # (b, q, s)
+    alone = ~mask.any(-1, keepdim=True)  # (b, q, 1): queries with no real key
+    mask = mask | (alone & (keys[None, :] == queries[:, None])[None])
     return mask[:, None]
 
 
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q (b, H, s, D), k/v (b, Hkv, s, D), mask (b, 1, s, s) -> (b, H, s, D)."""
+    """q (b, H, q, D), k/v (b, Hkv, s, D), mask (b, 1, q, s) -> (b, H, q, D)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # as HF's repeat_kv: prefill runs once per request
         k = k.repeat_interleave(groups, dim=1)

@@ -146,17 +146,61 @@ class Forward:
         return rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
 
     def hidden_states(
-        self, ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        prompt_width: int = 0,
     ) -> torch.Tensor:
         """Final-normed hidden states (b, s, hidden) of padded rows, what HF's base model
         returns as last_hidden_state for the same input_ids, attention_mask (any dtype, 0 for
-        pads on either side) and position_ids: the scoring forward (no cache is written)."""
+        pads on either side) and position_ids: the scoring forward (no cache is written).
+
+        prompt_width P > 0: the first P columns are left-padded prompts (scoring's layout);
+        rows with the same prompt (a GRPO group) run it once, and their other columns attend
+        to its K/V. The same numbers, up to the rounding of smaller matmuls."""
         if position_ids.max() >= self.rope.cos.shape[0]:
             raise ValueError(
                 f"position {int(position_ids.max())} is past the model's "
                 f"{self.rope.cos.shape[0]} positions"
             )
-        return self.prefill(ids, attention_mask.bool(), position_ids, None)
+        valid = attention_mask.bool()
+        if 0 < prompt_width < ids.shape[1]:
+            shared = self._shared_prompts(ids, valid, position_ids, prompt_width)
+            if shared is not None:
+                return shared
+        return self.prefill(ids, valid, position_ids, None)
+
+    def _shared_prompts(
+        self, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, width: int
+    ) -> torch.Tensor | None:
+        """hidden_states with each distinct prompt (the first `width` columns) run once; None
+        when every row's prompt is its own (nothing to share)."""
+        f = self.family
+        rows = ids.shape[0]
+        prompts = torch.where(valid[:, :width], ids[:, :width], -1)
+        distinct, of_row = torch.unique(prompts, dim=0, return_inverse=True)
+        if distinct.shape[0] == rows:
+            return None
+        first = torch.full((distinct.shape[0],), rows, dtype=torch.long, device=ids.device)
+        first.scatter_reduce_(0, of_row, torch.arange(rows, device=ids.device), "amin")
+        prompt_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        head = self.prefill(
+            ids[first, :width], valid[first, :width], positions[first, :width],
+            lambda _, k, v: prompt_kv.append((k, v)),
+        )  # fmt: skip
+        x = F.embedding(ids[:, width:], f.embed.weight)  # (b, s - P, hidden)
+        cos, sin = self.rope.at(positions[:, width:])
+        windows = {layer.window for layer in f.layers}
+        masks = {w: prefill_mask(valid, w, first_query=width) for w in windows}
+        for (k_prompt, v_prompt), layer in zip(prompt_kv, f.layers, strict=True):
+            q, k, v = self._layer_inputs(layer, x, cos, sin, attention_inputs)
+            k = torch.cat([k_prompt[of_row], k], dim=2)  # (b, Hkv, s, D)
+            v = torch.cat([v_prompt[of_row], v], dim=2)
+            out = prefill_attention(q, k, v, masks[layer.window], f.scaling)  # (b, H, s - P, D)
+            x = self._layer_mlp(layer, x, out.transpose(1, 2).reshape(*x.shape[:2], -1), mlp_block)
+        tail = rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
+        return torch.cat([head[of_row], tail], dim=1)
 
     def decode(
         self,
