@@ -98,6 +98,8 @@ def test_make_experience_moves_the_counters(server, stub) -> None:
     assert value(after, "rollserve_phase", phase="serving") == 1
     assert value(after, "rollserve_phase", phase="loading") == 0
     assert value(after, "rollserve_uptime_seconds") > 0
+    # A CPU server has no device allocator to report.
+    assert not any(name == "rollserve_device_memory_bytes" for name, _ in after)
 
 
 def test_refused_requests_are_counted_by_code(server, stub) -> None:
@@ -256,3 +258,26 @@ def test_each_server_has_its_own_registry_and_a_busy_metrics_port_is_not_fatal(
     # Stopping the server frees the metrics port.
     with RolloutServer(config, models=models) as third:
         assert third.metrics_port == metrics_port
+
+
+@pytest.mark.gpu
+def test_device_memory_of_a_cuda_server_is_exported_by_kind() -> None:
+    from rollserve.server.config import ServerConfig
+    from rollserve.server.models import load_models
+    from rollserve.server.serving.app import RolloutServer
+
+    config = ServerConfig(host="127.0.0.1", port=0, device="cuda", metrics_port=free_port())
+    with RolloutServer(config, models=load_models(config)) as served:
+        with grpc.insecure_channel(served.address) as channel:
+            list(rollout_pb2_grpc.RolloutStub(channel).MakeExperience(request(), timeout=WAIT_S))
+        samples = scrape(served.metrics_port)
+    memory = {
+        kind: value(samples, "rollserve_device_memory_bytes", kind=kind)
+        for kind in ("allocated", "reserved", "peak_allocated", "peak_reserved")
+    }
+    actor = served.runtime.maker.models.actor.module
+    weights = sum(p.numel() * p.element_size() for p in actor.parameters())
+    assert memory["allocated"] >= weights, memory
+    assert memory["reserved"] >= memory["allocated"], memory
+    assert memory["peak_allocated"] >= memory["allocated"], memory
+    assert memory["peak_reserved"] >= max(memory["reserved"], memory["peak_allocated"]), memory

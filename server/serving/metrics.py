@@ -25,6 +25,11 @@ servers in one process (tests, benchmarks) keep separate numbers. What is export
   rollserve_weight_update_gigabytes_per_second{role,transport} the last update's throughput
   rollserve_queue_depth, rollserve_policy_version{role},
   rollserve_phase{phase} (1 for the current one), rollserve_uptime_seconds   read at scrape time
+  rollserve_device_memory_bytes{kind}                      the models' CUDA device as the
+                                                           caching allocator sees it: allocated,
+                                                           reserved, peak_allocated,
+                                                           peak_reserved (the allocator's peaks);
+                                                           read at scrape time, absent off CUDA
   rollserve_rollout_batches_{made,delivered,dropped_stale,failed}_total,
   rollserve_rollout_queued_batches, rollserve_rollout_subscribers, rollserve_rollout_epoch,
   rollserve_rollout_step, rollserve_rollout_finished   the continuous rollout (--rollout-prompts),
@@ -39,6 +44,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -52,7 +58,13 @@ from ..state import Phase, ServerState
 if TYPE_CHECKING:
     from ..continuous import RolloutStats
 
-__all__ = ["MetricsHttpServer", "ServerMetrics", "role_name", "start_metrics_http"]
+__all__ = [
+    "MetricsHttpServer",
+    "ServerMetrics",
+    "device_memory_bytes",
+    "role_name",
+    "start_metrics_http",
+]
 
 _LOG = logging.getLogger(__name__)
 _RPC = ("service", "method")
@@ -265,6 +277,32 @@ class _StateCollector(Collector):
             phases.add_metric([phase.value], 1.0 if state.phase is phase else 0.0)
         yield phases
         yield GaugeMetricFamily("rollserve_uptime_seconds", "since start", value=state.uptime_s)
+        if models is not None:
+            memory = device_memory_bytes(models.device)
+            if memory:
+                family = GaugeMetricFamily(
+                    "rollserve_device_memory_bytes",
+                    "the models' device memory held by torch's caching allocator, by kind",
+                    labels=["kind"],
+                )
+                for kind, count in memory.items():
+                    family.add_metric([kind], float(count))
+                yield family
+
+
+def device_memory_bytes(device: torch.device) -> dict[str, int]:
+    """What torch's caching allocator holds on `device`: allocated (live tensors), reserved
+    (held from the driver, cached blocks included) and their peaks (since the process started,
+    or since torch's reset_peak_memory_stats); empty off CUDA. Reads the allocator's counters
+    only: no device work, safe from any thread while the engine runs."""
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return {}
+    return {
+        "allocated": torch.cuda.memory_allocated(device),
+        "reserved": torch.cuda.memory_reserved(device),
+        "peak_allocated": torch.cuda.max_memory_allocated(device),
+        "peak_reserved": torch.cuda.max_memory_reserved(device),
+    }
 
 
 class _RolloutCollector(Collector):
