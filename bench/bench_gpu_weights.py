@@ -54,6 +54,7 @@ class Row:
     lane: str
     tensors: str  # where the trainer's tensors are
     gbps: float | None = None  # best of ROUNDS
+    server_s: float | None = None  # the server's seconds (header to swap) of the best round
     ceiling: str = ""
     ratio: float | None = None
     target: str = ""
@@ -98,47 +99,61 @@ class Trainer:
         self.client = RolloutClient(target, timeout_s=WAIT_S)
         self.version = self.client.health().policy_version
 
-    def best_gbps(self, send: Callable[[int], object], total_bytes: int) -> tuple[float, str]:
-        """One warm-up update, then best of ROUNDS; GB/s and the reply's transport."""
-        best, transport = 0.0, ""
+    def best_gbps(
+        self, send: Callable[[int], object], total_bytes: int
+    ) -> tuple[float, float, str]:
+        """One warm-up update, then best of ROUNDS: GB/s, the server's seconds of that round,
+        the reply's transport."""
+        best, server_s, transport = 0.0, 0.0, ""
         for round_ in range(ROUNDS + 1):
             self.version += 1
             started = time.perf_counter()
             result = send(self.version)
             seconds = time.perf_counter() - started
             transport = result.transport  # type: ignore[attr-defined]
-            if round_:
-                best = max(best, total_bytes / seconds / 1e9)
-        return best, transport
+            if round_ and total_bytes / seconds / 1e9 > best:
+                best = total_bytes / seconds / 1e9
+                server_s = result.server_seconds  # type: ignore[attr-defined]
+        return best, server_s, transport
 
-    def lane(self, weights: dict[str, torch.Tensor], transport: str, total_bytes: int) -> float:
+    def lane(
+        self, weights: dict[str, torch.Tensor], transport: str, total_bytes: int
+    ) -> tuple[float, float]:
         if transport == "dist":
             with WeightsGroup([self.client], backend="gloo", timeout_s=WAIT_S) as group:
-                gbps, sent_as = self.best_gbps(
+                gbps, server_s, sent_as = self.best_gbps(
                     lambda v: self.client.update_weights(weights, version=v, group=group),
                     total_bytes,
                 )
         else:
-            gbps, sent_as = self.best_gbps(
+            gbps, server_s, sent_as = self.best_gbps(
                 lambda v: self.client.update_weights(weights, version=v, transport=transport),
                 total_bytes,
             )
         if sent_as != transport:
             raise RuntimeError(f"asked for {transport}, the server says {sent_as}")
-        return gbps
+        return gbps, server_s
 
     def close(self) -> None:
         self.client.close()
 
 
-def run_lane(row: Row, measure: Callable[[], float]) -> None:
-    """Fill row.gbps, or its note with the error; print the row either way."""
+def run_lane(
+    row: Row, measure: Callable[[], tuple[float, float]], ceiling: float | None = None
+) -> None:
+    """Fill row.gbps (and its ratio to `ceiling`), or its note with the error; print the row
+    at once either way (a run cut short keeps what it printed)."""
     try:
-        row.gbps = measure()
+        row.gbps, row.server_s = measure()
     except Exception as error:
         row.note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
         traceback.print_exc(file=sys.stderr)
-    print(f"  {row.lane} ({row.tensors}): {_cell(row.gbps)} GB/s {row.note}", flush=True)
+    if row.gbps is not None and ceiling:
+        row.ratio = row.gbps / ceiling
+    ratio = "" if row.ratio is None else f" = {row.ratio:.3f} x {row.ceiling}"
+    server = "" if row.server_s is None else f" (server {row.server_s:.3f} s)"
+    print(f"  {row.lane} ({row.tensors}): {_cell(row.gbps)} GB/s{ratio}{server} {row.note}",
+          flush=True)  # fmt: skip
 
 
 def _cell(value: float | None, digits: int = 2) -> str:
@@ -174,6 +189,8 @@ def main(argv: list[str]) -> int:
             servers.append(proc)
             print(f"server ({device}) serving after {time.monotonic() - started:.0f} s")
             ceilings = measure_ceilings(total_bytes, on_cuda)
+            for name, gbps in ceilings.items():
+                print(f"ceiling {name}: {_cell(gbps)} GB/s", flush=True)
             trainer = Trainer(f"127.0.0.1:{port}")
             rows += gpu_server_lanes(trainer, weights, total_bytes, ceilings, on_cuda)
             trainer.close()
@@ -192,11 +209,11 @@ def main(argv: list[str]) -> int:
     for name, gbps in ceilings.items():
         print(f"- ceiling {name}: {_cell(gbps)} GB/s")
     print()
-    print("| lane | trainer's tensors | applied GB/s | ratio | to | target | note |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| lane | trainer's tensors | applied GB/s | server s | ratio | to | target | note |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
-        print(f"| {row.lane} | {row.tensors} | {_cell(row.gbps)} | {_cell(row.ratio)} | "
-              f"{row.ceiling} | {row.target} | {row.note} |")  # fmt: skip
+        print(f"| {row.lane} | {row.tensors} | {_cell(row.gbps)} | {_cell(row.server_s, 3)} | "
+              f"{_cell(row.ratio)} | {row.ceiling} | {row.target} | {row.note} |")  # fmt: skip
     print(f"\ntotal {time.monotonic() - started:.0f} s")
     return 0
 
@@ -250,10 +267,8 @@ def gpu_server_lanes(
             continue
         tensors = {"CUDA": cuda_weights, "CUDA, flat": flat_weights}.get(where, weights)
         assert tensors is not None
-        run_lane(row, lambda t=transport, w=tensors: trainer.lane(w, t, total_bytes))
         limit = ceilings.get(ceiling)
-        if row.gbps is not None and limit:
-            row.ratio = row.gbps / limit
+        run_lane(row, lambda t=transport, w=tensors: trainer.lane(w, t, total_bytes), limit)
     return rows
 
 
