@@ -20,9 +20,9 @@ and an interprocess event each time it is called, kept until the storage is free
 the same parameters at every step would grow that chain by one record per storage per update
 (host memory, counter slots in /dev/shm, CUDA events) for as long as the trainer runs. So the
 first update of a storage carries its ref counter, which that server gives back; later updates
-of the same live storage resend its description without a counter (nothing to give back) and
-without the event (this side synchronised the device, which orders every write before the
-header). A freed storage is forgotten, and a new storage at the same address is exported anew.
+of the same live storage resend its description without a counter (nothing to give back). A
+freed storage is forgotten, and a new storage at the same address is exported anew. torch's
+interprocess event is never sent: the device is synchronised before the header leaves.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class CudaIpcExport:
 
 class CudaIpcExports:
     """Each live storage's CUDA IPC description, made once by torch's `_share_cuda_` and resent
-    by later updates without its ref counter and event (see the module). One per client."""
+    by later updates without its ref counter (see the module). One per client."""
 
     def __init__(self) -> None:
         # (the C++ storage, its address, its size) -> a weak reference to it, its description
@@ -89,8 +89,6 @@ class CudaIpcExports:
                 again.CopyFrom(known[1])
                 again.ClearField("ref_counter_handle")  # given back by the first update
                 again.ClearField("ref_counter_offset")
-                again.ClearField("event_handle")  # the device was synchronised before this
-                again.ClearField("event_sync_required")
                 return again
             for stale in [k for k, (weak, _) in self._described.items() if weak.expired()]:
                 del self._described[stale]  # freed storages
@@ -189,9 +187,12 @@ def _shared(storage: torch.UntypedStorage, uuid: str) -> pb.CudaIpcBuffer:
         storage_offset,
         ref_counter_handle,
         ref_counter_offset,
-        event_handle,
-        event_sync_required,
+        _event_handle,
+        _event_sync_required,
     ) = storage._share_cuda_()
+    # torch's event (recorded on the current stream) is not sent: export_cuda_ipc synchronised
+    # the whole device first, which orders every write before the header, and the server would
+    # open, wait for and destroy one interprocess event per storage per update for nothing.
     return pb.CudaIpcBuffer(
         device_uuid=uuid,
         device=int(device),
@@ -200,6 +201,4 @@ def _shared(storage: torch.UntypedStorage, uuid: str) -> pb.CudaIpcBuffer:
         storage_offset=int(storage_offset),
         ref_counter_handle=bytes(ref_counter_handle),
         ref_counter_offset=int(ref_counter_offset),
-        event_handle=bytes(event_handle),
-        event_sync_required=bool(event_sync_required),
     )
