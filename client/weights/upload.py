@@ -114,6 +114,13 @@ class Uploads:
                 _LOG.warning(
                     "CUDA IPC failed (%s); sending this update another way", error.details()
                 )
+            except _CannotExport as error:
+                if transport == CUDA_IPC:
+                    raise error.__cause__ from None  # type: ignore[misc]
+                self._server_takes_cuda_ipc = False  # this process's allocator cannot share
+                _LOG.warning(
+                    "CUDA IPC export failed (%s); sending this update another way", error.__cause__
+                )
         if transport == SHM or (transport == AUTO and self._auto_shm(update, streams)):
             try:
                 return self._send_shm(update, options, progress)
@@ -229,7 +236,12 @@ class Uploads:
             )
         # Exported only now: a storage exported to nobody stays allocated after the trainer
         # frees it (torch's ref counter waits for a consumer that never comes).
-        export = export_cuda_ipc(update, self._cuda_ipc_exports)
+        try:
+            export = export_cuda_ipc(update, self._cuda_ipc_exports)
+        except (RuntimeError, ValueError) as error:
+            # An allocator that cannot share (cudaMallocAsync), too many storages: "auto" goes
+            # another way, "cuda_ipc" raises it.
+            raise _CannotExport() from error
         header = pb.WeightsHeader()
         header.CopyFrom(update.header)
         header.cuda_ipc.CopyFrom(export.source)
@@ -278,6 +290,10 @@ class Uploads:
             self._calls.append(call)
             self._extra_channels.append(channel)
         return self._calls[:count]
+
+
+class _CannotExport(Exception):
+    """torch could not export the tensors' memory (its cause says why); nothing was sent."""
 
 
 class _WrittenStream:
