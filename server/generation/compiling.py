@@ -16,6 +16,18 @@ import torch
 __all__ = ["maybe_compiled"]
 
 _log = logging.getLogger("rollserve.generation")
+# Compiled versions kept per function before dynamo silently runs it eagerly. A function here
+# compiles once per (sampling structure, batch-size class: the first size, dynamic, 1), so
+# dynamo's default of 8 would turn the sampler eager after a few kinds of requests.
+RECOMPILE_LIMIT = 64
+
+
+def _raise_recompile_limit() -> None:
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across versions
+        if hasattr(config, name):
+            setattr(config, name, max(int(getattr(config, name)), RECOMPILE_LIMIT))
+            return
 
 
 class _Compiled:
@@ -23,6 +35,7 @@ class _Compiled:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.eager = fn
+        _raise_recompile_limit()
         self.compiled: Callable[..., Any] | None = torch.compile(fn, fullgraph=True)
 
     def __call__(self, *args: Any) -> Any:
