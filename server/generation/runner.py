@@ -3,11 +3,15 @@
 Per step the device does everything (forward, sampling, stop matching, recording the token,
 its log-prob and mask into per-request tables); the host only counts live rows every
 CHECK_EVERY steps, ends the loop when none is left and moves the live rows to the front of
-the next smaller batch-size bucket. On CUDA each (bucket, attention width) step is captured
-as a CUDA graph the first time it runs (after one eager run that warms it up) and replayed
-after that; the graphs read the model's parameter storages, so a weight update that swaps a
-storage (rather than copying into it) must drop them: generate() checks the parameters'
-addresses and calls invalidate() itself when they changed.
+the next smaller batch-size bucket. A step attends to the cache columns written so far only
+(the live width, rounded up to WIDTH_QUANTUM), so each (bucket, attention width) is its own
+static step. On CUDA each is captured as a CUDA graph the first time it runs (after one eager
+run that warms it up) and replayed after that; warm_up runs them all for a shape before the
+server reports SERVING. Workspaces (and their graphs) are keyed by the layout and the sampling
+structure only: temperature, top-p and min_new_tokens are device tensors the step reads. The
+graphs read the model's parameter storages, so a weight update that swaps a storage (rather
+than copying into it) must drop them: generate() checks the parameters' addresses and calls
+invalidate() itself when they changed. memory() reports what the engine holds on the device.
 """
 
 from __future__ import annotations
