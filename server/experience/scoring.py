@@ -111,7 +111,8 @@ def _logits_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modu
 _HEAD_SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-Path = GenerationSettings | str | None
+# A server's GenerationSettings, a path name, or None (the model's adopted settings).
+ScoringPath = GenerationSettings | str | None
 
 
 def _engine_hidden(
@@ -124,7 +125,7 @@ def _engine_hidden(
 
 
 def _action_logits(
-    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, actions: int, path: Path
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, actions: int, path: ScoringPath
 ) -> Callable[[slice, slice], torch.Tensor]:
     """A function giving the logits (rows, columns, V) of action columns, on demand.
 
@@ -200,7 +201,7 @@ def action_log_probs(
     temperature: float | None = None,
     with_entropy: bool = False,
     positions_per_chunk: int | None = None,
-    path: Path = None,
+    path: ScoringPath = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, A) float32 of the action tokens under a causal LM, and optionally entropy.
 
@@ -239,7 +240,7 @@ def critic_values(
     num_actions: int,
     *,
     forward_batch_size: int,
-    path: Path = None,
+    path: ScoringPath = None,
 ) -> torch.Tensor:
     """Values (B, A) float32 from a one-label token-classification critic.
 
@@ -272,7 +273,7 @@ def critic_values(
 
 
 def _engine_body_and_head(
-    model: torch.nn.Module, path: Path, kind: str
+    model: torch.nn.Module, path: ScoringPath, kind: str
 ) -> tuple[Forward | None, torch.nn.Module | None]:
     """(the engine's forward over model's body, its `score` head) when scoring runs the body
     on the engine, the model is a transformers *For<kind> (whose output is score(body); a
@@ -309,7 +310,7 @@ def reward_scores(
     attention_mask: torch.Tensor,
     *,
     forward_batch_size: int,
-    path: Path = None,
+    path: ScoringPath = None,
 ) -> torch.Tensor:
     """Scores (B,) float32 of a one-label sequence classifier, read at each row's last real token.
 
