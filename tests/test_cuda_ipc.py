@@ -107,6 +107,8 @@ def test_a_cpu_server_neither_lists_nor_takes_cuda_ipc(
     cpu_models: ModelSet, cpu_server: RolloutServer
 ) -> None:
     assert "cuda_ipc" in ServerConfig().weight_transports.split(",")  # on by default
+    flags = ServerConfig.from_args(["--weight-transports", "CUDA_IPC, shm"], {})
+    assert flags.weight_transports == "grpc,shm,cuda_ipc"
     assert offered_transports("grpc,shm,dist,cuda_ipc", torch.device("cpu")) == [
         "grpc", "shm", "dist",
     ]  # fmt: skip
