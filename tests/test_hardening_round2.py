@@ -54,6 +54,7 @@ from rollserve.client.weights.distributed import WeightsGroup
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, load_models
 from rollserve.server.serving.app import RolloutServer
+from rollserve.server.serving.exit_codes import ExitCode
 from rollserve.server.weights.arena import StagingArena
 from rollserve.server.weights.distributed import MAX_JOINING, WeightsGroups
 from rollserve.server.weights.parallel import MAX_WAITING_PARTS
@@ -406,7 +407,9 @@ def test_sigterm_ends_the_process_while_a_rendezvous_is_stuck() -> None:
                 accepted, _ = mute.accept()  # the rendezvous reached the trainer's port
                 with accepted:
                     stopped = time.monotonic()
-                    assert proc.terminate_and_wait(timeout_s=grace_s + 10.0) == 0
+                    # In flight when the grace ended: cancelled (exit 3), its handler freed.
+                    code = proc.terminate_and_wait(timeout_s=grace_s + 10.0)
+                    assert code == ExitCode.CANCELLED, proc.log_text()
                     assert time.monotonic() - stopped < grace_s + 5.0
                 with pytest.raises(grpc.RpcError):
                     call.result(timeout=CALL_S)

@@ -18,6 +18,7 @@ import json
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,13 +26,15 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from helpers_server import ServerProcess, start_server_process
+from helpers_server import ServerProcess, free_port, start_server_process
 from rollserve.client.protocol.wire import update_weights_callable
 from rollserve.client.weights.update_file import update_weights_messages
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import load_models
 from rollserve.server.serving.cli import check_health
+from rollserve.server.serving.exit_codes import STOP_BOUND_S, ExitCode
 from rollserve.v1 import rollout_pb2 as pb
+from rollserve.v1 import rollout_pb2_grpc
 
 WAIT_S = 60.0  # bound on every wait; never reached when things work
 GRACE_S = 2.0
@@ -126,8 +129,8 @@ def encoded_update(weights, version: int) -> list[bytes]:
     )
 
 
-def assert_clean_exit(proc: ServerProcess) -> None:
-    assert proc.wait(timeout=WAIT_S) == 0
+def assert_clean_exit(proc: ServerProcess, code: ExitCode = ExitCode.DRAINED) -> None:
+    assert proc.wait(timeout=WAIT_S) == code, proc.log_text()[-3000:]
     log = proc.log_text()
     assert "SIGTERM" in log and "Traceback" not in log, log[-3000:]
 
@@ -204,8 +207,133 @@ def test_sigterm_ends_a_stalled_upload_and_a_long_make_experience_with_statuses(
         assert info.value.code() in CLEAR_STATUSES, info.value
         assert upload_error is not None and upload_error.code() in CLEAR_STATUSES, upload_error
         assert time.monotonic() - signalled_s < GRACE_S + 15
-        assert_clean_exit(proc)
+        # Both outlasted the grace: cancelled, then every handler and the engine stopped.
+        assert_clean_exit(proc, ExitCode.CANCELLED)
         assert "updated actor to version 1" not in proc.log_text()  # nothing was swapped in
+    finally:
+        proc.terminate_and_wait()
+        rewards.close()
+
+
+# ---- issue 22, item 5: SIGTERM ends the process within the grace plus a bound, whatever runs ----
+
+# A channel that takes little before its reader reads: no BDP probing, a small lookahead.
+SMALL_WINDOWS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)]
+WAITING_PARTS = 8  # server/weights/parallel.py: MAX_WAITING_PARTS
+SHORT_GRACE_S = 0.5
+
+
+def bulky_request(rows: int) -> pb.MakeExperienceRequest:
+    """One micro-batch of `rows` rows x 32 new tokens: far more than a small window holds."""
+    request = pb.MakeExperienceRequest()
+    request.token_ids.values.extend([5, 6, 7] * rows)
+    request.token_ids.lengths.extend([3] * rows)
+    request.sampling.max_new_tokens = 32
+    request.sampling.seed = 5
+    request.sampling.ignore_eos = True
+    request.batching.micro_batch_size = rows
+    request.batching.generate_batch_size = rows
+    request.rewards.add(source="exact_match")
+    request.gt_answers.extend(["x"] * rows)
+    return request
+
+
+def micro_batches_sent(metrics_port: int) -> float:
+    """Micro-batches the server's handlers handed to gRPC (its Prometheus endpoint)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    for line in text.splitlines():
+        if line.startswith("rollserve_micro_batch_rows_count"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def waiting_part(update_id: str, release: threading.Event) -> Iterator[pb.UpdateWeightsRequest]:
+    """Part 1 of an update whose part 0 never comes; the stream stays open until `release`."""
+    header = pb.WeightsHeader(target=pb.MODEL_ROLE_ACTOR, version=1, total_bytes=1000)
+    header.parallel.update_id = update_id
+    header.parallel.streams, header.parallel.index = 2, 1
+    header.parallel.begin, header.parallel.end = 500, 1000
+    yield pb.UpdateWeightsRequest(header=header)
+    release.wait(WAIT_S)
+
+
+def test_sigterm_cancels_stuck_sends_and_parts_waiting_on_a_peer_then_exits_3(
+    tiny_actor_dir: Path,
+) -> None:
+    metrics_port = free_port()
+    proc, target = start(
+        tiny_actor_dir, "--metrics-port", str(metrics_port), "--stream-send-timeout-s", "600",
+        "--parallel-part-wait-s", "600", "--shutdown-grace-s", str(SHORT_GRACE_S),
+    )  # fmt: skip
+    release = threading.Event()
+    try:
+        with (
+            grpc.insecure_channel(target, options=SMALL_WINDOWS) as stuck,
+            grpc.insecure_channel(target) as channel,
+        ):
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            # A reader that never reads: its handler blocks sending the one micro-batch.
+            never_read = rollout_pb2_grpc.RolloutStub(stuck).MakeExperience(
+                bulky_request(128), timeout=WAIT_S
+            )
+            wait_until(lambda: micro_batches_sent(metrics_port) >= 1, "the handler sends")
+            # Parts waiting for a part 0 that never comes: one more than the pool holds, so
+            # once one is refused, the others wait.
+            parts = [
+                stub.UpdateWeights.future(waiting_part(f"ghost-{i}", release), timeout=WAIT_S)
+                for i in range(WAITING_PARTS + 1)
+            ]
+            wait_until(lambda: any(part.done() for part in parts), "one part is refused")
+            (refused,) = [part for part in parts if part.done()]
+            assert refused.exception().code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            parts.remove(refused)
+            signalled_s = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=WAIT_S)
+            took_s = time.monotonic() - signalled_s
+            for part in parts:
+                assert part.exception(timeout=WAIT_S).code() in CLEAR_STATUSES
+            with pytest.raises(grpc.RpcError) as info:
+                list(never_read)
+            assert info.value.code() in CLEAR_STATUSES, info.value
+        assert code == ExitCode.CANCELLED, proc.log_text()[-3000:]
+        # Within the grace and the bound: neither the send deadline nor the parts' wait.
+        assert took_s < SHORT_GRACE_S + STOP_BOUND_S, took_s
+        log = proc.log_text()
+        assert "cancelled" in log and "Traceback" not in log, log[-3000:]
+    finally:
+        release.set()
+        proc.terminate_and_wait()
+
+
+def test_sigterm_leaves_a_batch_stuck_on_the_engine_behind_and_exits_4(
+    tiny_actor_dir: Path,
+) -> None:
+    """The engine waits inside a reward endpoint that never answers: the process leaves it
+    behind STOP_BOUND_S after the grace, and says so with its exit code."""
+    rewards = HeldRewards()
+    proc, target = start(
+        tiny_actor_dir, "--reward-endpoint", f"held={rewards.url}", "--reward-timeout-s", "600",
+        "--shutdown-grace-s", str(SHORT_GRACE_S),
+    )  # fmt: skip
+    try:
+        with grpc.insecure_channel(target) as channel:
+            stream = rollout_pb2_grpc.RolloutStub(channel).MakeExperience(
+                held_experience_request(), timeout=WAIT_S
+            )
+            assert next(stream).micro_batch_index == 0
+            assert rewards.held.wait(WAIT_S)  # the engine waits for the second batch's rewards
+            signalled_s = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=WAIT_S)
+            took_s = time.monotonic() - signalled_s
+            with pytest.raises(grpc.RpcError) as info:
+                list(stream)
+            assert info.value.code() in CLEAR_STATUSES, info.value
+        assert code == ExitCode.ABANDONED, proc.log_text()[-3000:]
+        assert SHORT_GRACE_S + STOP_BOUND_S * 0.9 < took_s < SHORT_GRACE_S + STOP_BOUND_S + 3.0
+        assert "leaving behind" in proc.log_text()
     finally:
         proc.terminate_and_wait()
         rewards.close()

@@ -42,6 +42,11 @@ class Engine:
         """Jobs submitted and not yet started."""
         return self._waiting
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the worker thread has exited (after `close`)."""
+        return not self._thread.is_alive()
+
     def submit(self, job: Callable[[], T]) -> Future[T]:
         """Queue `job` for the worker; ResourceExhausted when the queue is full."""
         future: Future[T] = Future()

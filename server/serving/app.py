@@ -4,8 +4,11 @@ Order of a start: bind and start serving first (health answers NOT_SERVING while
 probes see a live but unready process), then load the models, run the readiness probe (a tiny
 forward pass on the engine, readiness.py, then the generation engine's warm-up), then SERVING.
 Order of a stop: NOT_SERVING everywhere, keep answering for `drain_delay_s` so load balancers
-notice, then stop accepting calls and give in-flight ones `shutdown_grace_s` to finish, then
-exit 0.
+notice, then stop accepting calls and give in-flight ones `shutdown_grace_s` to finish; then
+cancel what still runs and give its handlers and the engine STOP_BOUND_S to end. The exit code
+says which of these it took (exit_codes.py): 0 drained, 3 calls cancelled, 4 work left behind;
+in the last case the process leaves at once (os._exit) instead of waiting for stuck threads, and
+a watchdog armed at the signal does the same if anything else holds the exit.
 
 With --rollout-prompts the server also runs a continuous rollout (continuous/): the prompt file
 is read when the server is built, the request template is checked once the models are loaded
@@ -44,6 +47,7 @@ from ..generation import GenerationSettings
 from ..models import ModelSet, check_model_dirs, load_models
 from ..state import Phase, ServerState
 from ..weights import WeightUpdates
+from .exit_codes import STOP_BOUND_S, ExitCode
 from .handlers import add_rollout_servicer
 from .interceptors import (
     PROBE_THREADS,
@@ -115,7 +119,8 @@ class RolloutServer:
             self.metrics.watch_rollout(self.rollout.stats)
         self._metrics_http: MetricsHttpServer | None = None
         self._stop_lock = threading.Lock()
-        self._stopped = False
+        self._stopped: ExitCode | None = None  # how the stop ended, once it did
+        self._stopping = False
         self.send_deadlines: SendDeadlines | None = None
         self.call_limit: CallLimitInterceptor | None = None
 
@@ -217,32 +222,71 @@ class RolloutServer:
             time.monotonic() - started_s,
         )
 
-    def stop(self, grace_s: float | None = None, *, drain_delay_s: float = 0.0) -> None:
-        """Report NOT_SERVING, wait drain_delay_s, then stop with grace_s for in-flight calls."""
+    def stop(self, grace_s: float | None = None, *, drain_delay_s: float = 0.0) -> ExitCode:
+        """Report NOT_SERVING, wait drain_delay_s, then stop with grace_s for in-flight calls
+        and STOP_BOUND_S more for what had to be cancelled; returns how it ended (a second call
+        returns at once: the first one's outcome, DRAINED while it is still stopping)."""
         with self._stop_lock:
-            if self._stopped:
-                return
-            self._stopped = True
+            if self._stopping:
+                return ExitCode.DRAINED if self._stopped is None else self._stopped
+            self._stopping = True
         grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
         self.state.set_phase(Phase.DRAINING)
-        if self._server is None:
-            return
-        if drain_delay_s > 0:
-            _LOG.info("draining: NOT_SERVING for %.1f s before refusing calls", drain_delay_s)
-            time.sleep(drain_delay_s)
-        if self.rollout is not None:
-            self.rollout.close()  # Subscribe streams end instead of holding the grace period
-        _LOG.info("stopping: in-flight calls get %.1f s", grace_s)
-        self._server.stop(grace_s).wait()
+        outcome = ExitCode.DRAINED
+        if self._server is not None:
+            if drain_delay_s > 0:
+                _LOG.info("draining: NOT_SERVING for %.1f s before refusing calls", drain_delay_s)
+                time.sleep(drain_delay_s)
+            if self.rollout is not None:
+                self.rollout.close()  # Subscribe streams end instead of holding the grace period
+            _LOG.info("stopping: in-flight calls get %.1f s", grace_s)
+            outcome = self._stop_calls(self._server, grace_s)
+        self._stopped = outcome
+        return outcome
+
+    def _stop_calls(self, server: grpc.Server, grace_s: float) -> ExitCode:
+        """Stop gRPC (calls running at the end of the grace are cancelled), then the engine;
+        each wait bounded, so the outcome is known within grace_s + STOP_BOUND_S."""
+        shutdown = server.stop(grace_s)  # returns at once; cancels every call after grace_s
+        assert self.call_limit is not None  # bound with the server
+        in_flight = self.call_limit.in_flight
+        drained = in_flight.wait_idle(grace_s)
+        if not drained:
+            _LOG.warning(
+                "%d calls were still running when the grace period ended: cancelled",
+                in_flight.count,
+            )
+        bound_s = time.monotonic() + STOP_BOUND_S
+        if not drained and self.updates is not None:
+            # Cancelling does not reach a part waiting for its part 0 (it reads no message).
+            self.updates.planes.parallel.stop_waiting()
+        returned = drained or in_flight.wait_idle(bound_s - time.monotonic())
+        # No work call runs: what is left (grpc.health.v1 Watch, reflection) ends now.
+        server.stop(0)
+        shutdown.wait(max(bound_s - time.monotonic(), 0.0))
         if self.send_deadlines is not None:
             self.send_deadlines.close()
+        engine_stopped = True
         if self.runtime is not None:
-            self.runtime.close()
+            self.runtime.close(timeout_s=max(bound_s - time.monotonic(), 0.0))
+            engine_stopped = self.runtime.engine.stopped
         if self.updates is not None:
             self.updates.close()
         if self._metrics_http is not None:
             self._metrics_http.close()
-        _LOG.info("stopped")
+        if not (returned and engine_stopped):
+            _LOG.warning(
+                "stopped, leaving behind what did not end within %.1f s of the grace: %s",
+                STOP_BOUND_S,
+                ", ".join(
+                    ([f"{in_flight.count} call handlers"] if not returned else [])
+                    + (["the engine's job in progress"] if not engine_stopped else [])
+                ),
+            )
+            return ExitCode.ABANDONED
+        outcome = ExitCode.DRAINED if drained else ExitCode.CANCELLED
+        _LOG.info("stopped (%s)", "drained" if drained else "in-flight calls cancelled")
+        return outcome
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the server stops (or timeout_s passes); True when it stopped."""
@@ -333,7 +377,8 @@ class _StopWhileLoading(BaseException):
 
 
 def serve(config: ServerConfig) -> int:
-    """Run a server until SIGTERM/SIGINT, then drain and stop gracefully; returns the exit code.
+    """Run a server until SIGTERM/SIGINT, then drain and stop gracefully; returns the exit code
+    (exit_codes.py), or leaves the process at once when work had to be left behind.
 
     Raises ModelLoadError or BindError for startup failures (the CLI prints them).
     """
@@ -341,10 +386,15 @@ def serve(config: ServerConfig) -> int:
     check_model_dirs(config)
     server = RolloutServer(config)
     stop_requested = threading.Event()
+    # Everything a stop may take, plus as much again for what follows it (closing the models,
+    # the interpreter's exit): past this the process leaves whatever holds it.
+    exit_by_s = config.drain_delay_s + config.shutdown_grace_s + 2 * STOP_BOUND_S
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         _LOG.info("received %s", signal.Signals(signum).name)
-        stop_requested.set()
+        if not stop_requested.is_set():
+            stop_requested.set()
+            _exit_after(exit_by_s)
         if server.state.phase is Phase.LOADING:
             raise _StopWhileLoading()
 
@@ -357,12 +407,38 @@ def serve(config: ServerConfig) -> int:
     except _StopWhileLoading:
         _LOG.info("stop requested while loading models")
         server.stop(0)
-        return 0
+        return ExitCode.DRAINED
     except BaseException:
         server.stop(0)
         raise
-    server.stop(config.shutdown_grace_s, drain_delay_s=config.drain_delay_s)
-    return 0
+    outcome = server.stop(config.shutdown_grace_s, drain_delay_s=config.drain_delay_s)
+    if outcome is ExitCode.ABANDONED:
+        # A stuck pool thread would hold the interpreter's exit, the engine thread inside a
+        # torch op would abort it (std::terminate): leave now.
+        _exit_now(outcome)
+    return outcome
+
+
+def _exit_after(seconds: float) -> None:
+    """Leave the process with ABANDONED if it is still running `seconds` from now."""
+
+    def watch() -> None:
+        time.sleep(seconds)
+        _LOG.error("still running %.1f s after the stop began: leaving without waiting", seconds)
+        _exit_now(ExitCode.ABANDONED)
+
+    threading.Thread(target=watch, name="rollserve-exit-watchdog", daemon=True).start()
+
+
+def _exit_now(code: ExitCode) -> None:
+    """os._exit after flushing the logs and standard streams (os._exit flushes nothing)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(int(code))
 
 
 def _configure_logging(level: str) -> None:

@@ -1,7 +1,8 @@
 """The `rollserve` command: `serve` runs a server, `health` probes one (a Docker HEALTHCHECK).
 
 Heavy imports (torch, transformers) happen only inside `serve`: `rollserve health` runs every few
-seconds in a container and must start in a fraction of a second.
+seconds in a container and must start in a fraction of a second. `rollserve serve --help` ends
+with the exit codes (exit_codes.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+
+from .exit_codes import ExitCode, exit_codes_help
 
 __all__ = ["COMMANDS", "check_health", "main"]
 
@@ -36,15 +39,19 @@ def main(
 
 
 def _serve(args: list[str], prog: str) -> int:
-    from ..config import ConfigError, ServerConfig
+    from ..config import ConfigError, ServerConfig, build_parser
 
+    if "-h" in args or "--help" in args:
+        print(build_parser(prog).format_help())
+        print(exit_codes_help())
+        return ExitCode.DRAINED
     try:
         config = ServerConfig.from_args(args, os.environ, prog=prog)
     except ConfigError as exc:
         # argparse's own format and exit status for a usage error.
         sys.stderr.write(exc.usage)
         print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     from ..engine.readiness import ReadinessError
     from ..models import ModelLoadError
     from .app import BindError, serve
@@ -54,7 +61,7 @@ def _serve(args: list[str], prog: str) -> int:
         return serve(config)
     except (ModelLoadError, BindError, SecurityConfigError, ReadinessError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 1
+        return ExitCode.START_FAILED
 
 
 def _health(args: list[str], prog: str) -> int:

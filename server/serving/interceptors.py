@@ -13,7 +13,9 @@ Limits (CallLimitInterceptor): at most --max-workers calls other than the probes
 and grpc.health.v1 Check) run at once, and one more is RESOURCE_EXHAUSTED at once; the server's
 pool has PROBE_THREADS threads beyond that, so a probe answers while every other slot is held
 (by readers that never read, say). A response stream whose reader does not take a message
-within --stream-send-timeout-s is ended DEADLINE_EXCEEDED, which frees its handler thread.
+within --stream-send-timeout-s is ended DEADLINE_EXCEEDED, which frees its handler thread. The
+same interceptor counts the Rollout calls whose handler has not returned (`in_flight`): what a
+stop waits for (app.py).
 
 Standard health checks and reflection log at DEBUG (a probe every few seconds is noise at INFO).
 The request id is the caller's `x-request-id` metadata, else the MakeExperienceRequest.request_id
@@ -22,6 +24,7 @@ field, else a fresh one; it is echoed as `x-request-id` in the initial and trail
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -44,6 +47,7 @@ __all__ = [
     "REQUEST_ID_KEY",
     "AuthInterceptor",
     "CallLimitInterceptor",
+    "InFlight",
     "SendDeadlines",
     "MalformedRequestInterceptor",
     "TelemetryInterceptor",
@@ -477,9 +481,38 @@ class _Slots:
             self.held -= 1
 
 
+# The calls whose handlers do the server's work (the probes aside): a stop waits for these; a
+# grpc.health.v1 Watch or a reflection stream is no work left undone.
+_WORK_PREFIX = "/rollserve.v1.Rollout/"
+
+
+class InFlight:
+    """How many work calls' handlers are running, and a wait until none is."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.count = 0
+
+    def enter(self) -> None:
+        with self._cond:
+            self.count += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self.count -= 1
+            if self.count == 0:
+                self._cond.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Whether every handler returned within `timeout_s` (at once when none runs)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.count == 0, max(timeout_s, 0.0))
+
+
 class CallLimitInterceptor(grpc.ServerInterceptor):
     """At most `max_calls` calls other than PROBE_METHODS at once (one more is
-    RESOURCE_EXHAUSTED at once), and every response stream under `deadlines`.
+    RESOURCE_EXHAUSTED at once), every response stream under `deadlines`, and the Rollout calls
+    whose handler is running counted in `in_flight`.
 
     Sits inside auth (a refused caller holds no slot) and outside the undecodable-request
     check. The server's pool has max_calls + PROBE_THREADS threads, so probes find one free.
@@ -487,6 +520,7 @@ class CallLimitInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, max_calls: int, deadlines: SendDeadlines) -> None:
         self.slots = _Slots(max_calls)
+        self.in_flight = InFlight()
         self._deadlines = deadlines
 
     def intercept_service(
@@ -497,7 +531,12 @@ class CallLimitInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or handler_call_details.method in PROBE_METHODS:
             return handler
-        return _rewrap(handler, unary_out=self._unary, stream_out=self._stream)
+        counted = self.in_flight if handler_call_details.method.startswith(_WORK_PREFIX) else None
+        return _rewrap(
+            handler,
+            unary_out=functools.partial(self._unary, counted),
+            stream_out=functools.partial(self._stream, counted),
+        )
 
     def _refuse(self, context: grpc.ServicerContext) -> None:
         error = ResourceExhausted(
@@ -506,36 +545,50 @@ class CallLimitInterceptor(grpc.ServerInterceptor):
         )
         context.abort(error.code, error.message)
 
-    def _unary(self, behavior: _Behavior) -> _Behavior:
+    def _unary(self, counted: InFlight | None, behavior: _Behavior) -> _Behavior:
         def unary(request: Any, context: grpc.ServicerContext) -> Any:
             if not self.slots.take():
                 self._refuse(context)
-            try:
-                return behavior(request, context)
-            finally:
-                self.slots.give_back()
+            with _counted(counted):
+                try:
+                    return behavior(request, context)
+                finally:
+                    self.slots.give_back()
 
         return unary
 
-    def _stream(self, behavior: _Behavior) -> _Behavior:
+    def _stream(self, counted: InFlight | None, behavior: _Behavior) -> _Behavior:
         def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             if not self.slots.take():
                 self._refuse(context)
             key = object()
-            responses = behavior(request, context)
-            try:
-                for response in responses:
-                    # Armed while gRPC holds the message: it asks for the next one only once
-                    # the transport took this one.
-                    self._deadlines.arm(key, context)
-                    try:
-                        yield response
-                    finally:
-                        self._deadlines.disarm(key)
-            finally:
-                close = getattr(responses, "close", None)
-                if close is not None:
-                    close()  # the handler's own cleanup runs now, not when collected
-                self.slots.give_back()
+            with _counted(counted):
+                responses = behavior(request, context)
+                try:
+                    for response in responses:
+                        # Armed while gRPC holds the message: it asks for the next one only
+                        # once the transport took this one.
+                        self._deadlines.arm(key, context)
+                        try:
+                            yield response
+                        finally:
+                            self._deadlines.disarm(key)
+                finally:
+                    close = getattr(responses, "close", None)
+                    if close is not None:
+                        close()  # the handler's own cleanup runs now, not when collected
+                    self.slots.give_back()
 
         return stream
+
+
+@contextlib.contextmanager
+def _counted(in_flight: InFlight | None) -> Iterator[None]:
+    if in_flight is None:
+        yield
+        return
+    in_flight.enter()
+    try:
+        yield
+    finally:
+        in_flight.leave()

@@ -30,6 +30,7 @@ from ...client.protocol.errors import (
     InvalidArgument,
     ResourceExhausted,
     RolloutError,
+    Unavailable,
 )
 from ...v1 import rollout_pb2 as pb
 from .staging import Request, UpdateStager, iter_chunks
@@ -180,12 +181,20 @@ class ParallelUpdates:
         self._failed: OrderedDict[str, Assembly] = OrderedDict()  # the latest failed updates
         self._changed = threading.Condition()
         self._waiting = 0  # parts waiting in `join` for their leader
+        self._stopping = False  # the server stops: no part waits for its leader any more
 
     @property
     def waiting(self) -> int:
         """Parts waiting for their leader to register (at most MAX_WAITING_PARTS)."""
         with self._changed:
             return self._waiting
+
+    def stop_waiting(self) -> None:
+        """The server stops: parts waiting for their leader end now (UNAVAILABLE) instead of
+        holding their handler threads for wait_s past the shutdown grace; later ones too."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
 
     def open(self, header: pb.WeightsHeader, stager: UpdateStager) -> Assembly:
         """Leader: register the update (the caller calls `close` when it is over)."""
@@ -226,6 +235,8 @@ class ParallelUpdates:
             self._waiting += 1
             try:
                 while (found := self._known(update_id)) is None:
+                    if self._stopping:
+                        raise Unavailable(f"parallel update {update_id!r}: the server is stopping")
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise DeadlineExceeded(
