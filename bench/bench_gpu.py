@@ -1,51 +1,118 @@
-"""Generation on a GPU: Hugging Face `generate` against rollserve's engine, on the same rows.
+"""The GPU figures of issue 19 in one run: the engine against Hugging Face `generate` on the
+same rows, then MakeExperience end to end, in-process and over gRPC.
 
 The model is the random Qwen2-0.5B-shaped model of bench_generation.py (no download), in
-bfloat16. Rows are GRPO-shaped (distinct prompts x samples per prompt); the model has no EOS,
-so every lane produces rows x new_tokens tokens. Per case it prints tokens/s of HF `generate`
-(dynamic cache, sampling at temperature 1 with top-k and top-p off) and of the engine:
-with CUDA graphs and its compiled layers and sampler (the default on CUDA), after a warm-up
-call on dummy prompts of the same shape (engine_warm_up: what a server runs before it reports
-SERVING), with graphs only (engine_uncompiled) and with neither (engine_eager); first call and
-steady state, and the peak memory the caching allocator saw. A failing lane prints its error
-and the run goes on. One command, under 8 minutes on one H100/H200:
+bfloat16, with a word-level tokenizer of its vocabulary. Rows are GRPO-shaped (distinct prompts
+x samples per prompt) and every row makes exactly new_tokens tokens (no EOS), so tokens/s are
+comparable across lanes. A failing lane prints its error and the run goes on; a watchdog ends
+the run (and its server process) when --budget-s is spent.
 
-    python bench/bench_gpu.py
-    python bench/bench_gpu.py --device cpu --quick     # a smoke test of the script (< 1 min)
+1. Generation: HF `generate` (dynamic cache, temperature 1, top-k and top-p off) against the
+   engine (CUDA graphs and compiled layers: the CUDA default), after the engine's warm-up on
+   dummy prompts of the same shape (what a server runs before SERVING); first call, steady
+   median, the allocator's peak. --all-lanes adds the engine with graphs only and eager.
+2. MakeExperience, the issue's case (64 prompts x 8, 128-token prompts, 256 new tokens,
+   temperature 1, group_norm, an exact_match reward; generate, actor and reference scoring,
+   rewards), on the model saved to a directory and loaded by the server code:
+     in-process      NaiveExperienceMaker.make_experience on this thread (a RolloutServer in
+                     this process, warmed up as a server is)
+     engine thread   the same maker through the engine's job thread, no gRPC (diagnostic)
+     grpc, same proc RolloutClient against that in-process server (diagnostic)
+     grpc            RolloutClient against `python -m rollserve.server serve --device cuda
+                     --dtype bfloat16 --actor DIR` in its own process: seconds to SERVING,
+                     the first request after SERVING, steady best of 3; its device memory from
+                     /metrics (rollserve_device_memory_bytes) after start and after the requests
+   Each lane prints its phases (info time/<phase>_s summed over the rows) and the seconds
+   outside them (streaming, transfer, joining), which is where gRPC differs from in-process.
+3. The ratios the issue sets targets for.
+
+    python bench/bench_gpu.py                          # one H100/H200: under 5 minutes
+    python bench/bench_gpu.py --device cpu --quick     # every lane's code on the CPU (< 1 min)
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import gc
+import os
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generation import build_model, grouped_prompts  # noqa: E402
+from bench_make_experience import save_tokenizer  # noqa: E402
 from rollserve.server.experience.generation import SamplingParams, generate, left_pad  # noqa: E402
 from rollserve.server.generation import Engine, engine_for, read_family  # noqa: E402
+
+PHASES = (
+    "generate",
+    "score_actor",
+    "score_reference",
+    "score_critic",
+    "decode",
+    "score_reward_model",
+    "rewards",
+    "shape",
+)
+MEMORY_KINDS = ("allocated", "reserved", "peak_allocated", "peak_reserved")
+GIB = float(1 << 30)
 
 
 @dataclass(frozen=True)
 class Case:
+    """Rows of one measurement: prompts x samples, fixed prompt length, new tokens per row."""
+
     name: str
     prompts: int
     samples: int
     prompt_len: int
     new_tokens: int
 
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.samples
 
-def cases(quick: bool) -> list[Case]:
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.new_tokens
+
+
+def generation_cases(quick: bool) -> list[Case]:
     if quick:
         return [Case("quick 4x2", 4, 2, 16, 16), Case("quick 8x4", 8, 4, 24, 24)]
     return [Case("batch 32", 4, 8, 128, 256), Case("64 prompts x 8", 64, 8, 128, 256)]
+
+
+@dataclass(frozen=True)
+class Batching:
+    """Rows per generation call, per scoring forward and per streamed micro-batch."""
+
+    generate: int
+    forward: int
+    micro: int
+
+
+def end_to_end_case(quick: bool) -> tuple[Case, Batching]:
+    """The issue's case (the last generation case, so its HF rate is the baseline)."""
+    case = generation_cases(quick)[-1]
+    return case, Batching(generate=case.rows, forward=4 if quick else 64, micro=4 if quick else 16)
+
+
+# ---- timing helpers ---------------------------------------------------------------------------
 
 
 def sync(device: str) -> None:
@@ -53,7 +120,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn: Callable[[], None], device: str) -> float:
+def timed(fn: Callable[[], object], device: str) -> float:
     sync(device)
     start = time.perf_counter()
     fn()
@@ -64,9 +131,8 @@ def timed(fn: Callable[[], None], device: str) -> float:
 def memory(device: str) -> str:
     if not device.startswith("cuda"):
         return "-"
-    gib = 1 << 30
-    allocated = torch.cuda.max_memory_allocated() / gib
-    return f"{allocated:.1f}/{torch.cuda.max_memory_reserved() / gib:.1f} GiB"
+    allocated = torch.cuda.max_memory_allocated() / GIB
+    return f"{allocated:.1f}/{torch.cuda.max_memory_reserved() / GIB:.1f} GiB"
 
 
 def reset_memory(device: str) -> None:
@@ -75,102 +141,551 @@ def reset_memory(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def lanes(model, case: Case, device: str) -> dict[str, Callable[[], None]]:
+class Budget:
+    """The run's wall-clock budget: lanes ask what is left; a watchdog ends the process (and
+    the server it started) when it is spent, printing every thread's stack first."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+        self.children: list[subprocess.Popen] = []
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def _expire(self) -> None:
+        print("\nBUDGET SPENT: stopping the run (stacks follow)", flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        for child in self.children:
+            child.kill()
+        os._exit(124)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def failure(error: BaseException) -> str:
+    traceback.print_exc()
+    return f"FAILED {type(error).__name__}: {error}"[:200]
+
+
+# ---- 1. generation ----------------------------------------------------------------------------
+
+
+def generation_lanes(model, case: Case, device: str, all_lanes: bool) -> dict[str, Callable]:
     vocab = model.config.vocab_size
-    prompts = grouped_prompts(
-        case.prompts * case.samples, case.samples, case.prompt_len, case.prompt_len, vocab, 1
-    )
+    prompts = grouped_prompts(case.rows, case.samples, case.prompt_len, case.prompt_len, vocab, 1)
     ids, mask = left_pad(prompts, 0, torch.device(device))
     params = SamplingParams(max_new_tokens=case.new_tokens, temperature=1.0)
-    family = read_family(model)
-    plain = Engine(model, family, compiled=False)
-    eager = Engine(model, family, cuda_graphs=False, compiled=False)
 
     def hf() -> None:
         with torch.inference_mode():
             model.generate(
                 input_ids=ids, attention_mask=mask.long(), max_new_tokens=case.new_tokens,
-                do_sample=True, temperature=1.0, top_k=0,
-                top_p=1.0, pad_token_id=0,
+                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0,
             )  # fmt: skip
 
-    def engine_warm_up() -> None:  # what a server would run before reporting SERVING
+    def engine_warm_up() -> None:  # what a server runs before reporting SERVING
         engine_for(model, "rollserve").warm_up(params, len(prompts), ids.shape[1], pad_token_id=0)
 
     def engine() -> None:
         g = torch.Generator(device=device).manual_seed(0)
         generate(model, prompts, params, pad_token_id=0, generator=g, path="rollserve")
 
-    def engine_uncompiled() -> None:
-        g = torch.Generator(device=device).manual_seed(0)
-        plain.generate(ids, mask, params, pad_token_id=0, generator=g)
+    lanes = {"hf": hf, "engine_warm_up": engine_warm_up, "engine": engine}
+    if all_lanes:  # they taught what they had to (RESULTS.md): graphs are the lever
+        family = read_family(model)
+        plain = Engine(model, family, compiled=False)
+        eager = Engine(model, family, cuda_graphs=False, compiled=False)
 
-    def engine_eager() -> None:
-        g = torch.Generator(device=device).manual_seed(0)
-        eager.generate(ids, mask, params, pad_token_id=0, generator=g)
+        def engine_uncompiled() -> None:
+            g = torch.Generator(device=device).manual_seed(0)
+            plain.generate(ids, mask, params, pad_token_id=0, generator=g)
 
-    return {
-        "hf": hf, "engine_warm_up": engine_warm_up, "engine": engine,
-        "engine_uncompiled": engine_uncompiled,
-        "engine_eager": engine_eager,
-    }  # fmt: skip
+        def engine_eager() -> None:
+            g = torch.Generator(device=device).manual_seed(0)
+            eager.generate(ids, mask, params, pad_token_id=0, generator=g)
+
+        lanes.update(engine_uncompiled=engine_uncompiled, engine_eager=engine_eager)
+    return lanes
 
 
-def run_case(model, case: Case, device: str, reps: int) -> list[list[str]]:
+def run_generation_case(
+    model, case: Case, args: argparse.Namespace, budget: Budget, rates: dict[tuple[str, str], float]
+) -> list[list[str]]:
     """One table row per lane: case, lane, tokens/s, first and steady seconds, peak memory,
-    ratio to HF; a failing lane's row carries its error."""
-    tokens = case.prompts * case.samples * case.new_tokens
+    ratio to HF; a failing lane's row carries its error. Steady rates go into `rates`."""
+    device = args.device
     rows: list[list[str]] = []
-    hf_rate = None
-    for name, fn in lanes(model, case, device).items():
+    for name, fn in generation_lanes(model, case, device, args.all_lanes).items():
+        if budget.left() < args.lane_reserve_s:
+            rows.append([case.name, name, "skipped: out of budget"])
+            print(" | ".join(rows[-1]), flush=True)
+            continue
         try:
             reset_memory(device)
+            started = time.monotonic()
             first = timed(fn, device)
             if name == "engine_warm_up":  # once: its cost is the first call's
                 rows.append([case.name, name, "-", f"{first:.2f}", "-", memory(device), "-"])
                 print(" | ".join(rows[-1]), flush=True)
                 continue
-            count = 1 if name == "engine_eager" else reps
-            steady = statistics.median(timed(fn, device) for _ in range(count))
+            reps = 1 if name == "engine_eager" else (args.hf_reps if name == "hf" else args.reps)
+            steady = []
+            for _ in range(reps):
+                if steady and time.monotonic() - started > args.lane_budget_s:
+                    break  # enough: this lane has had its share of the run
+                steady.append(timed(fn, device))
+            seconds = statistics.median(steady)
         except Exception as error:  # noqa: BLE001 - one failing lane must not end the run
-            traceback.print_exc()
-            rows.append([case.name, name, f"FAILED {type(error).__name__}: {error}"[:160]])
+            rows.append([case.name, name, failure(error)])
             print(" | ".join(rows[-1]), flush=True)
             continue
-        rate = tokens / steady
-        hf_rate = rate if name == "hf" else hf_rate
+        rate = case.tokens / seconds
+        rates[(case.name, name)] = rate
+        hf_rate = rates.get((case.name, "hf"))
         ratio = f"{rate / hf_rate:.2f}x" if hf_rate else "-"
-        rows.append([case.name, name, f"{rate:,.0f}", f"{first:.2f}", f"{steady:.2f}",
-                     memory(device), ratio])  # fmt: skip
+        rows.append([case.name, name, f"{rate:,.0f}", f"{first:.2f}",
+                     f"{seconds:.2f} ({len(steady)})", memory(device), ratio])  # fmt: skip
         print(" | ".join(rows[-1]), flush=True)
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+# ---- 2. MakeExperience end to end -------------------------------------------------------------
+
+
+def save_checkpoint(model, directory: Path) -> Path:
+    """`model` and a word-level tokenizer of its vocabulary, as a server loads them."""
+    model.save_pretrained(directory)
+    save_tokenizer(directory, model.config.vocab_size)
+    return directory
+
+
+def experience_request(case: Case, batching: Batching, vocab: int) -> tuple[list, dict]:
+    """The prompts (ids >= 3: no special tokens) and the options of the issue's request."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, vocab, (case.prompt_len,), generator=g).tolist()
+               for _ in range(case.prompts)]  # fmt: skip
+    options = dict(
+        samples_per_prompt=case.samples, max_new_tokens=case.new_tokens, temperature=1.0,
+        seed=1234, ignore_eos=True, algorithm={"advantage_estimator": "group_norm"},
+        rewards=["exact_match"], gt_answers=[f"w{i + 3}" for i in range(case.prompts)],
+        generate_batch_size=batching.generate, forward_batch_size=batching.forward,
+        micro_batch_size=batching.micro,
+    )  # fmt: skip
+    return prompts, options
+
+
+def server_flags(args: argparse.Namespace, case: Case, batching: Batching) -> dict[str, object]:
+    """ServerConfig fields, and the command line's flags, shared by both servers: defaults
+    equal to the request, so the start-up warm-up builds what the request uses."""
+    flags: dict[str, object] = dict(
+        device=args.device, dtype=args.dtype, max_new_tokens=case.new_tokens,
+        generate_batch_size=batching.generate, forward_batch_size=batching.forward,
+        micro_batch_size=batching.micro,
+    )  # fmt: skip
+    if args.quick:  # the CUDA default is the engine already; on the CPU it must be asked for
+        flags["generation_path"] = "rollserve"
+    if args.kv_cache_tokens:
+        flags["kv_cache_tokens"] = args.kv_cache_tokens
+    return flags
+
+
+def phase_seconds(experience) -> dict[str, float]:
+    """Seconds of one request in each phase that ran: info time/<phase>_s summed over rows."""
+    out = {}
+    for phase in PHASES:
+        tensor = experience.info.get(f"time/{phase}_s")
+        if tensor is not None and float(tensor.double().sum()) > 0:
+            out[phase] = float(tensor.double().sum())
+    return out
+
+
+@dataclass
+class Lane:
+    """A measured end-to-end lane: first call, steady calls, the steady best's phases."""
+
+    name: str
+    first_s: float | None = None
+    steady_s: list[float] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+    note: str = ""
+
+    @property
+    def best_s(self) -> float | None:
+        return min(self.steady_s) if self.steady_s else None
+
+
+def measure(
+    name: str,
+    call: Callable[[], object],
+    *,
+    reps: int,
+    args: argparse.Namespace,
+    budget: Budget,
+    device: str,
+    first: bool = True,
+) -> Lane:
+    """Time `call` (a first call when `first`, then up to `reps` steady ones within the lane's
+    budget); a failure ends the lane with its error."""
+    lane = Lane(name)
+    if budget.left() < args.lane_reserve_s:
+        lane.error = "skipped: out of budget"
+        return lane
+    started = time.monotonic()
+    try:
+        if first:
+            lane.first_s = timed(call, device)
+        for _ in range(reps):
+            if lane.steady_s and time.monotonic() - started > args.lane_budget_s:
+                break
+            sync(device)
+            begin = time.perf_counter()
+            experience = call()
+            sync(device)
+            seconds = time.perf_counter() - begin
+            if not lane.steady_s or seconds < min(lane.steady_s):
+                lane.phases = phase_seconds(experience)
+            lane.steady_s.append(seconds)
+    except Exception as error:  # noqa: BLE001 - one failing lane must not end the run
+        lane.error = failure(error)
+    return lane
+
+
+def lane_row(lane: Lane, case: Case) -> list[str]:
+    if lane.best_s is None:
+        return [lane.name, lane.error or "no steady call", "", "", "", "", lane.note]
+    inside = sum(lane.phases.values())
+    phases = " ".join(f"{k.removeprefix('score_')} {v:.2f}" for k, v in lane.phases.items())
+    first = "-" if lane.first_s is None else f"{lane.first_s:.2f}"
+    steady = f"{lane.best_s:.2f} (best of {len(lane.steady_s)})"
+    return [lane.name, f"{case.tokens / lane.best_s:,.0f}", first, steady, phases,
+            f"{lane.best_s - inside:.3f}", lane.note or lane.error]  # fmt: skip
+
+
+def print_lane(lane: Lane, case: Case) -> Lane:
+    print("| " + " | ".join(lane_row(lane, case)) + " |", flush=True)
+    return lane
+
+
+def in_process_lanes(
+    directory: Path, case: Case, batching: Batching, args: argparse.Namespace, budget: Budget
+) -> list[Lane]:
+    """The maker in this process: on this thread, on the engine's thread, and over gRPC to
+    the in-process server (a client in this process)."""
+    from rollserve.client import RolloutClient
+    from rollserve.client.protocol.experience import concat_experiences
+    from rollserve.client.protocol.requests import build_make_experience_request
+    from rollserve.server.config import ServerConfig
+    from rollserve.server.models import load_models
+    from rollserve.server.serving.app import RolloutServer
+
+    device = args.device
+    config = ServerConfig(
+        host="127.0.0.1", port=0, actor=str(directory), log_level="WARNING",
+        **server_flags(args, case, batching),
+    )  # fmt: skip
+    started = time.perf_counter()
+    server = RolloutServer(config, models=load_models(config))
+    server.start()  # loads, warms the engine up, reports SERVING
+    start_s = time.perf_counter() - started
+    lanes: list[Lane] = []
+    try:
+        maker, runtime = server.runtime.maker, server.runtime
+        prompts, options = experience_request(case, batching, maker.models.vocab_size)
+
+        def on_this_thread():
+            return maker.make_experience(prompts, **options)
+
+        def on_engine_thread():
+            spec = maker.decode(build_make_experience_request(prompts, **options))
+            parts = runtime.engine.stream(lambda: maker.iter_experience(spec, policy_version=0))
+            return concat_experiences(list(parts), pad_token_id=maker.pad_token_id)
+
+        common = dict(args=args, budget=budget, device=device)
+        lane = measure("in-process", on_this_thread, reps=args.reps, **common)
+        lane.note = f"server start to SERVING {start_s:.1f} s (this process)"
+        lanes.append(print_lane(lane, case))
+        lane = measure("engine thread", on_engine_thread, reps=2, first=False, **common)
+        lanes.append(print_lane(lane, case))
+        with RolloutClient(server.address, timeout_s=max(budget.left(), 1.0)) as client:
+            lane = measure(
+                "grpc, same process",
+                lambda: client.make_experience(prompts, **options),
+                reps=2,
+                first=False,
+                **common,
+            )
+        lanes.append(print_lane(lane, case))
+    finally:
+        server.stop(0)
+    return lanes
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def scrape_memory(metrics_port: int) -> dict[str, float]:
+    """rollserve_device_memory_bytes by kind from a server's /metrics ({} off CUDA)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        text = reply.read().decode()
+    return {
+        sample.labels["kind"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "rollserve_device_memory_bytes"
+    }
+
+
+@contextmanager
+def server_process(
+    directory: Path, flags: dict[str, object], budget: Budget, timeout_s: float
+) -> Iterator[tuple[str, int, float, Path]]:
+    """`python -m rollserve.server serve` on 127.0.0.1 with `flags`; yields its address, its
+    metrics port, the seconds from launch to SERVING and its log file; stops it after."""
+    from rollserve.client import RolloutClient
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench-gpu-server-"))
+    port_file, log_path, metrics_port = workdir / "port", workdir / "server.log", free_port()
+    command = [
+        sys.executable, "-m", "rollserve.server", "serve", "--host", "127.0.0.1", "--port", "0",
+        "--port-file", str(port_file), "--metrics-port", str(metrics_port), "--actor",
+        str(directory), "--log-level", "INFO",
+    ]  # fmt: skip
+    for key, value in flags.items():
+        command += [f"--{key.replace('_', '-')}", str(value)]
+    print("server: " + " ".join(command[1:]), flush=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSERVE_")}
+    started = time.perf_counter()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    budget.children.append(proc)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not port_file.exists() or not port_file.read_text().strip():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not bind (exit {proc.poll()})")
+            time.sleep(0.05)
+        address = f"127.0.0.1:{int(port_file.read_text())}"
+        with RolloutClient(address) as client:
+            client.wait_until_ready(timeout_s=max(deadline - time.monotonic(), 1.0), poll_s=0.05)
+        yield address, metrics_port, time.perf_counter() - started, log_path
+    except BaseException:
+        tail = log_path.read_text(errors="replace")[-4000:] if log_path.exists() else ""
+        print(f"--- server log (tail) ---\n{tail}\n---", flush=True)
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        budget.children.remove(proc)
+
+
+@dataclass
+class ServerFigures:
+    """What the gRPC lane learned about its server process."""
+
+    lane: Lane
+    start_s: float | None = None
+    memory_start: dict[str, float] = field(default_factory=dict)
+    memory_after: dict[str, float] = field(default_factory=dict)
+    weights_bytes: int = 0
+    generation_path: str = ""
+    kv_cache_tokens: int = 0
+
+
+def grpc_lane(
+    directory: Path, case: Case, batching: Batching, args: argparse.Namespace, budget: Budget
+) -> ServerFigures:
+    from rollserve.client import RolloutClient
+
+    figures = ServerFigures(Lane("grpc"))
+    if budget.left() < args.lane_reserve_s:
+        figures.lane.error = "skipped: out of budget"
+        return figures
+    flags = server_flags(args, case, batching)
+    try:
+        with server_process(directory, flags, budget, args.server_start_s) as started:
+            address, metrics_port, figures.start_s, log_path = started
+            figures.memory_start = scrape_memory(metrics_port)
+            with RolloutClient(address, timeout_s=max(budget.left(), 1.0)) as client:
+                health = client.health()
+                figures.generation_path = health.generation_path
+                figures.kv_cache_tokens = health.kv_cache_tokens
+                figures.weights_bytes = sum(
+                    m.num_parameters * torch.empty((), dtype=getattr(torch, m.dtype)).itemsize
+                    for m in health.models
+                )
+                prompts, options = experience_request(case, batching, health.vocab_size)
+                figures.lane = measure(
+                    "grpc",
+                    lambda: client.make_experience(prompts, **options),
+                    reps=args.reps,
+                    args=args,
+                    budget=budget,
+                    device=args.device,
+                )
+            figures.memory_after = scrape_memory(metrics_port)
+            figures.lane.note = (
+                f"server process: launch to SERVING {figures.start_s:.1f} s, path "
+                f"{figures.generation_path}, KV {figures.kv_cache_tokens:,} tokens"
+            )
+    except Exception as error:  # noqa: BLE001 - the run goes on to print what it has
+        figures.lane.error = failure(error)
+    print_lane(figures.lane, case)
+    return figures
+
+
+def kv_bytes_of_batch(config, case: Case, bytes_per_value: int) -> int:
+    """K and V of every layer for rows x (prompt + new tokens) tokens."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * bytes_per_value
+    return case.rows * (case.prompt_len + case.new_tokens) * per_token
+
+
+# ---- 3. ratios --------------------------------------------------------------------------------
+
+
+def ratio(numerator: float | None, denominator: float | None) -> str:
+    if not numerator or not denominator:
+        return "n/a"
+    return f"{numerator / denominator:.2f}"
+
+
+def print_summary(
+    case: Case,
+    rates: dict[tuple[str, str], float],
+    lanes: dict[str, Lane],
+    server: ServerFigures,
+    kv_bytes: int,
+) -> None:
+    hf = rates.get((case.name, "hf"))
+    engine = rates.get((case.name, "engine"))
+    local, remote = lanes.get("in-process"), server.lane
+    local_rate = case.tokens / local.best_s if local and local.best_s else None
+    remote_rate = case.tokens / remote.best_s if remote.best_s else None
+    peak = server.memory_after.get("peak_allocated")
+    peak_reserved = server.memory_after.get("peak_reserved")
+    need = server.weights_bytes + kv_bytes
+
+    def gib(d: dict[str, float], kind: str) -> str:
+        return f"{d[kind] / GIB:.2f}" if kind in d else "-"
+
+    print(f"\n## Ratios ({case.name}: {case.rows} rows x {case.new_tokens} new tokens)\n")
+    print("| ratio | value | target |")
+    print("| --- | --- | --- |")
+    print(f"| generation alone: engine / HF generate | {ratio(engine, hf)} | >= 5 |")
+    print(f"| MakeExperience in-process / HF generate alone | {ratio(local_rate, hf)} | >= 3 |")
+    print(f"| MakeExperience over gRPC / HF generate alone | {ratio(remote_rate, hf)} | >= 3 |")
+    local_s = local.best_s if local else None
+    print(f"| gRPC / in-process (steady best) | {ratio(remote.best_s, local_s)} | <= 1.05 |")
+    for name in ("engine thread", "grpc, same process"):
+        other = lanes.get(name)
+        print(f"| {name} / in-process (diagnostic) "
+              f"| {ratio(other.best_s if other else None, local_s)} | - |")  # fmt: skip
+    print(f"| gRPC first request after SERVING / steady | {ratio(remote.first_s, remote.best_s)} "
+          "| <= 1.5 |")  # fmt: skip
+    print(f"| server peak allocated / (weights + KV of the batch) | {ratio(peak, need)} "
+          "| <= 1.25 |")  # fmt: skip
+    print(f"| server peak reserved / (weights + KV of the batch) | {ratio(peak_reserved, need)} "
+          "| - |")  # fmt: skip
+    print(
+        f"\nserver memory GiB (allocated/reserved/peak allocated/peak reserved): after start "
+        f"{'/'.join(gib(server.memory_start, k) for k in MEMORY_KINDS)}, after the requests "
+        f"{'/'.join(gib(server.memory_after, k) for k in MEMORY_KINDS)}; weights "
+        f"{server.weights_bytes / GIB:.2f} GiB (every loaded model), KV of the batch "
+        f"{kv_bytes / GIB:.2f} GiB"
+    )
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="a small model and batch (smoke test)")
-    parser.add_argument("--reps", type=int, default=3, help="steady-state calls per lane")
+    parser.add_argument("--reps", type=int, default=3, help="steady calls per lane")
+    parser.add_argument("--hf-reps", type=int, default=2, help="steady HF generate calls")
+    parser.add_argument("--all-lanes", action="store_true", help="also graphs-only and eager")
+    parser.add_argument("--skip", default="", help="comma list of: generation, e2e, grpc")
+    parser.add_argument("--budget-s", type=float, default=290.0, help="the whole run")
+    parser.add_argument("--lane-budget-s", type=float, default=60.0, help="no new call after")
+    parser.add_argument("--lane-reserve-s", type=float, default=15.0, help="skip a lane below")
+    parser.add_argument("--server-start-s", type=float, default=240.0)
+    parser.add_argument("--kv-cache-tokens", type=int, default=0, help="0: the server default")
     args = parser.parse_args(argv)
+    args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+    args.skip = {part.strip() for part in args.skip.split(",") if part.strip()}
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("CUDA is not available: nothing to measure (try --device cpu --quick).")
         return 0
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    budget = Budget(args.budget_s)
+    dtype = getattr(torch, args.dtype)
     size = "small" if args.quick else "0.5b"
     start = time.perf_counter()
     model = build_model(size, 512, 64, 2, dtype, args.device)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"device {name}, torch {torch.__version__}, model {size} {dtype}, "
-          f"built in {time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip
-    header = ["case", "lane", "tokens/s", "first s", "steady s", "peak alloc/reserved", "vs hf"]
-    print(f"tokens per call = rows x new tokens; steady = median of {args.reps}", flush=True)
-    rows = [
-        row for case in cases(args.quick) for row in run_case(model, case, args.device, args.reps)
-    ]
-    print("\n| " + " | ".join(header) + " |")
-    print("|" + " --- |" * len(header))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print(f"device {name}, torch {torch.__version__}, model {size} {dtype} "
+          f"({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, vocab "
+          f"{model.config.vocab_size}), built in {time.perf_counter() - start:.1f} s",
+          flush=True)  # fmt: skip
+    rates: dict[tuple[str, str], float] = {}
+    if "generation" not in args.skip:
+        header = ["case", "lane", "tokens/s", "first s", "steady s (n)", "peak alloc/reserved",
+                  "vs hf"]  # fmt: skip
+        print("\n## Generation (tokens per call = rows x new tokens; steady = median)\n")
+        print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header), flush=True)
+        for case in generation_cases(args.quick):  # rows print as measured
+            run_generation_case(model, case, args, budget, rates)
+    case, batching = end_to_end_case(args.quick)
+    lanes: dict[str, Lane] = {}
+    server = ServerFigures(Lane("grpc", error="skipped"))
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-model-") as tmp:
+        directory = save_checkpoint(model, Path(tmp))
+        config = model.config
+        del model  # the servers load their own copies; free this one's memory and graphs
+        gc.collect()
+        reset_memory(args.device)
+        header = ["lane", "tokens/s", "first s", "steady s", "phases of the best (s)",
+                  "outside phases s", "notes"]  # fmt: skip
+        print(f"\n## MakeExperience end to end ({case.prompts} prompts x {case.samples}, "
+              f"{case.prompt_len}-token prompts, {case.new_tokens} new tokens; rows per "
+              f"generate/forward/micro-batch {batching.generate}/{batching.forward}/"
+              f"{batching.micro})\n")  # fmt: skip
+        print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header), flush=True)
+        if "e2e" not in args.skip:
+            try:
+                for lane in in_process_lanes(directory, case, batching, args, budget):
+                    lanes[lane.name] = lane
+            except Exception as error:  # noqa: BLE001
+                print_lane(Lane("in-process", error=failure(error)), case)
+            gc.collect()
+            reset_memory(args.device)
+        if "grpc" not in args.skip:
+            server = grpc_lane(directory, case, batching, args, budget)
+    print_summary(case, rates, lanes, server, kv_bytes_of_batch(config, case, dtype.itemsize))
+    print(f"\nrun took {args.budget_s - budget.left():.0f} s", flush=True)
+    budget.cancel()
     return 0
 
 

@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 
-def save_model(directory: Path, vocab: int, hidden: int, layers: int) -> Path:
-    """A random Llama and a word-level tokenizer of `vocab` ids ("w3" ... ) saved to `directory`."""
+def save_tokenizer(directory: Path, vocab: int) -> None:
+    """A word-level tokenizer of `vocab` ids ("<pad>" 0, "<s>" 1, "</s>" 2, then "w3" ...)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     words = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
     core = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
@@ -48,6 +48,13 @@ def save_model(directory: Path, vocab: int, hidden: int, layers: int) -> Path:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )
+    tokenizer.save_pretrained(directory)
+
+
+def save_model(directory: Path, vocab: int, hidden: int, layers: int) -> Path:
+    """A random Llama and a word-level tokenizer of `vocab` ids saved to `directory`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
         num_hidden_layers=layers, num_attention_heads=hidden // 64,
@@ -56,7 +63,7 @@ def save_model(directory: Path, vocab: int, hidden: int, layers: int) -> Path:
     )  # fmt: skip
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    save_tokenizer(directory, vocab)
     return directory
 
 
