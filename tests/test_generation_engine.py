@@ -480,3 +480,18 @@ def test_compaction_moves_the_written_columns_of_a_wider_layout(llama) -> None:
     expected = rescored(llama, out)
     valid = out.action_mask
     torch.testing.assert_close(out.action_log_probs[valid], expected[valid], atol=1e-5, rtol=0)
+
+
+def test_attention_widths_cover_the_live_columns_with_few_graphs() -> None:
+    """A step reads at least its written columns and little more (an eighth past 2048), and a
+    long layout steps through few widths (one captured graph each per bucket)."""
+    from rollserve.server.generation.runner import WIDTH_QUANTUM, attention_width
+
+    layout = 8192
+    widths = [attention_width(live, layout) for live in range(1, layout + 1)]
+    for live, width in enumerate(widths, start=1):
+        assert live <= width <= layout and width % WIDTH_QUANTUM == 0
+        assert width <= max(WIDTH_QUANTUM * -(-live // WIDTH_QUANTUM), live * 9 // 8 + 1)
+    assert widths == sorted(widths)
+    assert len(set(widths[:2048])) == 16 and len(set(widths)) == 32  # 128 columns each: 64
+    assert attention_width(300, 256) == 256  # never past the layout

@@ -4,7 +4,7 @@ Per step the device does everything (forward, sampling, stop matching, recording
 its log-prob and mask into per-request tables); the host only counts live rows every
 CHECK_EVERY steps, ends the loop when none is left and moves the live rows to the front of
 the next smaller batch-size bucket. A step attends to the cache columns written so far only
-(the live width, rounded up to WIDTH_QUANTUM), so each (bucket, attention width) is its own
+(the live width, rounded up: attention_width), so each (bucket, attention width) is its own
 static step. On CUDA each is captured as a CUDA graph the first time it runs (after one eager
 run that warms it up) and replayed after that; warm_up runs them all for a shape before the
 server reports SERVING. Workspaces (and their graphs) are keyed by the layout and the sampling
@@ -36,13 +36,13 @@ from .model import Forward
 from .rotary import RopeTable
 from .sampler import Sampler, sampler_structure
 
-__all__ = ["Engine", "EngineMemory", "EngineResult", "batch_bucket"]
+__all__ = ["Engine", "EngineMemory", "EngineResult", "attention_width", "batch_bucket"]
 
 # Batch sizes a step runs at (rows beyond the live ones are finished fillers): a ~1.5x ladder
 # keeps the number of captured graphs small and the filler work under a third.
 _LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 CHECK_EVERY = 8  # decode steps between the host's looks at finished rows
-WIDTH_QUANTUM = 128  # attention reads the cache in blocks of this many columns
+WIDTH_QUANTUM = 128  # layouts are this many columns wide; attention reads blocks of them
 PREFILL_TOKENS = 8192  # prompt tokens per prefill forward (rows are chunked to fit)
 MAX_WORKSPACES = 4  # layouts x sampling structures kept with their graphs
 WARM_UP_BUDGET_S = 60.0  # the warm-up starts no new batch bucket after this (it delays SERVING)
@@ -60,6 +60,15 @@ def batch_bucket(rows: int, cap: int) -> int:
 
 def _round_up(value: int, quantum: int) -> int:
     return -(-value // quantum) * quantum
+
+
+def attention_width(live: int, layout_width: int) -> int:
+    """The cache columns a step reads for `live` written columns: live rounded up to
+    WIDTH_QUANTUM up to 16 quanta, then to a sixteenth of the power of two above it (8 widths
+    per doubling: a step reads at most an eighth more than live, and a long layout needs few
+    graphs per bucket), never past the layout."""
+    quantum = max(WIDTH_QUANTUM, 1 << max(0, (live - 1).bit_length() - 4))
+    return min(layout_width, _round_up(live, quantum))
 
 
 @dataclass(frozen=True)
@@ -324,7 +333,7 @@ class Engine:
             buckets = [top] + sorted({size for size in _LADDER if size < top}, reverse=True)
             first_step: dict[int, int] = {}  # attention width -> the first step that reads it
             for step in range(1, steps):
-                attend = min(ws.width, _round_up(prompt_width + step, WIDTH_QUANTUM))
+                attend = attention_width(prompt_width + step, ws.width)
                 first_step.setdefault(attend, step)
             covered = []
             for b in buckets:
@@ -394,7 +403,7 @@ class Engine:
                 live = int((~ws.finished[:b]).sum())  # the host's one look every few steps
                 if live == 0:
                     break
-            attend = min(ws.width, _round_up(width + step, WIDTH_QUANTUM))
+            attend = attention_width(width + step, ws.width)
             if step % CHECK_EVERY == 0 and batch_bucket(live, ws.rows) < b:
                 b = self._compact(ws, b, batch_bucket(live, ws.rows), attend)
             self._run(ws, b, attend)
