@@ -16,7 +16,7 @@ from ...client.protocol.experience import Experience
 from ..algorithms import ShapedExperience
 from .generation import GenerationOutput
 
-__all__ = ["ScoredBatch", "merge_batches", "to_experience"]
+__all__ = ["ScoredBatch", "fetch_to_cpu", "merge_batches", "to_experience"]
 
 
 @dataclass(frozen=True)
@@ -44,34 +44,83 @@ def to_experience(
     return_entropy: bool,
     return_texts: bool,
 ) -> Experience:
-    """The whole batch as an Experience on the CPU (float32, bool masks)."""
+    """The whole batch as an Experience on the CPU (float32, bool masks).
+
+    Every device tensor comes to the host in one go (fetch_to_cpu): copies into pinned
+    memory queued behind the shaping kernels, one wait for all of them.
+    """
     generation = scored.generation
     rows = generation.sequences.shape[0]
-    info = {key: _cpu(value) for key, value in shaped.info.items()}
+    host = fetch_to_cpu(
+        {
+            "sequences": generation.sequences,
+            "attention_mask": generation.attention_mask,
+            "response_lengths": generation.response_lengths,
+            "truncated": generation.truncated,
+            "rollout_log_probs": generation.action_log_probs,
+            "action_mask": shaped.action_mask,
+            "action_log_probs": shaped.action_log_probs,
+            "base_action_log_probs": shaped.base_action_log_probs,
+            "values": scored.values,
+            "reward": shaped.reward,
+            "kl": shaped.kl,
+            "advantages": shaped.advantages,
+            "returns": shaped.returns,
+            "entropy": scored.entropy if return_entropy else None,
+            **{f"info/{key}": value for key, value in shaped.info.items()},
+        }
+    )
+    info = {key: host[f"info/{key}"] for key in shaped.info}
     info.update(scored.reward_info)
     info.update(scored.times)
-    info["response_length"] = _cpu(generation.response_lengths).to(torch.int64)
-    info["total_length"] = _cpu(generation.attention_mask).sum(-1).to(torch.int64)
-    info["truncated"] = _cpu(generation.truncated).to(torch.bool)
+    info["response_length"] = host["response_lengths"].to(torch.int64)
+    info["total_length"] = host["attention_mask"].sum(-1).to(torch.int64)
+    info["truncated"] = host["truncated"].to(torch.bool)
     return Experience(
-        sequences=_cpu(generation.sequences),
-        attention_mask=_cpu(generation.attention_mask).bool(),
-        action_mask=_cpu(shaped.action_mask).bool(),
-        action_log_probs=_cpu(shaped.action_log_probs).float(),
-        base_action_log_probs=_float(_cpu(shaped.base_action_log_probs)),
-        values=_float(_cpu(scored.values)),
-        reward=_cpu(shaped.reward).float(),
-        kl=_cpu(shaped.kl).float(),
-        advantages=_cpu(shaped.advantages).float(),
-        returns=_cpu(shaped.returns).float(),
-        action_entropy=_float(_cpu(scored.entropy)) if return_entropy else None,
+        sequences=host["sequences"],
+        attention_mask=host["attention_mask"].bool(),
+        action_mask=host["action_mask"].bool(),
+        action_log_probs=host["action_log_probs"].float(),
+        base_action_log_probs=_float(host["base_action_log_probs"]),
+        values=_float(host["values"]),
+        reward=host["reward"].float(),
+        kl=host["kl"].float(),
+        advantages=host["advantages"].float(),
+        returns=host["returns"].float(),
+        action_entropy=_float(host["entropy"]),
         # The behaviour log-probs, recorded by the generation forward while sampling.
-        rollout_log_probs=_cpu(generation.action_log_probs).float(),
+        rollout_log_probs=host["rollout_log_probs"].float(),
         info=info,
         policy_version=torch.full((rows,), policy_version, dtype=torch.int64),
         prompt_index=scored.prompt_index.clone(),
         response_texts=scored.texts if return_texts else None,
     )
+
+
+def fetch_to_cpu(tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    """The same tensors on the CPU (detached; None stays None; CPU tensors as they are).
+
+    CUDA tensors are copied without blocking into pinned host memory, each copy queued on
+    its device's current stream right behind the kernels that make the tensor, and the host
+    waits once for the last of them. A plain `.cpu()` per tensor would wait for the device
+    and go through pageable memory once per tensor, a dozen and more times per batch.
+    """
+    out: dict[str, torch.Tensor | None] = {}
+    streams: dict[torch.device, torch.cuda.Stream] = {}
+    for name, tensor in tensors.items():
+        if tensor is None:
+            out[name] = None
+            continue
+        tensor = tensor.detach()
+        if tensor.device.type != "cuda":
+            out[name] = tensor.to("cpu")
+            continue
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        out[name] = host.copy_(tensor, non_blocking=True)
+        streams.setdefault(tensor.device, torch.cuda.current_stream(tensor.device))
+    for stream in streams.values():
+        stream.synchronize()  # the copies are done: the host may read every tensor now
+    return out
 
 
 def merge_batches(batches: list[ScoredBatch], pad_token_id: int) -> ScoredBatch:
@@ -143,10 +192,6 @@ def _pad_batch(b: ScoredBatch, width_p: int, width_a: int, pad_token_id: int) ->
 
 def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if parts[0] is None else torch.cat(parts)
-
-
-def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().to("cpu")
 
 
 def _float(t: torch.Tensor | None) -> torch.Tensor | None:
