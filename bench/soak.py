@@ -20,6 +20,14 @@ built from configs, CPU), and prints a markdown report (bench/RESULTS.md keeps o
    Status counts and p50/p99 latency per RPC, server RSS at start and end, and every row's
    policy_version checked against the updates acknowledged before its call started and started
    before it ended.
+4. held (issue 22): slow readers and held handler threads at once, --max-workers 16: MakeExperience
+   streams never read, a Subscribe reader that never reads (a client without a window), a
+   subscriber that never acknowledges, parallel parts waiting for a part 0 that never comes, and
+   InitWeightsGroup toward a closed port (timeout_s 3600). Health and grpc.health.v1 latency,
+   server threads and RSS before, during and after; during: a normal MakeExperience, UpdateWeights
+   and Subscribe succeed; after: the attackers leave (a cancelled part still waits out
+   --parallel-part-wait-s) and the figures go back. Then the same attack again and SIGTERM: the
+   exit code (3: calls cancelled) and how long the stop took against --shutdown-grace-s.
 
 Exit code 0 when every check held, 1 otherwise.
 """
@@ -44,9 +52,11 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from helpers_fuzz import FuzzReport, WeightsStreams, fuzz_cases, run_case  # noqa: E402
 from helpers_server import (  # noqa: E402
     ServerProcess,
+    free_port,
     greedy_snapshot,
     rss_bytes,
     start_server_process,
@@ -57,6 +67,9 @@ from rollserve.client.weights.update_file import update_weights_messages  # noqa
 from rollserve.server.config import ServerConfig  # noqa: E402
 from rollserve.server.models import load_models  # noqa: E402
 from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm  # noqa: E402
+from rollserve.server.serving.exit_codes import STOP_BOUND_S  # noqa: E402
+from rollserve.v1 import rollout_pb2 as pb  # noqa: E402
+from rollserve.v1 import rollout_pb2_grpc  # noqa: E402
 
 CALL_TIMEOUT_S = 60.0  # a call that reaches it counts as a hang
 MIB = 1 << 20
@@ -475,6 +488,194 @@ def phase_load(
     return result, ok
 
 
+# ---- 4. slow readers and held handler threads ----------------------------------------------------
+
+# A channel that takes little before its reader reads: no BDP probing, a small lookahead.
+_SMALL_WINDOWS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)]
+_HELD_TIMER_S = 10.0  # the server's send timeout, part wait and group cap in this phase
+_HELD_GRACE_S = 2.0
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    return -1
+
+
+def _probe_for(target: str, seconds: float) -> dict:
+    """Rollout.Health and grpc.health.v1 Check, one after the other, for `seconds`."""
+    latencies: list[float] = []
+    failures = Counter()
+    with grpc.insecure_channel(target) as channel:
+        health = rollout_pb2_grpc.RolloutStub(channel).Health
+        check = health_pb2_grpc.HealthStub(channel).Check
+        stop_s = time.monotonic() + seconds
+        while time.monotonic() < stop_s:
+            for call, request in (
+                (health, pb.HealthRequest()),
+                (check, health_pb2.HealthCheckRequest()),
+            ):
+                started_s = time.monotonic()
+                try:
+                    call(request, timeout=3.0)
+                    latencies.append(time.monotonic() - started_s)
+                except grpc.RpcError as error:
+                    failures[error.code().name] += 1
+            time.sleep(0.01)
+    return {
+        "probes": len(latencies),
+        "p50_ms": round(_percentile(latencies, 50) * 1e3, 1),
+        "max_ms": round(max(latencies, default=float("nan")) * 1e3, 1),
+        "failed": dict(failures),
+    }
+
+
+def _snapshot(proc: ServerProcess, target: str, seconds: float) -> dict:
+    figures = _probe_for(target, seconds)
+    figures.update(threads=_threads(proc.pid), rss_mib=round(rss_bytes(proc.pid) / MIB, 1))
+    return figures
+
+
+class _Attack:
+    """Every slow reader and held thread of issue 22 against one server, until `release()`."""
+
+    def __init__(self, target: str, closed_port: int) -> None:
+        self.release_event = threading.Event()
+        self.channels = [grpc.insecure_channel(target, options=_SMALL_WINDOWS) for _ in range(4)]
+        stubs = [rollout_pb2_grpc.RolloutStub(channel) for channel in self.channels]
+        rows = 128
+        bulky = pb.MakeExperienceRequest(
+            token_ids=pb.RaggedTokenIds(values=[5, 6, 7] * rows, lengths=[3] * rows),
+            sampling=pb.SamplingOptions(max_new_tokens=32, seed=5, ignore_eos=True),
+            rewards=[pb.RewardTerm(source="exact_match")],
+            gt_answers=["x"] * rows,
+            batching=pb.BatchingOptions(micro_batch_size=rows, generate_batch_size=rows),
+        )
+        # Never read: 3 MakeExperience streams, a Subscribe without a window, one with a
+        # window that never acknowledges (its handler waits in the dealer, not in a send).
+        self.calls: list = [stubs[i].MakeExperience(bulky, timeout=300.0) for i in range(3)]
+        self.calls.append(stubs[3].Subscribe(iter([pb.SubscribeRequest(subscriber_id="stuck")]),
+                                             timeout=300.0))  # fmt: skip
+        self.calls.append(stubs[3].Subscribe(self._held([pb.SubscribeRequest(
+            subscriber_id="no-acks", window=1)]), timeout=300.0))  # fmt: skip
+        # Held peer waits: 9 parallel parts of unknown updates (8 wait, 1 is refused), 3
+        # InitWeightsGroup joins toward a closed port (2 join, 1 is refused).
+        self.futures = []
+        for i in range(9):
+            header = pb.WeightsHeader(target=pb.MODEL_ROLE_ACTOR, version=1, total_bytes=1000)
+            header.parallel.update_id = f"ghost-{i}"
+            header.parallel.streams, header.parallel.index = 2, 1
+            header.parallel.begin, header.parallel.end = 500, 1000
+            stream = self._held([pb.UpdateWeightsRequest(header=header)])
+            self.futures.append(stubs[3].UpdateWeights.future(stream, timeout=300.0))
+        for i in range(3):
+            join = pb.InitWeightsGroupRequest(
+                group=f"closed-{i}", master_address="127.0.0.1", master_port=closed_port,
+                world_size=2, rank=1, timeout_s=3600.0,
+            )  # fmt: skip
+            self.futures.append(stubs[3].InitWeightsGroup.future(join, timeout=300.0))
+
+    def _held(self, requests: list) -> object:
+        def stream():
+            yield from requests
+            self.release_event.wait(300.0)
+
+        return stream()
+
+    def ended(self) -> list[str]:
+        """The codes of the held calls that have ended (those refused at once, early on)."""
+        return [f.exception(timeout=0).code().name for f in self.futures if f.done()]
+
+    def release(self) -> None:
+        """Cancel every call and close the channels."""
+        self.release_event.set()
+        for call in self.calls + self.futures:
+            call.cancel()
+        for channel in self.channels:
+            channel.close()
+
+
+def _normal_calls(target: str, weights: dict[str, torch.Tensor], version: int) -> dict:
+    """A normal MakeExperience, UpdateWeights and Subscribe (one batch), each timed."""
+    out = {}
+    with RolloutClient(target, timeout_s=30.0) as client:
+        for name, call in (
+            ("MakeExperience", lambda: client.make_experience(
+                [[1, 72, 101]], max_new_tokens=4, rewards=["exact_match"], gt_answers=["a"])),
+            ("UpdateWeights", lambda: client.update_weights(weights, version=version)),
+            ("Subscribe", lambda: next(iter(client.subscribe("normal", max_batches=1)))),
+        ):  # fmt: skip
+            started_s = time.monotonic()
+            try:
+                call()
+                code = "OK"
+            except Exception as error:  # the client's typed errors carry the code
+                code = getattr(getattr(error, "code", None), "name", type(error).__name__)
+            out[name] = f"{code} in {time.monotonic() - started_s:.2f} s"
+    return out
+
+
+def phase_held(workdir: Path, during_s: float) -> tuple[dict, bool]:
+    actor_dir = save_tiny_causal_lm(workdir / "held-actor")
+    weights = state_dict_of(actor_dir)
+    prompts = workdir / "held-prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"q{i}=", "gt_answer": str(i)}) + "\n" for i in range(64))
+    )
+    template = workdir / "held-template.json"  # 64-row batches over 100 KB: a send blocks
+    template.write_text(json.dumps({
+        "samplesPerPrompt": 2, "sampling": {"maxNewTokens": 32, "ignoreEos": True},
+        "algorithm": {"advantageEstimator": "group_norm"}, "rewards": [{"source": "exact_match"}],
+    }))  # fmt: skip
+    timer = str(_HELD_TIMER_S)
+    flags = (
+        "--actor", str(actor_dir), "--max-workers", "16", "--stream-send-timeout-s", timer,
+        "--parallel-part-wait-s", timer, "--max-group-timeout-s", timer,
+        "--shutdown-grace-s", str(_HELD_GRACE_S), "--rollout-prompts", str(prompts),
+        "--rollout-request", str(template), "--rollout-epochs", "0",
+        "--rollout-prompts-per-batch", "32",
+    )  # fmt: skip
+    proc, target = start(*flags)
+    result: dict = {"timers_s": _HELD_TIMER_S, "grace_s": _HELD_GRACE_S}
+    result["before"] = _snapshot(proc, target, 2.0)
+    attack = _Attack(target, free_port())
+    time.sleep(3.0)  # the streams' first sends block, the parts and joins wait
+    result["refused_at_once"] = attack.ended()
+    result["during"] = _snapshot(proc, target, during_s)
+    result["normal_calls_during"] = _normal_calls(target, weights, version=1)
+    attack.release()
+    time.sleep(_HELD_TIMER_S + 3.0)  # a cancelled part waits out --parallel-part-wait-s
+    result["after"] = _snapshot(proc, target, 2.0)
+    result["server"] = server_health(proc)
+    # The same attack, then SIGTERM: how the stop ends and how long it takes.
+    proc, target = start(*flags)
+    attack = _Attack(target, free_port())
+    time.sleep(3.0)
+    signalled_s = time.monotonic()
+    proc.send_signal(15)
+    code = proc.wait(timeout=120)
+    took_s = round(time.monotonic() - signalled_s, 2)
+    left = [
+        line.split("rollserve.server: ", 1)[-1]
+        for line in proc.log_text().splitlines()
+        if "rollserve.server: " in line and ("stopp" in line or "cancelled" in line)
+    ]
+    result["sigterm"] = {"exit_code": code, "took_s": took_s, "log": left}
+    attack.release()
+    during, after = result["during"], result["after"]
+    ok = (
+        during["max_ms"] < 1000
+        and not during["failed"]
+        and all(v.startswith("OK") for v in result["normal_calls_during"].values())
+        # 3 (calls cancelled), or 4 when the engine's batch in progress outlasted the bound.
+        and result["sigterm"]["exit_code"] in (0, 3, 4)
+        and result["sigterm"]["took_s"] < _HELD_GRACE_S + STOP_BOUND_S + 2.0
+        and after["max_ms"] < 1000
+    )
+    return result, ok
+
+
 # ---- report -------------------------------------------------------------------------------------
 
 
@@ -529,6 +730,25 @@ def markdown(results: dict) -> str:
             lines.append(
                 f"| {rpc} | {row['calls']} | {row['p50_ms']} | {row['p99_ms']} | {shown} |"
             )
+    held = results.get("held")
+    if held:
+        lines += [
+            "",
+            f"Held (send timeout, part wait and group cap {held['timers_s']} s): normal calls "
+            f"during {held['normal_calls_during']}; refused at once "
+            f"{Counter(held['refused_at_once'])}; SIGTERM during the attack: exit "
+            f"{held['sigterm']['exit_code']} in {held['sigterm']['took_s']} s (grace "
+            f"{held['grace_s']} s; {held['sigterm']['log']}); {held['server']}",
+            "",
+            "| when | probes | p50 ms | max ms | failed | threads | RSS MiB |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for when in ("before", "during", "after"):
+            row = held[when]
+            lines.append(
+                f"| {when} | {row['probes']} | {row['p50_ms']} | {row['max_ms']} | "
+                f"{row['failed'] or 0} | {row['threads']} | {row['rss_mib']} |"
+            )
     return "\n".join(lines)
 
 
@@ -540,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-s", type=float, default=60.0)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--update-every-s", type=float, default=3.0)
+    parser.add_argument("--held-s", type=float, default=10.0, help="0: skip the held phase")
     parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = parser.parse_args(argv)
     results: dict = {}
@@ -557,6 +778,9 @@ def main(argv: list[str] | None = None) -> int:
                 workdir, args.load_s, args.clients, args.update_every_s
             )
             print(json.dumps(results["load"], indent=1), flush=True)
+        if args.held_s:
+            results["held"], passed["held"] = phase_held(workdir, args.held_s)
+            print(json.dumps(results["held"], indent=1), flush=True)
     results["passed"] = passed
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
