@@ -48,6 +48,7 @@ from .protocol.experience import (
 )
 from .protocol.requests import ExperienceOptions, UpdateOptions, build_make_experience_request
 from .protocol.results import HealthStatus, ModelStatus, RolloutProgress, UpdateResult
+from .protocol.reward_moments import RunningRewardMoments
 from .replicas import (
     ReplicaHealth,
     ReplicatedRolloutClient,
@@ -72,6 +73,7 @@ __all__ = [
     "build_make_experience_request",
     "ExperienceOptions",
     "UpdateOptions",
+    "RunningRewardMoments",
     "LoraAdapter",
     "HealthStatus",
     "ModelStatus",

@@ -217,7 +217,10 @@ def test_every_algorithm_option_of_the_proto_is_resolved() -> None:
         "group_std_eps", "high_entropy_token_ratio", "dynamic_sampling", "overlong_buffer",
         "overlong_factor", "clip_filter_eps", "reproduce_upstream_quirks", "experience_norm",
         "stop_properly_penalty", "overlong_length", "length_normalized_log_probs",
-        "action_mask_rule",
+        "action_mask_rule", "reward_running_norm",
+        # Not a config value: the request's running moments (ExperienceSpec.reward_moments,
+        # decoded in server/experience/request.py; tests/test_running_reward_norm.py).
+        "reward_moments",
     }  # fmt: skip
     assert {f.name for f in pb.AlgorithmOptions.DESCRIPTOR.fields} == handled
     cfg = _resolve(
@@ -234,9 +237,11 @@ def test_every_algorithm_option_of_the_proto_is_resolved() -> None:
         overlong_factor=0.5,
         clip_filter_eps=2.0,
         action_mask_rule="process_sequences",
+        reward_running_norm="standardize",
     )
     assert (cfg.estimator, cfg.lam, cfg.kl_clamp, cfg.advantage_clip) == ("rloo", 0.5, 2.0, 3.0)
     assert cfg.action_mask_rule == "process_sequences"
+    assert cfg.reward_running_norm == "standardize" and cfg.shapes_whole_request
     assert (cfg.group_std_eps, cfg.high_entropy_token_ratio, cfg.dynamic_sampling) == (
         0.5,
         0.25,

@@ -10,6 +10,7 @@ codec.py           torch tensors <-> rollserve.v1.Tensor
 wire.py            UpdateWeights' messages, hand-encoded and parsed without copies
 process_group.py   the torch.distributed side of a weights group (both ranks' builders)
 requests.py        the options of MakeExperience and UpdateWeights, as frozen dataclasses
+reward_moments.py  LightRFT's running reward moments, threaded by the trainer between requests
 results.py         the replies a trainer reads (Health, UpdateWeights) as plain dataclasses
 experience/        Experience: the proto's micro-batches as torch tensors
 """

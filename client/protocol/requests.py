@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from ...v1 import rollout_pb2 as pb
 from .errors import InvalidArgument
+from .reward_moments import RunningRewardMoments
 from .roles import wire_role
 from .transports import AUTO, CLIENT_TRANSPORTS
 
@@ -81,6 +82,9 @@ class ExperienceOptions:
     preset: str | None = None
     # AlgorithmOptions field names to values, e.g. {"advantage_estimator": "group_norm"}.
     algorithm: Mapping[str, object] | None = None
+    # LightRFT's running reward moments before this request (with algorithm
+    # reward_running_norm): the previous request's RunningRewardMoments.from_experience.
+    reward_moments: RunningRewardMoments | None = None
     rewards: RewardRecipe | None = None
     micro_batch_size: int = 0  # 0: the server's
     generate_batch_size: int = 0
@@ -94,6 +98,8 @@ class ExperienceOptions:
         unknown = set(self.algorithm or {}) - _ALGORITHM_FIELDS
         if unknown:
             raise TypeError(f"unknown algorithm options {sorted(unknown)}; see AlgorithmOptions")
+        if "reward_moments" in (self.algorithm or {}):
+            raise TypeError("pass reward_moments= (a RunningRewardMoments), not in algorithm")
 
     @classmethod
     def of(cls, options: ExperienceOptions | None = None, **fields: Any) -> ExperienceOptions:
@@ -112,6 +118,8 @@ class ExperienceOptions:
         _set_optional(request, samples_per_prompt=self.samples_per_prompt)
         self._set_sampling(request.sampling)
         _set_optional(request.algorithm, preset=self.preset, **(self.algorithm or {}))
+        if self.reward_moments is not None:
+            request.algorithm.reward_moments.CopyFrom(self.reward_moments.to_proto())
         _set_rewards(request, self.rewards)
         request.batching.micro_batch_size = self.micro_batch_size
         request.batching.generate_batch_size = self.generate_batch_size

@@ -35,6 +35,8 @@ coati, OpenRLHF, LightRFT); the table lists every difference between them.
                                                                        process_sequences
     log-probs / temperature    raw logits        logits / temperature  raw logits
     invalid log-prob columns   kept              zeroed                kept
+    running reward norm        off (option: "scale" R/std or "standardize" (R-mean)/std, per
+                               experience in stream order, before the reward clip; LightRFT's)
 
 Where a framework has no such option (coati has no overlong penalty, dr_grpo, ...), its
 preset uses the nearest convention of that framework and the table says which.
@@ -61,13 +63,20 @@ the preset follows the framework's intent. A request that sets
 AlgorithmOptions.reproduce_upstream_quirks gets them bit for bit, so that a team migrating from
 the framework can check its numbers against ours (AlgorithmConfig.upstream_quirks).
 
-Also not reproduced, and not behind the switch because they are trainer-side or stateful:
+LightRFT's running reward normalisation (--reward_running_norm, with or without
+--reward_running_norm_minus_mean) is AlgorithmOptions.reward_running_norm ("scale",
+"standardize"; off in every preset, as upstream): per experience, in stream order, after the
+estimator's reward pre-processing and before the reward clip, the moments first take in the
+experience's rewards, then normalise them (running_norm.py). Its state across steps is the
+trainer's: the moments go out with each request and come back in every Experience, so any
+replica may serve the next request.
+
+Also not reproduced, and not behind the switch (the first two are trainer-side):
 LightRFT's second whitening in its replay buffer (a trainer runs it with the client's
 ExperienceBuffer(layout="lightrft").normalize_advantages, skipping group_norm as LightRFT skips
-the estimator named exactly "group_norm"), LightRFT's running reward normalisation (state
-across requests), LightRFT's GAE clip fraction (computed after its clamp, so always 0;
-info["advantage_clip_frac"] is the share the clamp changed, per row over valid columns), and
-NaN for a zero-variance group or n = 1 (we return 0).
+the estimator named exactly "group_norm"), LightRFT's GAE clip fraction (computed after its
+clamp, so always 0; info["advantage_clip_frac"] is the share the clamp changed, per row over
+valid columns), and NaN for a zero-variance group or n = 1 (we return 0).
 
 Chosen against a framework: a negative kl_coef is INVALID_ARGUMENT in every preset, where
 OpenRLHF (and LightRFT) treat it as 0: a sign error should be heard, and 0 gives their numbers.
@@ -158,6 +167,9 @@ class AlgorithmConfig:
     upstream_quirks: frozenset[str]  # names from QUIRKS reproduced for this request
     # One of masking.ACTION_MASK_RULES: "stop" (the generator's) | "process_sequences" (LightRFT)
     action_mask_rule: str
+    # One of running_norm.RUNNING_NORMS: LightRFT's running reward normalisation, "off" |
+    # "scale" | "standardize"; its moments are the request's (ExperienceSpec.reward_moments).
+    reward_running_norm: str = "off"
 
     @property
     def is_group_estimator(self) -> bool:
@@ -201,14 +213,20 @@ class AlgorithmConfig:
         return self.experience_norm and self.estimator in self.experience_norm_estimators
 
     @property
+    def uses_running_norm(self) -> bool:
+        return self.reward_running_norm != "off"
+
+    @property
     def shapes_whole_request(self) -> bool:
         """Whether shaping needs every row of the request at once: statistics over the request
-        (whitening) or over experiences, or the index of each experience (gamma quirk)."""
+        (whitening) or over experiences, the index of each experience (gamma quirk), or the
+        running moments each experience hands to the next, in order (running norm)."""
         return (
             self.effective_whitening != "none"
             or self.uses_experience_norm
             or self.estimator == "cpgd"
             or "gamma_first_experience_only" in self.upstream_quirks
+            or self.uses_running_norm
         )
 
     @property
@@ -276,6 +294,7 @@ _COATI = AlgorithmConfig(
     stop_properly_penalty=None,
     upstream_quirks=frozenset(),
     action_mask_rule="stop",
+    reward_running_norm="off",
 )
 
 _OPENRLHF = replace(

@@ -18,6 +18,7 @@ from .kl import KL_ESTIMATORS
 from .masking import ACTION_MASK_RULES
 from .presets import PRESET_NAMES, AlgorithmConfig, preset_config
 from .rewards import OVERLONG_LENGTHS, REWARD_PLACEMENTS
+from .running_norm import RUNNING_NORMS
 
 __all__ = ["KL_MODES", "resolve_algorithm"]
 
@@ -90,6 +91,10 @@ def _request_values(options: rollout_pb2.AlgorithmOptions) -> dict[str, Any]:
     if options.action_mask_rule:
         values["action_mask_rule"] = _choice(
             "action_mask_rule", options.action_mask_rule, ACTION_MASK_RULES
+        )
+    if options.reward_running_norm:
+        values["reward_running_norm"] = _choice(
+            "reward_running_norm", options.reward_running_norm, RUNNING_NORMS
         )
     if options.HasField("overlong_buffer"):
         if options.overlong_buffer < 0:

@@ -11,7 +11,8 @@ order OpenRLHF and LightRFT apply their steps; coati's two branches are special 
     the result is the stored `reward`;
  5. dynamic sampling: zero the action mask of groups whose raw rewards are all 0 or all 1
     (the KL of step 2 keeps the original mask, as in LightRFT, which computes it earlier);
- 6. group estimator on the scalar reward, then the reward clip;
+ 6. group estimator on the scalar reward, then LightRFT's running reward normalisation (per
+    experience, in order, with the request's running moments), then the reward clip;
  7. token reward: placed scalar, minus beta * KL when kl_mode is "reward";
  8. advantages: coati's broadcast of the group advantage, GAE, cumulative returns (with each
     experience's discount, AlgorithmConfig.gamma_of_experience), or CPGD's z-score of the
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...client.protocol.reward_moments import RunningRewardMoments
 from .advantages import (
     clip_advantages,
     clip_fraction,
@@ -56,6 +58,7 @@ from .rewards import (
     stop_properly_penalty,
     token_rewards,
 )
+from .running_norm import running_normalise
 
 __all__ = ["ShapedExperience", "shape_experience"]
 
@@ -262,13 +265,16 @@ def shape_experience(
     entropy: torch.Tensor | None = None,
     experience_rows: int | None = None,
     truncated: torch.Tensor | None = None,
+    reward_moments: RunningRewardMoments | None = None,
 ) -> ShapedExperience:
     """KL, token rewards, advantages and returns of B rows (whole groups, consecutive).
 
     Whitening statistics span all B rows, so pass the whole request, not one micro-batch
     (cfg.shapes_whole_request says when that matters); experience_rows: rows per experience
     (the request's micro-batch size), None: one experience. truncated: (B,) bool, the rows
-    that hit the token budget (needed by stop_properly_penalty).
+    that hit the token budget (needed by stop_properly_penalty). reward_moments: the running
+    moments before the first experience (cfg.uses_running_norm; None: no history); the moments
+    after each row's experience come back in info (running_norm.running_normalise).
     Raises ValueError for inputs that break this function's contract (shapes, missing tensors,
     rows that are not whole groups, a group too small for the estimator).
     """
@@ -291,6 +297,11 @@ def shape_experience(
     reward, sequence_kl = _scalar_reward(cfg, rewards, kl, mask, max_new_tokens, truncated)
     shaped_mask = dynamic_sampling_mask(rewards, mask, group_size) if cfg.dynamic_sampling else mask
     shaped = group_shaped_reward(reward, group_size, cfg.estimator, eps=cfg.group_std_eps)
+    moments_info: dict[str, torch.Tensor] = {}
+    if cfg.uses_running_norm:
+        shaped, moments_info = running_normalise(
+            shaped, reward_moments, experience_rows, cfg.reward_running_norm
+        )
     shaped = clip_reward(shaped, cfg.reward_clip)  # (B,)
     rewards_bt = token_rewards(
         shaped,
@@ -310,6 +321,7 @@ def shape_experience(
         "return": rewards_bt.sum(dim=-1),  # (B,) over all columns, as OpenRLHF logs it
         **_extras(cfg, rewards, shaped_mask, entropy, group_size, (log_probs, ref)),
         **clip_info,
+        **moments_info,
     }
     if sequence_kl is not None:
         info["sequence_kl"] = sequence_kl

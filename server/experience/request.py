@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...client.protocol.errors import FailedPrecondition, InvalidArgument
+from ...client.protocol.reward_moments import RunningRewardMoments
 from ...v1 import rollout_pb2 as pb
 from ..algorithms import AlgorithmConfig, min_group_size, resolve_algorithm
 from ..config import ServerConfig
@@ -83,6 +84,9 @@ class ExperienceSpec:
     return_texts: bool
     min_policy_version: int
     request_id: str
+    # LightRFT's running reward moments before this request (algorithm.reward_running_norm);
+    # None: no history, or the normalisation is off.
+    reward_moments: RunningRewardMoments | None = None
 
     @property
     def num_rows(self) -> int:
@@ -141,6 +145,7 @@ def decode_experience_request(
         return_texts=request.outputs.response_texts,
         min_policy_version=request.min_policy_version,
         request_id=request.request_id,
+        reward_moments=_reward_moments(request.algorithm, algorithm),
     )
 
 
@@ -343,6 +348,25 @@ def _reward_recipe(
             raise InvalidArgument(f"gt_answers: required by reward source {term.source!r}")
         recipe.append((term.source, weight))
     return tuple(recipe)
+
+
+def _reward_moments(
+    options: pb.AlgorithmOptions, algorithm: AlgorithmConfig
+) -> RunningRewardMoments | None:
+    """The running moments the trainer sends back (rollout.proto: RewardMoments): finite,
+    count >= 0, and var > 0 once count is; only with reward_running_norm on."""
+    if not options.HasField("reward_moments"):
+        return None
+    if not algorithm.uses_running_norm:
+        raise InvalidArgument(
+            "algorithm.reward_moments: set, but reward_running_norm is off; send the moments "
+            "only with reward_running_norm 'scale' or 'standardize'"
+        )
+    moments = options.reward_moments
+    try:
+        return RunningRewardMoments.from_proto(moments)
+    except InvalidArgument as error:
+        raise InvalidArgument(f"algorithm.{error.message}") from None
 
 
 def _rows(

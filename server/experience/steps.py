@@ -231,6 +231,7 @@ def shape_batch(spec: ExperienceSpec, scored: ScoredBatch, policy_version: int) 
             entropy=scored.entropy,
             experience_rows=spec.micro_batch_rows,
             truncated=generation.truncated,
+            reward_moments=spec.reward_moments,
         )
     times, key = dict(scored.times), phase_key("shape")
     if key in times:  # spread over the rows shaped together (the whole request when whitened)

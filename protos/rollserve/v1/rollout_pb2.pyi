@@ -126,7 +126,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., stop_sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs_use_temperature: _Optional[bool] = ...) -> None: ...
 
 class AlgorithmOptions(_message.Message):
-    __slots__ = ("preset", "advantage_estimator", "gamma", "lam", "kl_coef", "kl_estimator", "kl_clamp", "kl_mode", "reward_placement", "reward_clip", "whitening", "advantage_clip", "group_std_eps", "high_entropy_token_ratio", "dynamic_sampling", "overlong_buffer", "overlong_factor", "clip_filter_eps", "reproduce_upstream_quirks", "experience_norm", "stop_properly_penalty", "overlong_length", "length_normalized_log_probs", "action_mask_rule")
+    __slots__ = ("preset", "advantage_estimator", "gamma", "lam", "kl_coef", "kl_estimator", "kl_clamp", "kl_mode", "reward_placement", "reward_clip", "whitening", "advantage_clip", "group_std_eps", "high_entropy_token_ratio", "dynamic_sampling", "overlong_buffer", "overlong_factor", "clip_filter_eps", "reproduce_upstream_quirks", "experience_norm", "stop_properly_penalty", "overlong_length", "length_normalized_log_probs", "action_mask_rule", "reward_running_norm", "reward_moments")
     PRESET_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_ESTIMATOR_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,8 @@ class AlgorithmOptions(_message.Message):
     OVERLONG_LENGTH_FIELD_NUMBER: _ClassVar[int]
     LENGTH_NORMALIZED_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
     ACTION_MASK_RULE_FIELD_NUMBER: _ClassVar[int]
+    REWARD_RUNNING_NORM_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MOMENTS_FIELD_NUMBER: _ClassVar[int]
     preset: str
     advantage_estimator: str
     gamma: float
@@ -175,7 +177,19 @@ class AlgorithmOptions(_message.Message):
     overlong_length: str
     length_normalized_log_probs: bool
     action_mask_rule: str
-    def __init__(self, preset: _Optional[str] = ..., advantage_estimator: _Optional[str] = ..., gamma: _Optional[float] = ..., lam: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., kl_clamp: _Optional[float] = ..., kl_mode: _Optional[str] = ..., reward_placement: _Optional[str] = ..., reward_clip: _Optional[float] = ..., whitening: _Optional[str] = ..., advantage_clip: _Optional[float] = ..., group_std_eps: _Optional[float] = ..., high_entropy_token_ratio: _Optional[float] = ..., dynamic_sampling: _Optional[bool] = ..., overlong_buffer: _Optional[int] = ..., overlong_factor: _Optional[float] = ..., clip_filter_eps: _Optional[float] = ..., reproduce_upstream_quirks: _Optional[bool] = ..., experience_norm: _Optional[bool] = ..., stop_properly_penalty: _Optional[float] = ..., overlong_length: _Optional[str] = ..., length_normalized_log_probs: _Optional[bool] = ..., action_mask_rule: _Optional[str] = ...) -> None: ...
+    reward_running_norm: str
+    reward_moments: RewardMoments
+    def __init__(self, preset: _Optional[str] = ..., advantage_estimator: _Optional[str] = ..., gamma: _Optional[float] = ..., lam: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., kl_clamp: _Optional[float] = ..., kl_mode: _Optional[str] = ..., reward_placement: _Optional[str] = ..., reward_clip: _Optional[float] = ..., whitening: _Optional[str] = ..., advantage_clip: _Optional[float] = ..., group_std_eps: _Optional[float] = ..., high_entropy_token_ratio: _Optional[float] = ..., dynamic_sampling: _Optional[bool] = ..., overlong_buffer: _Optional[int] = ..., overlong_factor: _Optional[float] = ..., clip_filter_eps: _Optional[float] = ..., reproduce_upstream_quirks: _Optional[bool] = ..., experience_norm: _Optional[bool] = ..., stop_properly_penalty: _Optional[float] = ..., overlong_length: _Optional[str] = ..., length_normalized_log_probs: _Optional[bool] = ..., action_mask_rule: _Optional[str] = ..., reward_running_norm: _Optional[str] = ..., reward_moments: _Optional[_Union[RewardMoments, _Mapping]] = ...) -> None: ...
+
+class RewardMoments(_message.Message):
+    __slots__ = ("count", "mean", "var")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    VAR_FIELD_NUMBER: _ClassVar[int]
+    count: float
+    mean: float
+    var: float
+    def __init__(self, count: _Optional[float] = ..., mean: _Optional[float] = ..., var: _Optional[float] = ...) -> None: ...
 
 class RewardTerm(_message.Message):
     __slots__ = ("source", "weight")
