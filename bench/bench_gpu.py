@@ -25,6 +25,9 @@ the run (and its server process) when --budget-s is spent.
    Each lane prints its phases (info time/<phase>_s summed over the rows) and the seconds
    outside them (streaming, transfer, joining), which is where gRPC differs from in-process.
 3. The ratios the issue sets targets for.
+4. The small request of bench_make_experience.py (32 prompts x 4, 64 new tokens, a random
+   Llama of hidden 256 x 4 layers, the server's default dtype): in-process against gRPC from a
+   client process, rounds interleaved; the issue measured 1.29 there on an H100.
 
     python bench/bench_gpu.py                          # one H100/H200: under 5 minutes
     python bench/bench_gpu.py --device cpu --quick     # every lane's code on the CPU (< 1 min)
@@ -222,7 +225,7 @@ def run_generation_case(
     for name, fn in generation_lanes(model, case, device, args.all_lanes).items():
         if budget.left() < args.lane_reserve_s:
             rows.append([case.name, name, "skipped: out of budget"])
-            print(" | ".join(rows[-1]), flush=True)
+            print("| " + " | ".join(rows[-1]) + " |", flush=True)
             continue
         try:
             reset_memory(device)
@@ -230,7 +233,7 @@ def run_generation_case(
             first = timed(fn, device)
             if name == "engine_warm_up":  # once: its cost is the first call's
                 rows.append([case.name, name, "-", f"{first:.2f}", "-", memory(device), "-"])
-                print(" | ".join(rows[-1]), flush=True)
+                print("| " + " | ".join(rows[-1]) + " |", flush=True)
                 continue
             reps = 1 if name == "engine_eager" else (args.hf_reps if name == "hf" else args.reps)
             steady = []
@@ -241,7 +244,7 @@ def run_generation_case(
             seconds = statistics.median(steady)
         except Exception as error:  # noqa: BLE001 - one failing lane must not end the run
             rows.append([case.name, name, failure(error)])
-            print(" | ".join(rows[-1]), flush=True)
+            print("| " + " | ".join(rows[-1]) + " |", flush=True)
             continue
         rate = case.tokens / seconds
         rates[(case.name, name)] = rate
@@ -249,7 +252,7 @@ def run_generation_case(
         ratio = f"{rate / hf_rate:.2f}x" if hf_rate else "-"
         rows.append([case.name, name, f"{rate:,.0f}", f"{first:.2f}",
                      f"{seconds:.2f} ({len(steady)})", memory(device), ratio])  # fmt: skip
-        print(" | ".join(rows[-1]), flush=True)
+        print("| " + " | ".join(rows[-1]) + " |", flush=True)
     return rows
 
 
@@ -311,6 +314,7 @@ class Lane:
     first_s: float | None = None
     steady_s: list[float] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
+    first_phases: dict[str, float] = field(default_factory=dict)
     error: str = ""
     note: str = ""
 
@@ -336,19 +340,23 @@ def measure(
         lane.error = "skipped: out of budget"
         return lane
     started = time.monotonic()
+
+    def one_call() -> tuple[float, dict[str, float]]:
+        sync(device)
+        begin = time.perf_counter()
+        experience = call()
+        sync(device)
+        return time.perf_counter() - begin, phase_seconds(experience)
+
     try:
         if first:
-            lane.first_s = timed(call, device)
+            lane.first_s, lane.first_phases = one_call()
         for _ in range(reps):
             if lane.steady_s and time.monotonic() - started > args.lane_budget_s:
                 break
-            sync(device)
-            begin = time.perf_counter()
-            experience = call()
-            sync(device)
-            seconds = time.perf_counter() - begin
+            seconds, phases = one_call()
             if not lane.steady_s or seconds < min(lane.steady_s):
-                lane.phases = phase_seconds(experience)
+                lane.phases = phases
             lane.steady_s.append(seconds)
     except Exception as error:  # noqa: BLE001 - one failing lane must not end the run
         lane.error = failure(error)
@@ -360,7 +368,9 @@ def lane_row(lane: Lane, case: Case) -> list[str]:
         return [lane.name, lane.error or "no steady call", "", "", "", "", lane.note]
     inside = sum(lane.phases.values())
     phases = " ".join(f"{k.removeprefix('score_')} {v:.2f}" for k, v in lane.phases.items())
-    first = "-" if lane.first_s is None else f"{lane.first_s:.2f}"
+    first = "-"
+    if lane.first_s is not None:  # and how much of it was outside the phases
+        first = f"{lane.first_s:.2f} ({lane.first_s - sum(lane.first_phases.values()):.2f} out)"
     steady = f"{lane.best_s:.2f} (best of {len(lane.steady_s)})"
     return [lane.name, f"{case.tokens / lane.best_s:,.0f}", first, steady, phases,
             f"{lane.best_s - inside:.3f}", lane.note or lane.error]  # fmt: skip
@@ -385,7 +395,7 @@ def in_process_lanes(
 
     device = args.device
     config = ServerConfig(
-        host="127.0.0.1", port=0, actor=str(directory), log_level="WARNING",
+        host="127.0.0.1", port=0, actor=str(directory), log_level="WARNING", metrics_port=0,
         **server_flags(args, case, batching),
     )  # fmt: skip
     started = time.perf_counter()
@@ -612,6 +622,79 @@ def print_summary(
     )
 
 
+# ---- 4. the small request of bench_make_experience.py ------------------------------------------
+
+
+def small_request(args: argparse.Namespace, budget: Budget) -> None:
+    """bench_make_experience.py's case: in-process maker vs gRPC from a client process."""
+    from bench_make_experience import GrpcRunner, save_model, workload
+    from rollserve.server.config import ServerConfig
+    from rollserve.server.models import load_models
+    from rollserve.server.serving.app import RolloutServer
+
+    sizes = dict(prompts=8, samples=2, new_tokens=8, vocab=512, hidden=64, layers=2)
+    if not args.quick:
+        sizes = dict(prompts=32, samples=4, new_tokens=64, vocab=16384, hidden=256, layers=4)
+    shape = argparse.Namespace(**sizes)
+    print(
+        f"\n## Small request (bench_make_experience.py: {shape.prompts} prompts x "
+        f"{shape.samples}, {shape.new_tokens} new tokens, Llama hidden {shape.hidden} x "
+        f"{shape.layers}, vocab {shape.vocab}; gRPC from a client process)\n",
+        flush=True,
+    )
+    if budget.left() < args.lane_reserve_s:
+        print("skipped: out of budget")
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-small-") as tmp:
+        directory = save_model(Path(tmp), shape.vocab, shape.hidden, shape.layers)
+        config = ServerConfig(
+            host="127.0.0.1", port=0, actor=str(directory), device=args.device,
+            log_level="WARNING", metrics_port=0,
+        )  # fmt: skip
+        server = RolloutServer(config, models=load_models(config))
+        server.start()
+    maker = server.runtime.maker
+    prompts, options = workload(shape)
+    runner = GrpcRunner("process", server.address, prompts, options)
+    in_thread = GrpcRunner("thread", server.address, prompts, options)  # diagnostic
+    try:
+
+        def in_process() -> float:
+            return timed(lambda: maker.make_experience(prompts, **options), args.device)
+
+        lanes = {
+            "in-process": in_process,
+            "grpc": lambda: runner().wall_s,
+            "grpc, client thread": lambda: in_thread().wall_s,
+        }
+        first = {name: lane() for name, lane in lanes.items()}
+        print("first calls: " + ", ".join(f"{k} {v:.3f} s" for k, v in first.items()))
+        times: dict[str, list[float]] = {name: [] for name in lanes}
+        for index in range(args.small_rounds):
+            if budget.left() < args.lane_reserve_s:
+                break
+            order = list(lanes) if index % 2 == 0 else list(reversed(lanes))
+            for name in order:
+                times[name].append(lanes[name]())
+            local = times["in-process"][-1]
+            print(f"round {index}: " + ", ".join(
+                f"{name} {t[-1]:.3f} s ({t[-1] / local:.3f})" for name, t in times.items()
+            ), flush=True)  # fmt: skip
+        if times["in-process"]:
+            medians = {name: statistics.median(t) for name, t in times.items()}
+            local = medians["in-process"]
+            print("medians: " + ", ".join(f"{k} {v:.3f} s" for k, v in medians.items())
+                  + f"; gRPC / in-process {medians['grpc'] / local:.3f} (target <= 1.05), "
+                  f"client thread / in-process {medians['grpc, client thread'] / local:.3f}",
+                  flush=True)  # fmt: skip
+    except Exception as error:  # noqa: BLE001 - the run ends with what it has
+        print(failure(error), flush=True)
+    finally:
+        runner.close()
+        in_thread.close()
+        server.stop(0)
+
+
 # ---- the run ----------------------------------------------------------------------------------
 
 
@@ -622,7 +705,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=3, help="steady calls per lane")
     parser.add_argument("--hf-reps", type=int, default=2, help="steady HF generate calls")
     parser.add_argument("--all-lanes", action="store_true", help="also graphs-only and eager")
-    parser.add_argument("--skip", default="", help="comma list of: generation, e2e, grpc")
+    parser.add_argument("--skip", default="", help="comma list of: generation, e2e, grpc, small")
+    parser.add_argument("--small-rounds", type=int, default=4, help="rounds of the small request")
     parser.add_argument("--budget-s", type=float, default=290.0, help="the whole run")
     parser.add_argument("--lane-budget-s", type=float, default=60.0, help="no new call after")
     parser.add_argument("--lane-reserve-s", type=float, default=15.0, help="skip a lane below")
@@ -684,6 +768,10 @@ def main(argv: list[str] | None = None) -> int:
         if "grpc" not in args.skip:
             server = grpc_lane(directory, case, batching, args, budget)
     print_summary(case, rates, lanes, server, kv_bytes_of_batch(config, case, dtype.itemsize))
+    if "small" not in args.skip:
+        gc.collect()
+        reset_memory(args.device)
+        small_request(args, budget)
     print(f"\nrun took {args.budget_s - budget.left():.0f} s", flush=True)
     budget.cancel()
     return 0
