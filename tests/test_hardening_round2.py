@@ -50,7 +50,9 @@ from helpers_server import ServerProcess, free_port, rss_bytes, start_server_pro
 from helpers_weights import state_hash, update_weights_requests
 from rollserve.client import RolloutClient
 from rollserve.client.protocol.errors import ResourceExhausted, RolloutError
+from rollserve.client.protocol.wire import update_weights_callable
 from rollserve.client.weights.distributed import WeightsGroup
+from rollserve.client.weights.update_file import prepare_update
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, load_models
 from rollserve.server.serving.app import RolloutServer
@@ -387,6 +389,62 @@ def test_parts_waiting_for_an_unknown_leader_are_bounded(
             call.result(timeout=PART_WAIT_S + 5.0)
         assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, info.value.details()
     assert parallel.waiting == 0
+
+
+def test_a_waiting_part_whose_caller_leaves_frees_its_place_at_once(
+    server: RolloutServer, channel: grpc.Channel
+) -> None:
+    # Its stream read ahead on a thread of its own fails when the caller cancels, which ends
+    # the wait (it used to hold its handler and its place in the pool for the whole wait).
+    assert server.updates is not None
+    parallel = server.updates.planes.parallel
+    release = threading.Event()
+
+    def part() -> Iterator[pb.UpdateWeightsRequest]:
+        header = pb.WeightsHeader(target=pb.MODEL_ROLE_ACTOR, version=1, total_bytes=1000)
+        header.parallel.update_id = "leaves"
+        header.parallel.streams, header.parallel.index = 2, 1
+        header.parallel.begin, header.parallel.end = 500, 1000
+        yield pb.UpdateWeightsRequest(header=header)
+        release.wait(PART_WAIT_S + 5.0)
+
+    call = _stub(channel).UpdateWeights.future(part(), metadata=ADMIN, timeout=30.0)
+    try:
+        assert _until(lambda: parallel.waiting == 1, CALL_S)
+        call.cancel()
+        assert _until(lambda: parallel.waiting == 0, PART_WAIT_S / 4)  # not the whole wait
+    finally:
+        release.set()
+    _assert_probes_answer(channel)
+
+
+def test_a_part_that_waited_for_its_part_0_stages_the_message_it_read_ahead(
+    models: ModelSet, server: RolloutServer, channel: grpc.Channel
+) -> None:
+    # Part 1 (header and chunks) first; it waits, having read its first chunk ahead; then
+    # part 0: the update applies whole.
+    assert server.updates is not None
+    parallel = server.updates.planes.parallel
+    module = models.actor.module
+    version = _version(channel)
+    weights = {Q0 + ".weight": module.get_submodule(Q0).weight.detach().clone() * 1.01}
+    update = prepare_update(weights, target="actor", version=version + 1, mode="partial",
+                            chunk_bytes=256 * 1024)  # fmt: skip
+    middle = update.total_bytes // 2 // 8 * 8
+    encoded = []
+    for index, (begin, end) in enumerate([(0, middle), (middle, update.total_bytes)]):
+        header = pb.WeightsHeader()
+        header.CopyFrom(update.header)
+        header.parallel.update_id = f"ahead-{version}"
+        header.parallel.streams, header.parallel.index = 2, index
+        header.parallel.begin, header.parallel.end = begin, end
+        encoded.append(list(update.messages(header, begin, end)))
+    call = update_weights_callable(channel)
+    second = call.future(iter(encoded[1]), metadata=ADMIN, timeout=30.0)
+    assert _until(lambda: parallel.waiting == 1, CALL_S)
+    first = call.future(iter(encoded[0]), metadata=ADMIN, timeout=30.0)
+    assert first.result().version == second.result().version == version + 1
+    assert torch.equal(module.get_submodule(Q0).weight, weights[Q0 + ".weight"])
 
 
 def test_sigterm_ends_the_process_while_a_rendezvous_is_stuck() -> None:

@@ -14,7 +14,11 @@ gRPC handler thread, so those waits share a bounded pool of MAX_WAITING_PARTS; a
 the pool full is RESOURCE_EXHAUSTED at once. Without it, 16 headers naming update_ids that never
 come held all 16 handler threads for --parallel-part-wait-s, and Health timed out; the leader
 takes one of the two update turns (update.py) like any upload. The pool holds the early parts of
-a client's default parallel update (at most 8 streams) with room to spare.
+a client's default parallel update (at most 8 streams) with room to spare. While a part waits, a
+thread of its own reads the stream's next message (`_ReadAhead`): a caller that cancels, or whose
+stream the idle deadline ends, makes that read fail, which ends the wait at once instead of after
+--parallel-part-wait-s (the message read, if one comes, is the first the part then stages). A
+server that stops ends every wait (`stop_waiting`).
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ...client.protocol.errors import (
+    Cancelled,
     DeadlineExceeded,
     InvalidArgument,
     ResourceExhausted,
@@ -218,25 +223,34 @@ class ParallelUpdates:
                     self._failed.popitem(last=False)
             self._changed.notify_all()
 
-    def join(self, header: pb.WeightsHeader) -> Assembly:
+    def join(
+        self, header: pb.WeightsHeader, read_ahead: Callable[[], _ReadAhead] | None = None
+    ) -> tuple[Assembly, _ReadAhead | None]:
         """Follower: the leader's assembly, waiting up to wait_s for part 0 to register it (in
-        the bounded pool of waiting parts: RESOURCE_EXHAUSTED when it is full)."""
+        the bounded pool of waiting parts: RESOURCE_EXHAUSTED when it is full); while it waits,
+        `read_ahead()` reads the stream's next message, and a failed read ends the wait."""
         update_id = header.parallel.update_id
         deadline = time.monotonic() + self.wait_s
         with self._changed:
             found = self._known(update_id)
             if found is not None:
-                return found
+                return found, None
             if self._waiting >= MAX_WAITING_PARTS:
                 raise ResourceExhausted(
                     f"parallel update {update_id!r}: {MAX_WAITING_PARTS} parts are waiting for "
                     "their part 0 already; send part 0 first, or retry"
                 )
             self._waiting += 1
+            ahead = None if read_ahead is None else read_ahead()
             try:
                 while (found := self._known(update_id)) is None:
                     if self._stopping:
                         raise Unavailable(f"parallel update {update_id!r}: the server is stopping")
+                    if ahead is not None and ahead.failed:
+                        raise Cancelled(
+                            f"parallel update {update_id!r}: the stream ended while waiting for "
+                            "part 0"
+                        )
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise DeadlineExceeded(
@@ -244,9 +258,13 @@ class ParallelUpdates:
                             f"{self.wait_s:g} s (or the update already ended)"
                         )
                     self._changed.wait(left)
-                return found
+                return found, ahead
             finally:
                 self._waiting -= 1
+
+    def _wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
 
     def _known(self, update_id: str) -> Assembly | None:
         """The registered or recently failed assembly of update_id (joining a failed one raises
@@ -258,7 +276,9 @@ class ParallelUpdates:
     ) -> pb.UpdateWeightsResponse:
         """Parts 1..N-1: write this stream's range into the leader's stager; the same reply."""
         index = header.parallel.index
-        assembly = self.join(header)
+        assembly, ahead = self.join(header, lambda: _ReadAhead(requests, self._wake))
+        if ahead is not None:
+            requests = ahead.then(requests)
         try:
             lane = assembly.join(header)
             lane.start_in_data(self.wait_s)
@@ -270,3 +290,41 @@ class ParallelUpdates:
         # The leader resolves the assembly on every path (its reply or its error); the bound only
         # keeps a handler thread from waiting forever on a bug.
         return assembly.wait_result(_FOLLOWER_RESULT_WAIT_S)
+
+
+class _ReadAhead:
+    """The next message of a waiting part's stream, read on a thread of its own: the read fails
+    when the caller cancels (or the stream's idle deadline ends it), which `failed` reports and
+    `on_failure` signals at once."""
+
+    def __init__(self, requests: Iterator[Request], on_failure: Callable[[], None]) -> None:
+        self._requests = requests
+        self._on_failure = on_failure
+        self._done = threading.Event()
+        self._message: Request | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._read, name="parallel-read-ahead", daemon=True)
+        self._thread.start()
+
+    @property
+    def failed(self) -> bool:
+        return self._done.is_set() and self._error is not None
+
+    def _read(self) -> None:
+        try:
+            self._message = next(self._requests, None)
+        except BaseException as error:  # noqa: BLE001 - re-raised on the handler's thread
+            self._error = error
+        self._done.set()
+        if self._error is not None:
+            self._on_failure()
+
+    def then(self, requests: Iterator[Request]) -> Iterator[Request]:
+        """The message read ahead (waiting for the read), then the rest of the stream."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        if self._message is None:  # the stream ended there
+            return
+        yield self._message
+        yield from requests
