@@ -59,18 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generation import build_model, grouped_prompts  # noqa: E402
 from bench_make_experience import save_tokenizer  # noqa: E402
 from rollserve.server.experience.generation import SamplingParams, generate, left_pad  # noqa: E402
+from rollserve.server.experience.timing import PHASES, phase_key  # noqa: E402
 from rollserve.server.generation import Engine, engine_for, read_family  # noqa: E402
 
-PHASES = (
-    "generate",
-    "score_actor",
-    "score_reference",
-    "score_critic",
-    "decode",
-    "score_reward_model",
-    "rewards",
-    "shape",
-)
 MEMORY_KINDS = ("allocated", "reserved", "peak_allocated", "peak_reserved")
 GIB = float(1 << 30)
 
@@ -300,7 +291,7 @@ def phase_seconds(experience) -> dict[str, float]:
     """Seconds of one request in each phase that ran: info time/<phase>_s summed over rows."""
     out = {}
     for phase in PHASES:
-        tensor = experience.info.get(f"time/{phase}_s")
+        tensor = experience.info.get(phase_key(phase))
         if tensor is not None and float(tensor.double().sum()) > 0:
             out[phase] = float(tensor.double().sum())
     return out

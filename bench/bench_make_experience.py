@@ -116,6 +116,15 @@ def codec_overhead_s(maker, prompts, options) -> dict[str, float]:
     return best
 
 
+def phases_s(e) -> float:
+    """Seconds the server spent in the phases of making `e` (info time/<phase>_s summed over
+    rows and phases): the rest of a call's wall time is the path around them."""
+    from rollserve.server.experience.timing import PHASES, phase_key
+
+    keys = [phase_key(phase) for phase in PHASES]
+    return sum(float(e.info[key].double().sum()) for key in keys if key in e.info)
+
+
 def client_process(address: str, prompts, options, jobs, results) -> None:
     """Time one gRPC make_experience per job, in this process (the trainer's side)."""
     from rollserve.client.client import RolloutClient
@@ -126,7 +135,8 @@ def client_process(address: str, prompts, options, jobs, results) -> None:
             start_s, cpu_s = time.perf_counter(), time.process_time()
             e = client.make_experience(prompts, **options)
             wall_s = time.perf_counter() - start_s
-            results.put((wall_s, time.process_time() - cpu_s, tuple(e.sequences.shape)))
+            cpu_s = time.process_time() - cpu_s
+            results.put((wall_s, cpu_s, tuple(e.sequences.shape), phases_s(e)))
 
 
 @dataclass(frozen=True)
@@ -134,6 +144,7 @@ class Timing:
     wall_s: float
     cpu_s: float  # CPU seconds of every thread involved (server and client processes)
     shape: tuple[int, ...]
+    phases_s: float  # of which in the server's phases (generate, score, rewards, shape, ...)
 
 
 class GrpcRunner:
@@ -153,11 +164,11 @@ class GrpcRunner:
     def __call__(self) -> Timing:
         server_cpu_s = time.process_time()
         self.jobs.put(1)
-        wall_s, client_cpu_s, shape = self.results.get(timeout=900)
+        wall_s, client_cpu_s, shape, phases = self.results.get(timeout=900)
         server_cpu_s = time.process_time() - server_cpu_s
         # In thread mode the client's CPU is already inside this process's.
         cpu_s = server_cpu_s + (client_cpu_s if isinstance(self.worker, mp.Process) else 0.0)
-        return Timing(wall_s, cpu_s, shape)
+        return Timing(wall_s, cpu_s, shape, phases)
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -188,7 +199,7 @@ def main() -> int:
         model_dir = save_model(Path(tmp), args.vocab, args.hidden, args.layers)
         config = ServerConfig(
             host="127.0.0.1", port=0, actor=str(model_dir), device=args.device,
-            log_level="WARNING",
+            log_level="WARNING", metrics_port=0,
         )  # fmt: skip
         server = RolloutServer(config, models=load_models(config))
         server.start()
@@ -200,7 +211,8 @@ def main() -> int:
         start_s, cpu_s = time.perf_counter(), time.process_time()
         e = maker.make_experience(prompts, **options)
         wall_s = time.perf_counter() - start_s
-        return Timing(wall_s, time.process_time() - cpu_s, tuple(e.sequences.shape))
+        cpu_s = time.process_time() - cpu_s
+        return Timing(wall_s, cpu_s, tuple(e.sequences.shape), phases_s(e))
 
     print(
         f"# {args.prompts} prompts x {args.samples} samples, {args.new_tokens} new tokens, "
@@ -233,6 +245,14 @@ def main() -> int:
         f"{overhead['decode'] * 1e3:.1f} ms ({int(overhead['messages'])} messages, "
         f"{overhead['bytes'] / 1e6:.2f} MB); concat (both paths) "
         f"{overhead['concat'] * 1e3:.1f} ms; encode + decode = {wire_share:.2%} of in-process"
+    )
+    outside = [
+        statistics.median(t.wall_s - t.phases_s for t in lane) * 1e3 for lane in (local, remote)
+    ]
+    print(
+        f"outside the phases (median): in-process {outside[0]:.1f} ms, grpc {outside[1]:.1f} ms; "
+        f"phases: in-process {statistics.median(t.phases_s for t in local):.3f} s, grpc "
+        f"{statistics.median(t.phases_s for t in remote):.3f} s"
     )
     cpu_ratio = statistics.median(t.cpu_s for t in remote) / statistics.median(
         t.cpu_s for t in local
