@@ -131,6 +131,21 @@ def test_a_first_experience_of_one_row_is_zero_as_upstream() -> None:
     assert moments_of(info) == [(1.0, 3.0, pytest.approx(1e-23))]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["scale", "standardize"])
+def test_cuda_equals_cpu(mode: str) -> None:
+    # Rewards on the device stay there: the moments are device tensors, no host round trip.
+    rewards = torch.randn(10, generator=torch.Generator().manual_seed(5))
+    start = RunningRewardMoments(count=5.0, mean=-0.5, var=3.0)
+    cpu = running_normalise(rewards, start, 4, mode)
+    cuda = running_normalise(rewards.cuda(), start, 4, mode)
+    assert cuda[0].device.type == "cuda" and cuda[0].dtype == torch.float32
+    torch.testing.assert_close(cuda[0].cpu(), cpu[0], rtol=1e-6, atol=1e-6)
+    for key in KEYS:
+        assert cuda[1][key].device.type == "cuda"
+        torch.testing.assert_close(cuda[1][key].cpu(), cpu[1][key], rtol=1e-12, atol=1e-12)
+
+
 # ---- through shape_experience, two requests ---------------------------------------------------
 
 A = 5
