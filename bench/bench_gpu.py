@@ -415,13 +415,13 @@ def in_process_lanes(
         lane = measure("in-process", on_this_thread, reps=args.reps, **common)
         lane.note = f"server start to SERVING {start_s:.1f} s (this process)"
         lanes.append(print_lane(lane, case))
-        lane = measure("engine thread", on_engine_thread, reps=2, first=False, **common)
+        lane = measure("engine thread", on_engine_thread, reps=1, first=False, **common)
         lanes.append(print_lane(lane, case))
         with RolloutClient(server.address, timeout_s=max(budget.left(), 1.0)) as client:
             lane = measure(
                 "grpc, same process",
                 lambda: client.make_experience(prompts, **options),
-                reps=2,
+                reps=1,
                 first=False,
                 **common,
             )
@@ -699,12 +699,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="a small model and batch (smoke test)")
     parser.add_argument("--reps", type=int, default=3, help="steady calls per lane")
-    parser.add_argument("--hf-reps", type=int, default=2, help="steady HF generate calls")
+    parser.add_argument("--hf-reps", type=int, default=1, help="steady HF generate calls")
     parser.add_argument(
         "--all-lanes", action="store_true", help="also batch 32, and graphs-only and eager lanes"
     )
     parser.add_argument("--skip", default="", help="comma list of: generation, e2e, grpc, small")
-    parser.add_argument("--small-rounds", type=int, default=4, help="rounds of the small request")
+    parser.add_argument("--small-rounds", type=int, default=3, help="rounds of the small request")
     parser.add_argument("--budget-s", type=float, default=290.0, help="the whole run")
     parser.add_argument("--lane-budget-s", type=float, default=60.0, help="no new call after")
     parser.add_argument("--lane-reserve-s", type=float, default=15.0, help="skip a lane below")
