@@ -87,10 +87,13 @@ def test_cuda_tensors_arrive_pinned_and_equal_to_cpu() -> None:
 def served(request, tiny_actor_dir) -> Iterator[RolloutServer]:
     config = ServerConfig(
         host="127.0.0.1", port=0, actor=str(tiny_actor_dir), device=request.param,
-        log_level="WARNING",
+        log_level="WARNING", metrics_port=0,
     )  # fmt: skip
-    with RolloutServer(config, models=load_models(config)) as server:
-        yield server
+    with pytest.MonkeyPatch.context() as patch:
+        # On CUDA: the engine with its graphs, uncompiled to keep the test short.
+        patch.setenv("ROLLSERVE_ENGINE_COMPILE", "0")
+        with RolloutServer(config, models=load_models(config)) as server:
+            yield server
 
 
 def test_a_server_streams_what_its_maker_makes_in_process(served: RolloutServer) -> None:
