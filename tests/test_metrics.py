@@ -261,11 +261,14 @@ def test_each_server_has_its_own_registry_and_a_busy_metrics_port_is_not_fatal(
 
 
 @pytest.mark.gpu
-def test_device_memory_of_a_cuda_server_is_exported_by_kind() -> None:
+def test_device_memory_of_a_cuda_server_is_exported_by_kind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from rollserve.server.config import ServerConfig
     from rollserve.server.models import load_models
     from rollserve.server.serving.app import RolloutServer
 
+    monkeypatch.setenv("ROLLSERVE_ENGINE_COMPILE", "0")  # the engine uncompiled: a short test
     config = ServerConfig(host="127.0.0.1", port=0, device="cuda", metrics_port=free_port())
     with RolloutServer(config, models=load_models(config)) as served:
         with grpc.insecure_channel(served.address) as channel:
