@@ -151,6 +151,10 @@ class Budget:
     def left(self) -> float:
         return self.end - time.monotonic()
 
+    def deadline_s(self, reserve_s: float) -> float:
+        """A wait bound that leaves `reserve_s` of the run for printing what was measured."""
+        return max(self.left() - reserve_s, 1.0)
+
     def _expire(self) -> None:
         print("\nBUDGET SPENT: stopping the run (stacks follow)", flush=True)
         faulthandler.dump_traceback(all_threads=True)
@@ -417,7 +421,8 @@ def in_process_lanes(
         lanes.append(print_lane(lane, case))
         lane = measure("engine thread", on_engine_thread, reps=1, first=False, **common)
         lanes.append(print_lane(lane, case))
-        with RolloutClient(server.address, timeout_s=max(budget.left(), 1.0)) as client:
+        timeout_s = budget.deadline_s(args.lane_reserve_s)
+        with RolloutClient(server.address, timeout_s=timeout_s) as client:
             lane = measure(
                 "grpc, same process",
                 lambda: client.make_experience(prompts, **options),
@@ -523,10 +528,12 @@ def grpc_lane(
         return figures
     flags = server_flags(args, case, batching)
     try:
-        with server_process(directory, flags, budget, args.server_start_s) as started:
+        start_s = min(args.server_start_s, budget.deadline_s(args.lane_reserve_s))
+        with server_process(directory, flags, budget, start_s) as started:
             address, metrics_port, figures.start_s, log_path = started
             figures.memory_start = scrape_memory(metrics_port)
-            with RolloutClient(address, timeout_s=max(budget.left(), 1.0)) as client:
+            timeout_s = budget.deadline_s(args.lane_reserve_s)
+            with RolloutClient(address, timeout_s=timeout_s) as client:
                 health = client.health()
                 figures.generation_path = health.generation_path
                 figures.kv_cache_tokens = health.kv_cache_tokens
