@@ -10,7 +10,8 @@ the run (and its server process) when --budget-s is spent.
 1. Generation: HF `generate` (dynamic cache, temperature 1, top-k and top-p off) against the
    engine (CUDA graphs and compiled layers: the CUDA default), after the engine's warm-up on
    dummy prompts of the same shape (what a server runs before SERVING); first call, steady
-   median, the allocator's peak. --all-lanes adds the engine with graphs only and eager.
+   median, the allocator's peak. --all-lanes adds batch 32, HF with its static cache, and the
+   engine with graphs only and eager.
 2. MakeExperience, the issue's case (64 prompts x 8, 128-token prompts, 256 new tokens,
    temperature 1, group_norm, an exact_match reward; generate, actor and reference scoring,
    rewards), on the model saved to a directory and loaded by the server code:
@@ -196,6 +197,15 @@ def generation_lanes(model, case: Case, device: str, all_lanes: bool) -> dict[st
 
     lanes = {"hf": hf, "engine_warm_up": engine_warm_up, "engine": engine}
     if all_lanes:  # they taught what they had to (RESULTS.md): graphs are the lever
+
+        def hf_static() -> None:  # HF's static cache, which its generate compiles by itself
+            with torch.inference_mode():
+                model.generate(
+                    input_ids=ids, attention_mask=mask.long(), max_new_tokens=case.new_tokens,
+                    do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0,
+                    cache_implementation="static",
+                )  # fmt: skip
+
         family = read_family(model)
         plain = Engine(model, family, compiled=False)
         eager = Engine(model, family, cuda_graphs=False, compiled=False)
@@ -208,7 +218,9 @@ def generation_lanes(model, case: Case, device: str, all_lanes: bool) -> dict[st
             g = torch.Generator(device=device).manual_seed(0)
             eager.generate(ids, mask, params, pad_token_id=0, generator=g)
 
-        lanes.update(engine_uncompiled=engine_uncompiled, engine_eager=engine_eager)
+        lanes.update(
+            hf_static=hf_static, engine_uncompiled=engine_uncompiled, engine_eager=engine_eager
+        )
     return lanes
 
 
@@ -398,6 +410,7 @@ def in_process_lanes(
         host="127.0.0.1", port=0, actor=str(directory), log_level="WARNING", metrics_port=0,
         **flags,
     )  # fmt: skip
+    reset_memory(device)
     started = time.perf_counter()
     server = RolloutServer(config, models=load_models(config))
     server.start()  # loads, warms the engine up, reports SERVING
@@ -417,7 +430,10 @@ def in_process_lanes(
 
         common = dict(args=args, budget=budget, device=device)
         lane = measure("in-process", on_this_thread, reps=args.reps, **common)
-        lane.note = f"server start to SERVING {start_s:.1f} s (this process)"
+        lane.note = (
+            f"server start to SERVING {start_s:.1f} s; peak alloc/reserved {memory(device)} "
+            "(this process: the generation lanes' model and engine included)"
+        )
         lanes.append(print_lane(lane, case))
         lane = measure("engine thread", on_engine_thread, reps=1, first=False, **common)
         lanes.append(print_lane(lane, case))
