@@ -11,13 +11,16 @@ asked for; a GPU tensor is first copied to the host whole, sha256=True reads eve
 more), so the header is built in a worker thread and the chunk messages in gRPC's sending
 thread: the upload goes through a sync channel of the same settings (see `_open_upload_channel`
 for why), and the loop only waits. The messages are the sync client's hand-encoded bytes
-(protocol/wire.py), sent through the same raw-bytes method.
+(protocol/wire.py), sent through the same raw-bytes method. Subscribe runs on that sync channel
+too, read by a thread of its own whose replies the loop awaits: its acknowledgements are written
+while the server may end the call, which grpc.aio would report as INTERNAL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,6 +33,7 @@ from .calls import (
     DEFAULT_SUBSCRIBE_WINDOW,
     BaseClient,
     SubscribedBatch,
+    SubscribeRequests,
     join_micro_batches,
     land,
     subscribe_request,
@@ -129,18 +133,24 @@ class AsyncRolloutClient(BaseClient):
         """Batches of the server's continuous rollout (see RolloutClient.subscribe, `window`
         included); closing the iterator (aclose, or leaving `async for` early) cancels the
         call."""
-        first = subscribe_request(subscriber_id, max_batches, window)
-        call = self._subscribe_call(None, timeout_s)
+        requests = SubscribeRequests(subscribe_request(subscriber_id, max_batches, window))
+        # A sync call read by a thread of its own (calls.py: _subscribe_call says why), its
+        # replies handed to the loop; at most `window` of them wait at once.
+        call = self._subscribe_call(requests, timeout_s)
+        loop = asyncio.get_running_loop()
+        replies: asyncio.Queue[pb.SubscribeResponse | grpc.RpcError | None] = asyncio.Queue()
+        threading.Thread(
+            target=_read_replies, args=(call, loop, replies), name="subscribe-replies", daemon=True
+        ).start()
         try:
             with typed_errors():
-                await call.write(first)
-                if not window:
-                    await call.done_writing()  # as a client before windows
-                while (reply := await call.read()) is not grpc.aio.EOF:
+                while (reply := await replies.get()) is not None:
+                    if isinstance(reply, grpc.RpcError):
+                        raise reply
                     yield subscribed_batch(reply, device)
-                    if window:
-                        await _acknowledge(call)  # the trainer is back: it took that batch
+                    requests.took_one()  # the trainer is back: it took that batch
         finally:
+            requests.close()
             call.cancel()
 
     async def update_weights(
@@ -184,8 +194,17 @@ class AsyncRolloutClient(BaseClient):
         await self.close()
 
 
-async def _acknowledge(call: Any) -> None:
-    """One batch taken; a call the server already ended refuses the write, and its next read
-    tells how it ended."""
-    with contextlib.suppress(asyncio.InvalidStateError, grpc.RpcError):
-        await call.write(pb.SubscribeRequest(taken=1))
+def _read_replies(
+    call: Any,
+    loop: asyncio.AbstractEventLoop,
+    replies: asyncio.Queue[pb.SubscribeResponse | grpc.RpcError | None],
+) -> None:
+    """Hand a sync Subscribe call's replies to the event loop, then None (or the error)."""
+    try:
+        for reply in call:
+            loop.call_soon_threadsafe(replies.put_nowait, reply)
+        end: grpc.RpcError | None = None
+    except grpc.RpcError as error:
+        end = error
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+        loop.call_soon_threadsafe(replies.put_nowait, end)

@@ -213,12 +213,13 @@ class BaseClient:
         )
 
     def _subscribe_call(
-        self, requests: Iterator[pb.SubscribeRequest] | None, timeout_s: float | None
+        self, requests: Iterator[pb.SubscribeRequest], timeout_s: float | None
     ) -> Any:
-        """The Subscribe stream; `requests` None: grpc.aio's call, written to with write()."""
-        arguments = () if requests is None else (requests,)
-        return self._stub.Subscribe(
-            *arguments,
+        """The Subscribe stream, a sync call on the upload channel for both clients: grpc.aio
+        turns the status of a call that ends while an acknowledgement is being written into
+        INTERNAL (see AsyncRolloutClient._open_upload_channel); a sync call keeps it."""
+        return rollout_pb2_grpc.RolloutStub(self._upload_channel).Subscribe(
+            requests,
             timeout=self._settings.timeout(timeout_s),
             metadata=self._settings.metadata_for(),
         )
@@ -331,11 +332,13 @@ def subscribe_request(
 class SubscribeRequests:
     """The request stream of a sync Subscribe call, which gRPC's own thread iterates: the first
     request, then one acknowledgement per batch the trainer took, until `close()` (window 0:
-    closed after the first request, as a client before windows)."""
+    closed after the first request, as a client before windows). Thread-safe."""
 
     def __init__(self, first: pb.SubscribeRequest) -> None:
         self._queue: queue.SimpleQueue[pb.SubscribeRequest | None] = queue.SimpleQueue()
         self._queue.put(first)
+        self._window = first.window
+        self._left = first.max_batches or None  # batches still to come; None: no limit
         if not first.window:
             self.close()
 
@@ -349,9 +352,13 @@ class SubscribeRequests:
             raise StopIteration
         return request
 
-    def acknowledge(self) -> None:
-        """The trainer took one more batch: the server may hand over one more."""
-        self._queue.put(pb.SubscribeRequest(taken=1))
+    def took_one(self) -> None:
+        """The trainer took one more batch and asks for the next: acknowledge it (with a window,
+        unless it was the last of max_batches: the server ends the stream there)."""
+        if self._left is not None:
+            self._left -= 1
+        if self._window and self._left != 0:
+            self._queue.put(pb.SubscribeRequest(taken=1))
 
     def close(self) -> None:
         """No more requests: gRPC's thread stops iterating (and the stream half-closes)."""

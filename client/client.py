@@ -149,8 +149,7 @@ class RolloutClient(BaseClient):
             with typed_errors():
                 for reply in call:
                     yield subscribed_batch(reply, device)
-                    if window:
-                        requests.acknowledge()  # the trainer is back: it took that batch
+                    requests.took_one()  # the trainer is back: it took that batch
         finally:
             requests.close()  # gRPC's thread stops reading the request stream
             call.cancel()  # a no-op after the last batch; leaves the ring when abandoned

@@ -584,6 +584,19 @@ def test_async_client_subscribes_and_cancels(models: ModelSet, files: dict[str, 
         _wait_until(lambda: _progress(server.address).subscribers == 0, "the call is cancelled")
 
 
+def test_async_client_reads_a_rollout_to_its_end(models: ModelSet, files: dict[str, Path]) -> None:
+    # The server ends the stream while the client may be acknowledging its last batch: the
+    # stream still ends OK (grpc.aio reported such an end as INTERNAL; the client reads a sync
+    # call instead).
+    async def main() -> list[SubscribedBatch]:
+        async with AsyncRolloutClient(server.address) as client:
+            return [b async for b in client.subscribe("aio-all", window=2, timeout_s=WAIT_S)]
+
+    with serving(models, files) as server:  # one epoch
+        batches = asyncio.run(main())
+    assert [b.batch_index for b in batches] == list(range(BATCHES_PER_EPOCH))
+
+
 def test_bad_rollout_setup_fails_the_start(models: ModelSet, tmp_path: Path) -> None:
     no_answers = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
     template = _write_template(tmp_path / "r.json", TEMPLATE)  # exact_match needs answers

@@ -56,7 +56,7 @@ from rollserve.client.weights.update_file import prepare_update
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, load_models
 from rollserve.server.serving.app import RolloutServer
-from rollserve.server.serving.exit_codes import ExitCode
+from rollserve.server.serving.exit_codes import STOP_BOUND_S, ExitCode
 from rollserve.server.weights.arena import StagingArena
 from rollserve.server.weights.distributed import MAX_JOINING, WeightsGroups
 from rollserve.server.weights.parallel import MAX_WAITING_PARTS
@@ -467,8 +467,11 @@ def test_sigterm_ends_the_process_while_a_rendezvous_is_stuck() -> None:
                     stopped = time.monotonic()
                     # In flight when the grace ended: cancelled (exit 3), its handler freed.
                     code = proc.terminate_and_wait(timeout_s=grace_s + 10.0)
-                    assert code == ExitCode.CANCELLED, proc.log_text()
-                    assert time.monotonic() - stopped < grace_s + 5.0
+                    took_s = time.monotonic() - stopped
+                    assert code == ExitCode.CANCELLED, (code, took_s, proc.log_text()[-3000:])
+                    # The promise (grace + STOP_BOUND_S), and 2 s for the interpreter's exit on
+                    # a loaded machine.
+                    assert took_s < grace_s + STOP_BOUND_S + 2.0, (took_s, proc.log_text()[-3000:])
                 with pytest.raises(grpc.RpcError):
                     call.result(timeout=CALL_S)
         finally:
