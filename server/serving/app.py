@@ -247,6 +247,7 @@ class RolloutServer:
     def _stop_calls(self, server: grpc.Server, grace_s: float) -> ExitCode:
         """Stop gRPC (calls running at the end of the grace are cancelled), then the engine;
         each wait bounded, so the outcome is known within grace_s + STOP_BOUND_S."""
+        deadline_s = time.monotonic() + grace_s + STOP_BOUND_S
         shutdown = server.stop(grace_s)  # returns at once; cancels every call after grace_s
         assert self.call_limit is not None  # bound with the server
         in_flight = self.call_limit.in_flight
@@ -256,19 +257,21 @@ class RolloutServer:
                 "%d calls were still running when the grace period ended: cancelled",
                 in_flight.count,
             )
-        bound_s = time.monotonic() + STOP_BOUND_S
-        if not drained and self.updates is not None:
-            # Cancelling does not reach a part waiting for its part 0 (it reads no message).
-            self.updates.planes.parallel.stop_waiting()
-        returned = drained or in_flight.wait_idle(bound_s - time.monotonic())
+            if self.updates is not None:
+                # A part waiting for its part 0 that has read its first message does not see
+                # the cancel until its wait ends: end the wait.
+                self.updates.planes.parallel.stop_waiting()
+        returned = drained or in_flight.wait_idle(deadline_s - time.monotonic())
         # No work call runs: what is left (grpc.health.v1 Watch, reflection) ends now.
         server.stop(0)
-        shutdown.wait(max(bound_s - time.monotonic(), 0.0))
+        shutdown.wait(max(deadline_s - time.monotonic(), 0.0))
         if self.send_deadlines is not None:
             self.send_deadlines.close()
         engine_stopped = True
         if self.runtime is not None:
-            self.runtime.close(timeout_s=max(bound_s - time.monotonic(), 0.0))
+            # The engine's job in progress (the rollout's batch, say) may use what is left of
+            # the grace too.
+            self.runtime.close(timeout_s=max(deadline_s - time.monotonic(), 0.0))
             engine_stopped = self.runtime.engine.stopped
         if self.updates is not None:
             self.updates.close()
