@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -337,3 +339,27 @@ def test_sigterm_leaves_a_batch_stuck_on_the_engine_behind_and_exits_4(
     finally:
         proc.terminate_and_wait()
         rewards.close()
+
+
+def test_the_exit_watchdog_leaves_a_process_that_something_holds() -> None:
+    # What serve() arms at the signal: a non-daemon thread that never ends would hold the
+    # interpreter's exit for ever; the watchdog ends the process with ABANDONED.
+    code = (
+        "import threading\n"
+        "from rollserve.server.serving.app import _exit_after\n"
+        "threading.Thread(target=threading.Event().wait).start()\n"
+        "_exit_after(0.2)\n"
+    )
+    started_s = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=WAIT_S)
+    assert result.returncode == ExitCode.ABANDONED, result.stderr.decode()[-2000:]
+    assert time.monotonic() - started_s < WAIT_S / 2
+
+
+def test_serve_help_lists_the_exit_codes() -> None:
+    command = [sys.executable, "-m", "rollserve.server", "serve", "--help"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_S)
+    assert result.returncode == 0, result.stderr
+    assert "--shutdown-grace-s" in result.stdout and "exit codes:" in result.stdout
+    for code in ExitCode:
+        assert f"\n  {int(code)}  " in result.stdout, result.stdout[-1500:]
