@@ -79,7 +79,8 @@ def test_cuda_tensors_arrive_pinned_and_equal_to_cpu() -> None:
             assert host[name] is None
             continue
         got = host[name]
-        assert got.device.type == "cpu" and got.is_pinned(), name
+        # An empty tensor has no storage to pin (torch returns it unpinned); nothing to copy.
+        assert got.device.type == "cpu" and (got.is_pinned() or got.numel() == 0), name
         assert got.dtype == tensor.dtype and torch.equal(got, tensor.cpu()), name
 
 

@@ -68,7 +68,6 @@ def _prepare(
     logits: torch.Tensor,
     step: torch.Tensor,
     temperature: torch.Tensor,
-    top_p: torch.Tensor,
     min_new_tokens: torch.Tensor,
     single: torch.Tensor | None,
     greedy: bool,
@@ -99,12 +98,20 @@ def _prepare(
         values, ids = torch.topk(scores, top_k, dim=-1)  # (b, k) descending
     elif filter_top_p:
         values, ids = torch.sort(scores, dim=-1, descending=True)  # (b, V)
-    if filter_top_p:
-        probs = torch.softmax(values, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        # Index 0 always survives: its mass_before is 0 < top_p.
-        values = values.masked_fill(mass_before >= top_p, float("-inf"))
+    # With top-p the scan is left to _top_p (eager); these are the candidates' probabilities.
     return torch.softmax(values, dim=-1), ids, lse
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The candidates' probabilities (b, n), sorted descending, with top-p applied: a
+    candidate survives while the mass before it is below top_p (index 0 always does). Not
+    renormalised: _inverse_cdf scales its uniform by each row's total.
+
+    Eager, outside the compiled _prepare: Inductor fails to generate code for this scan over
+    a large vocabulary at some batch sizes (a float32 SplitScan, seen on an H100).
+    """
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    return probs.masked_fill(mass_before >= top_p, 0.0)
 
 
 # Rows sampled at once. The float32 and float64 temporaries over the vocabulary (~16 bytes x
@@ -189,13 +196,14 @@ class Sampler:
         self, logits: torch.Tensor, uniform: torch.Tensor, step: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         first, ids, lse = self._prepared(
-            logits, step, self.temperature, self.top_p, self.min_new_tokens, self.stops.single,
+            logits, step, self.temperature, self.min_new_tokens, self.stops.single,
             self.greedy, self.top_k, self.filter_top_p, self.use_temperature,
         )  # fmt: skip
         if self.greedy:
             token = first
         else:
-            pick = _inverse_cdf(first, uniform)  # (b, 1)
+            probs = _top_p(first, self.top_p) if self.filter_top_p else first
+            pick = _inverse_cdf(probs, uniform)  # (b, 1)
             token = pick.squeeze(1) if ids is None else ids.gather(-1, pick).squeeze(1)
         chosen = logits.gather(-1, token[:, None]).squeeze(1).float()
         if self.use_temperature:
