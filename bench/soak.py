@@ -69,6 +69,7 @@ from rollserve.server.config import ServerConfig  # noqa: E402
 from rollserve.server.models import load_models  # noqa: E402
 from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm  # noqa: E402
 from rollserve.server.serving.exit_codes import STOP_BOUND_S  # noqa: E402
+from rollserve.server.serving.thread_pool import IDLE_THREAD_S  # noqa: E402
 from rollserve.v1 import rollout_pb2 as pb  # noqa: E402
 from rollserve.v1 import rollout_pb2_grpc  # noqa: E402
 
@@ -646,7 +647,9 @@ def phase_held(workdir: Path, during_s: float) -> tuple[dict, bool]:
     result["during"] = _snapshot(proc, target, during_s)
     result["normal_calls_during"] = _normal_calls(target, weights, version=1)
     attack.release()
-    time.sleep(3.0)  # cancelled: every held handler returns at once, well before the timers
+    # Cancelled: every held handler returns at once, well before the timers; the threads the
+    # attack started end once idle for IDLE_THREAD_S.
+    time.sleep(IDLE_THREAD_S + 3.0)
     result["after"] = _snapshot(proc, target, 2.0)
     result["server"] = server_health(proc)
     # The same attack, then SIGTERM: how the stop ends and how long it takes.

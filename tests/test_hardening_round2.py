@@ -391,13 +391,14 @@ def test_parts_waiting_for_an_unknown_leader_are_bounded(
     assert parallel.waiting == 0
 
 
-def test_a_waiting_part_whose_caller_leaves_frees_its_place_at_once(
-    server: RolloutServer, channel: grpc.Channel
-) -> None:
+def test_a_waiting_part_whose_caller_leaves_frees_its_place_at_once(models: ModelSet) -> None:
     # Its stream read ahead on a thread of its own fails when the caller cancels, which ends
     # the wait (it used to hold its handler and its place in the pool for the whole wait).
-    assert server.updates is not None
-    parallel = server.updates.planes.parallel
+    long_wait_s = 60.0
+    config = ServerConfig(
+        host="127.0.0.1", port=0, device="cpu", metrics_port=0, log_level="WARNING",
+        parallel_part_wait_s=long_wait_s,
+    )  # fmt: skip
     release = threading.Event()
 
     def part() -> Iterator[pb.UpdateWeightsRequest]:
@@ -406,16 +407,22 @@ def test_a_waiting_part_whose_caller_leaves_frees_its_place_at_once(
         header.parallel.streams, header.parallel.index = 2, 1
         header.parallel.begin, header.parallel.end = 500, 1000
         yield pb.UpdateWeightsRequest(header=header)
-        release.wait(PART_WAIT_S + 5.0)
+        release.wait(long_wait_s)
 
-    call = _stub(channel).UpdateWeights.future(part(), metadata=ADMIN, timeout=30.0)
-    try:
-        assert _until(lambda: parallel.waiting == 1, CALL_S)
-        call.cancel()
-        assert _until(lambda: parallel.waiting == 0, PART_WAIT_S / 4)  # not the whole wait
-    finally:
-        release.set()
-    _assert_probes_answer(channel)
+    with (
+        RolloutServer(config, models=models) as server,
+        grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        assert server.updates is not None
+        parallel = server.updates.planes.parallel
+        call = _stub(channel).UpdateWeights.future(part(), timeout=long_wait_s)
+        try:
+            assert _until(lambda: parallel.waiting == 1, CALL_S)
+            call.cancel()
+            assert _until(lambda: parallel.waiting == 0, long_wait_s / 6)  # not the whole wait
+        finally:
+            release.set()
+        _assert_probes_answer(channel)
 
 
 def test_a_part_that_waited_for_its_part_0_stages_the_message_it_read_ahead(

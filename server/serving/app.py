@@ -27,7 +27,6 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType
 
@@ -65,6 +64,7 @@ from .security import (
     server_credentials,
 )
 from .servicer import RolloutServicer, generation_facts
+from .thread_pool import ShrinkingThreadPool
 
 __all__ = ["BindError", "RolloutServer", "ROLLOUT_SERVICE", "grpc_server_options", "serve"]
 
@@ -123,6 +123,7 @@ class RolloutServer:
         self._stopping = False
         self.send_deadlines: SendDeadlines | None = None
         self.call_limit: CallLimitInterceptor | None = None
+        self.pool: ShrinkingThreadPool | None = None
 
     def start(self) -> int:
         """Bind, load the models and report SERVING; returns the bound port."""
@@ -140,12 +141,14 @@ class RolloutServer:
             self._health.set(name, _NOT_SERVING)
         self.send_deadlines = SendDeadlines(config.stream_send_timeout_s)
         self.call_limit = CallLimitInterceptor(config.max_workers, self.send_deadlines)
+        # --max-workers calls at once (call_limit), plus threads that only probes can find free:
+        # a probe answers while every other call holds its thread. Threads a burst of calls
+        # started end once idle (thread_pool.py).
+        self.pool = ShrinkingThreadPool(
+            config.max_workers + PROBE_THREADS, thread_name_prefix="rollserve-rpc"
+        )
         server = grpc.server(
-            # --max-workers calls at once (call_limit), plus threads that only probes can find
-            # free: a probe answers while every other call holds its thread.
-            ThreadPoolExecutor(
-                config.max_workers + PROBE_THREADS, thread_name_prefix="rollserve-rpc"
-            ),
+            self.pool,  # type: ignore[arg-type]  # grpc only calls submit()
             options=grpc_server_options(config),
             # Telemetry first (outermost): calls refused by auth or the limit are logged and
             # counted too. Undecodable requests last (innermost): INVALID_ARGUMENT, not grpc's
@@ -277,6 +280,8 @@ class RolloutServer:
             self.updates.close()
         if self._metrics_http is not None:
             self._metrics_http.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)  # idle handler threads end before the process does
         if not (returned and engine_stopped):
             _LOG.warning(
                 "stopped, leaving behind what did not end within %.1f s of the grace: %s",
