@@ -18,6 +18,13 @@ measure). The trainer is this process. Measured in the same run:
 Targets (issue 20, one H100): cuda_ipc >= 0.3 x device copy, shm >= 0.5 x pinned copy, grpc and
 dist no slower than into the CPU server. A failing lane prints its error; the run goes on.
 
+Each lane also says where the server staged it ("staged"): the server runs at --log-level INFO
+and its arena logs where each staging buffer it allocates lives (weights/arena.py: on the
+device, or in pinned host memory, with a warning when the device had no room); the lane's
+column is the last such buffer, plus any fallback warning logged during the lane. The "grpc"
+lane asks for transport="grpc": the client may split it over parallel streams (it does on a
+many-core node), which the server reports as "grpc-parallel"; the note says which carried it.
+
     python bench/bench_gpu_weights.py                       # a CUDA node, under 2 minutes
     python bench/bench_gpu_weights.py --quick --device cpu  # a smoke test here (< 1 minute)
 """
@@ -25,6 +32,7 @@ dist no slower than into the CPU server. A failing lane prints its error; the ru
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import tempfile
 import time
@@ -47,6 +55,13 @@ ROUNDS = 3
 WAIT_S = 120.0
 # Issue 20's targets: the lane's ratio to its ceiling ("cpu": to the same lane into a CPU server).
 TARGETS = {"cuda_ipc": 0.3, "shm": 0.5, "grpc": 1.0, "dist": 1.0}
+# What the server may answer for a transport asked for: the client carries "grpc" over parallel
+# streams when the host has the cores for it, and the server then names it "grpc-parallel".
+CARRIED_AS = {"grpc": ("grpc", "grpc-parallel")}
+# The server's arena log (weights/arena.py): where a staging buffer was allocated, and why an
+# update staged on the host when the device had no room or its allocation failed.
+_BUFFER = re.compile(r"staging buffer of (\d+) bytes (on \S+|in pinned host memory|in host memory)")
+_FALLBACK = re.compile(r"staging \d+ bytes on \S+ (does not fit|failed)")
 
 
 @dataclass
@@ -58,6 +73,7 @@ class Row:
     ceiling: str = ""
     ratio: float | None = None
     target: str = ""
+    staged: str = ""  # where the server staged the lane's updates (its log)
     note: str = ""
 
 
@@ -92,12 +108,23 @@ def save_actor(directory: Path, quick: bool) -> dict[str, torch.Tensor]:
     return {name: t.detach().contiguous() for name, t in model.state_dict().items()}
 
 
+def staged_where(log: str, lane_start: int) -> str:
+    """Where the server's arena stages now (its last buffer in `log`), and the fallback warnings
+    it logged since `lane_start` (an offset into `log`); "?" without a buffer line."""
+    buffers = _BUFFER.findall(log)
+    where = "?" if not buffers else buffers[-1][1].removeprefix("on ").removeprefix("in ")
+    fallbacks = sorted({match.group(1) for match in _FALLBACK.finditer(log, lane_start)})
+    return where if not fallbacks else f"{where} (device {', '.join(fallbacks)})"
+
+
 class Trainer:
     """This process as the trainer of one server: versions rise by one per update."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, log: Callable[[], str] = str) -> None:
+        # log: the server's log so far (staged_where reads it).
         self.client = RolloutClient(target, timeout_s=WAIT_S)
         self.version = self.client.health().policy_version
+        self.log = log
 
     def best_gbps(
         self, send: Callable[[int], object], total_bytes: int
@@ -118,7 +145,9 @@ class Trainer:
 
     def lane(
         self, weights: dict[str, torch.Tensor], transport: str, total_bytes: int
-    ) -> tuple[float, float]:
+    ) -> tuple[float, float, str, str]:
+        """GB/s, the server's seconds, the transport that carried it, where it staged."""
+        lane_start = len(self.log())
         if transport == "dist":
             with WeightsGroup([self.client], backend="gloo", timeout_s=WAIT_S) as group:
                 gbps, server_s, sent_as = self.best_gbps(
@@ -130,21 +159,23 @@ class Trainer:
                 lambda v: self.client.update_weights(weights, version=v, transport=transport),
                 total_bytes,
             )
-        if sent_as != transport:
+        if sent_as not in CARRIED_AS.get(transport, (transport,)):
             raise RuntimeError(f"asked for {transport}, the server says {sent_as}")
-        return gbps, server_s
+        return gbps, server_s, sent_as, staged_where(self.log(), lane_start)
 
     def close(self) -> None:
         self.client.close()
 
 
 def run_lane(
-    row: Row, measure: Callable[[], tuple[float, float]], ceiling: float | None = None
+    row: Row, measure: Callable[[], tuple[float, float, str, str]], ceiling: float | None = None
 ) -> None:
     """Fill row.gbps (and its ratio to `ceiling`), or its note with the error; print the row
     at once either way (a run cut short keeps what it printed)."""
     try:
-        row.gbps, row.server_s = measure()
+        row.gbps, row.server_s, sent_as, row.staged = measure()
+        if sent_as != row.lane:
+            row.note = f"carried by {sent_as} {row.note}".strip()
     except Exception as error:
         row.note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
         traceback.print_exc(file=sys.stderr)
@@ -152,8 +183,9 @@ def run_lane(
         row.ratio = row.gbps / ceiling
     ratio = "" if row.ratio is None else f" = {row.ratio:.3f} x {row.ceiling}"
     server = "" if row.server_s is None else f" (server {row.server_s:.3f} s)"
-    print(f"  {row.lane} ({row.tensors}): {_cell(row.gbps)} GB/s{ratio}{server} {row.note}",
-          flush=True)  # fmt: skip
+    staged = f" staged: {row.staged}" if row.staged else ""
+    print(f"  {row.lane} ({row.tensors}): {_cell(row.gbps)} GB/s{ratio}{server}{staged} "
+          f"{row.note}", flush=True)  # fmt: skip
 
 
 def _cell(value: float | None, digits: int = 2) -> str:
@@ -184,7 +216,7 @@ def main(argv: list[str]) -> int:
         print(f"model: {parameters / 1e6:.0f}M parameters, {total_bytes / 1e9:.2f} GB bfloat16, "
               f"built in {time.monotonic() - started:.0f} s")  # fmt: skip
         common = ("--dtype", "bfloat16", "--actor", tmp, "--generation-path", "hf",
-                  "--log-level", "WARNING", "--metrics-port", "0")  # fmt: skip
+                  "--log-level", "INFO", "--metrics-port", "0")  # fmt: skip
         try:
             proc, port = start_server_process("--device", device, *common, timeout_s=WAIT_S)
             servers.append(proc)
@@ -192,13 +224,13 @@ def main(argv: list[str]) -> int:
             ceilings = measure_ceilings(total_bytes, on_cuda)
             for name, gbps in ceilings.items():
                 print(f"ceiling {name}: {_cell(gbps)} GB/s", flush=True)
-            trainer = Trainer(f"127.0.0.1:{port}")
+            trainer = Trainer(f"127.0.0.1:{port}", proc.log_text)
             rows += gpu_server_lanes(trainer, weights, total_bytes, ceilings, on_cuda)
             trainer.close()
             if on_cuda and not args.no_cpu_reference:
                 proc, port = start_server_process("--device", "cpu", *common, timeout_s=WAIT_S)
                 servers.append(proc)
-                reference = Trainer(f"127.0.0.1:{port}")
+                reference = Trainer(f"127.0.0.1:{port}", proc.log_text)
                 rows += cpu_reference_lanes(reference, weights, total_bytes, rows)
                 reference.close()
         finally:
@@ -210,11 +242,19 @@ def main(argv: list[str]) -> int:
     for name, gbps in ceilings.items():
         print(f"- ceiling {name}: {_cell(gbps)} GB/s")
     print()
-    print("| lane | trainer's tensors | applied GB/s | server s | ratio | to | target | note |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| lane | trainer's tensors | applied GB/s | server s | ratio | to | target | staged "
+          "| note |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         print(f"| {row.lane} | {row.tensors} | {_cell(row.gbps)} | {_cell(row.server_s, 3)} | "
-              f"{_cell(row.ratio)} | {row.ceiling} | {row.target} | {row.note} |")  # fmt: skip
+              f"{_cell(row.ratio)} | {row.ceiling} | {row.target} | {row.staged} | "
+              f"{row.note} |")  # fmt: skip
+    print(
+        '\ngrpc: transport="grpc", which the client may carry over parallel streams (the '
+        "server then says grpc-parallel, named in the note). staged: where the server's "
+        "arena staged the lane's updates, read from its log (in brackets: a device fallback "
+        "warning of the lane)."
+    )
     print(f"\ntotal {time.monotonic() - started:.0f} s")
     return 0
 

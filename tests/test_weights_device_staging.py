@@ -32,11 +32,18 @@ from rollserve.client import RolloutClient
 from rollserve.client.protocol.errors import InvalidArgument, ResourceExhausted
 from rollserve.client.weights.distributed import WeightsGroup
 from rollserve.server.config import ServerConfig
+from rollserve.server.generation import GenerationSettings, adopt_settings, engine_for
+from rollserve.server.generation.registry import staging_reserve_bytes
 from rollserve.server.models import ModelSet, load_models
 from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm
 from rollserve.server.serving.app import RolloutServer
 from rollserve.server.weights import UpdateStager, staging_arena
-from rollserve.server.weights.arena import StagingArena, set_staging_arena
+from rollserve.server.weights.arena import (
+    DEVICE_MARGIN_BYTES,
+    StagingArena,
+    device_has_room,
+    set_staging_arena,
+)
 from rollserve.server.weights.header import StreamEntry
 from rollserve.server.weights.pipeline import RING_SLOTS, SLOT_BYTES, SlotRing
 from rollserve.server.weights.stream import SafetensorsStager
@@ -396,6 +403,58 @@ def test_a_device_buffer_that_cannot_be_had_falls_back_to_the_host_for_good() ->
     assert arena.capacity_bytes == 0 and arena.ring.allocated_bytes == 0
 
 
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("free", "cached", "held", "nbytes", "fits"),
+    [
+        (1000 * MIB, 0, 0, 744 * MIB, True),  # exactly the margin left over
+        (1000 * MIB, 0, 0, 745 * MIB, False),  # a byte into the margin
+        (500 * MIB, 500 * MIB, 0, 744 * MIB, True),  # blocks torch caches unused count
+        (0, 0, 1000 * MIB, 744 * MIB, True),  # the old buffer is freed before the new one
+        (300 * MIB, 300 * MIB, 400 * MIB, 745 * MIB, False),
+        # An H100 whose KV promises summed past the device refused this one (the old rule):
+        (81_482_874_880, 0, 0, 1_840_640, True),
+        # A server at --gpu-memory-utilization 0.95 on 80 GiB whose KV cache grew to its
+        # budget: what is free is the 5 % outside the share plus the staging copy the budget
+        # left (the old rule wanted 10 % free beyond that).
+        (4 * GIB + 830 * MIB, 0, 0, 830 * MIB, True),
+        # The same with nothing left outside the share: no room for the margin.
+        (830 * MIB, 0, 0, 830 * MIB, False),
+    ],
+)
+def test_a_device_buffer_is_had_when_it_fits_in_what_is_free_now_less_a_margin(
+    free: int, cached: int, held: int, nbytes: int, fits: bool
+) -> None:
+    got = device_has_room(
+        free=free, cached=cached, held=held, nbytes=nbytes, margin=DEVICE_MARGIN_BYTES
+    )
+    assert got is fits
+    assert DEVICE_MARGIN_BYTES == 256 * MIB  # the figures above are written for it
+
+
+def state_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def test_a_servers_kv_budget_leaves_one_staging_copy_of_each_model_it_hosts() -> None:
+    actor, critic, elsewhere, other_device = (tiny_llama(seed) for seed in (1, 2, 3, 4))
+    critic.to(torch.bfloat16)  # in its own dtype: a staging copy is the state dict's bytes
+    other_device.to("meta")
+    server, other_server = GenerationSettings(), GenerationSettings()
+    assert server == other_server  # equal settings, yet two servers: grouped by identity
+    for model in (actor, critic, other_device):
+        adopt_settings(model, server)
+    adopt_settings(elsewhere, other_server)
+    assert state_bytes(critic) * 2 == state_bytes(actor)
+    assert staging_reserve_bytes(actor) == state_bytes(actor) + state_bytes(critic)
+    assert staging_reserve_bytes(critic) == staging_reserve_bytes(actor)
+    assert staging_reserve_bytes(elsewhere) == state_bytes(elsewhere)
+    assert staging_reserve_bytes(tiny_llama(5)) == state_bytes(actor)  # hosted by no server
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # check_values' sum of squares
 def test_the_value_checks_agree_with_check_values() -> None:
     """DeferredValues (through UpdateChecks) refuses exactly what check_values refuses."""
@@ -598,3 +657,35 @@ def test_a_cuda_model_over_the_device_limit_stages_in_pinned_host_memory(
     assert not arena.staged_on_device and arena.capacity_bytes > 0
     assert_bits_equal(model.state_dict(), {k: v.to(torch.bfloat16) for k, v in source.items()})
     assert pointers(model) == where
+
+
+@pytest.mark.gpu
+def test_a_server_engine_with_its_kv_cache_at_its_budget_still_stages_on_the_device(
+    gpu_actor_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The memory plan: the engine's KV budget left one staging copy of the model, so with the
+    # cache grown to the whole budget at a high utilization the update still stages on the
+    # device, and weights + KV + staging stay inside the share.
+    monkeypatch.setenv("ROLLSERVE_ENGINE_COMPILE", "0")
+    utilization = 0.95
+    model = LlamaForCausalLM.from_pretrained(gpu_actor_dir).to("cuda", torch.bfloat16)
+    settings = GenerationSettings(path="rollserve", gpu_memory_utilization=utilization)
+    adopt_settings(model, settings)
+    torch.cuda.empty_cache()  # earlier tests' cached blocks are not this server's use
+    engine = engine_for(model, settings)
+    assert engine is not None and engine.capacity_tokens > 0
+    arena = staging_arena(model)
+    try:
+        width = 64
+        engine.cache.view(engine.cache.rows_for(width), width)  # the whole budget, allocated
+        source = {k: v.cpu() for k, v in tiny_weights_like(model).items()}  # bf16: the wire
+        update_in_place(model, make_requests(source))
+        assert arena.staged_on_device
+        assert arena.capacity_bytes <= staging_reserve_bytes(model) + 64 * KIB  # + alignment
+        free, total = torch.cuda.mem_get_info()
+        assert total - free <= utilization * total
+        assert_bits_equal(model.state_dict(), source)
+    finally:
+        engine.cache.release()
+        arena.release()
+        torch.cuda.empty_cache()

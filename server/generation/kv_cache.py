@@ -40,7 +40,9 @@ SCORING_CHUNK_BYTES = 128 << 20
 def activation_reserve_bytes(vocab: int) -> int:
     """What the KV budget leaves, inside the --gpu-memory-utilization share, for the device
     memory that is not KV: the decode step's graph pool at RESERVE_ROWS rows and scoring's
-    lm_head chunks (scoring.py sizes them by SCORING_CHUNK_BYTES)."""
+    lm_head chunks (scoring.py sizes them by SCORING_CHUNK_BYTES). A server's engine adds
+    one term to it (registry.staging_reserve_bytes): one device staging copy of the weights
+    of each model the server updates (weights/arena.py keeps it between updates)."""
     return (4 * RESERVE_ROWS + 16 * SAMPLE_ROWS) * vocab + 3 * SCORING_CHUNK_BYTES
 
 
@@ -51,9 +53,10 @@ def default_capacity_tokens(
 
     On CUDA: utilization x total memory, less what is in use now and `reserve_bytes` for the
     activations of generation and scoring (activation_reserve_bytes; like vLLM's
-    gpu_memory_utilization, with the activations estimated rather than profiled); 0 when the
-    use already reaches the share (generation then takes the Hugging Face path). Elsewhere a
-    fixed budget.
+    gpu_memory_utilization, with the activations estimated rather than profiled) plus, on a
+    server, the device staging copies of weight updates; 0 when the use already reaches the
+    share (generation then takes the Hugging Face path). So the KV cache, grown to its budget,
+    and those reserves together stay inside the share. Elsewhere a fixed budget.
     """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

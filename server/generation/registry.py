@@ -41,6 +41,7 @@ __all__ = [
     "generation_mode",
     "scoring_forward",
     "scoring_path",
+    "staging_reserve_bytes",
 ]
 
 GENERATION_MODES = GENERATION_PATHS  # the flag's choices, one table
@@ -156,6 +157,35 @@ def scoring_forward(
     return forward
 
 
+def staging_reserve_bytes(model: torch.nn.Module) -> int:
+    """Device memory the KV budget of `model`'s engine leaves for weight updates: one staging
+    copy (weights/arena.py) of the full state dict, in its dtype, of `model` and of every
+    model a server hosts with it on its device (they adopted the same settings object:
+    each of a server's models is a target of UpdateWeights). Only a budget on CUDA subtracts
+    it (kv_cache.default_capacity_tokens)."""
+    device = _first_device(model)
+    settings = _ADOPTED.get(model)
+    hosted = [model]
+    if settings is not None:
+        hosted += [
+            other
+            for other, adopted in list(_ADOPTED.items())
+            if adopted is settings and other is not model and _first_device(other) == device
+        ]
+    return sum(_state_bytes(each) for each in hosted)
+
+
+def _first_device(model: torch.nn.Module) -> torch.device | None:
+    # Any model a server hosts (a critic or reward model too), not only causal LMs.
+    return next((t.device for t in model.parameters()), None)
+
+
+def _state_bytes(model: torch.nn.Module) -> int:
+    # Every name a full update may carry (tied weights under both names): a client streams a
+    # module as its state dict.
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
 def built_engine(model: torch.nn.Module) -> Engine | None:
     """The engine already built for `model`, if any (never builds one)."""
     entry = _ENGINES.get(model)
@@ -184,6 +214,7 @@ def engine_for(
             family,
             kv_cache_tokens=settings.kv_cache_tokens,
             gpu_memory_utilization=settings.gpu_memory_utilization,
+            staging_reserve_bytes=staging_reserve_bytes(model),
         )
         _ENGINES[model] = (engine, budget)
         _log.info(

@@ -182,6 +182,7 @@ class Engine:
         *,
         kv_cache_tokens: int | None = None,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        staging_reserve_bytes: int = 0,
         cuda_graphs: bool = True,
         compiled: bool | None = None,
     ) -> None:
@@ -196,10 +197,11 @@ class Engine:
         self.forward = Forward(family, rope, compiled=compiled)
         layers = len(family.layers)
         probe = KVCache(layers, family.num_kv_heads, family.head_dim, self.dtype, self.device, 1)
-        # kv_cache_tokens None or 0: derived from the memory budget (kv_cache.py).
+        # kv_cache_tokens None or 0: derived from the memory budget (kv_cache.py), less
+        # staging_reserve_bytes for the device staging copies of weight updates (registry.py).
         capacity = kv_cache_tokens or default_capacity_tokens(
             probe.token_bytes, self.device, gpu_memory_utilization,
-            activation_reserve_bytes(family.vocab),
+            activation_reserve_bytes(family.vocab) + staging_reserve_bytes,
         )  # fmt: skip
         self.gpu_memory_utilization = gpu_memory_utilization
         self.cache = KVCache(

@@ -9,12 +9,20 @@ Where it lives. A model on the CPU stages in host memory (below). A model on a C
 stages ON THE DEVICE (`device`): bytes arriving on the host pass through a small ring of pinned
 slots and are copied asynchronously into the device buffer while the next bytes arrive
 (pipeline.py), the value checks run there, and apply copies device to device into the existing
-parameter storages. The device buffer sits outside the generation engine's
---gpu-memory-utilization share, so it is only allocated when, after it, the device keeps
-DEVICE_HEADROOM_FRACTION of its memory free besides what the engines on it were promised and
-have not taken yet (their KV caches grow to their budget as batches need it; memory torch's
-allocator caches is not counted as free: it is the engine's activations of the last batch).
-When it cannot be had (no room, an allocation that fails, or an update over
+parameter storages. The device buffer is allocated only when it fits in what the device has
+free now: the driver's free memory, plus what torch's caching allocator holds unused, plus the
+arena's own old buffer (freed first), less DEVICE_MARGIN_BYTES for the allocator's
+fragmentation (`device_has_room`, a pure function of those figures). No promises are summed:
+the memory plan makes room for the buffer up front instead. The KV budget of a server's
+engine (generation/registry.py, kv_cache.py) leaves room for one staging copy of its model's
+weights, so on a CUDA server
+
+    weights + one device staging copy of each updated model (kept between updates)
+    + KV cache + activation reserve  <=  --gpu-memory-utilization x the device's memory,
+
+as long as an update's wire dtype is the model's (a wider one stages more than was reserved,
+and is allocated only if it fits in what is free then). When the buffer cannot be had (no
+room, an allocation that fails, or an update over
 `device_limit_bytes`), the update stages in pinned host memory instead, as a model on the CPU
 does, and apply copies host to device. A failed
 allocation is final for the arena (retrying would reallocate both buffers each update); the
@@ -59,17 +67,31 @@ from contextlib import contextmanager
 import torch
 
 from ...client.protocol.errors import ResourceExhausted
-from ..generation.registry import built_engine
 from ..models.memory import take_load_buffer
 from .pipeline import SlotRing
 
-__all__ = ["StagingArena", "set_staging_arena", "staging_arena"]
+__all__ = [
+    "DEVICE_MARGIN_BYTES",
+    "StagingArena",
+    "device_has_room",
+    "set_staging_arena",
+    "staging_arena",
+]
 
 _LOG = logging.getLogger(__name__)
-# A device buffer is allocated only if at least this share of the device's memory stays free
-# after it and after the engines' promised KV growth: room for a colocated trainer's peaks and
-# for the allocator's fragmentation.
-DEVICE_HEADROOM_FRACTION = 0.1
+# What a new device buffer must leave of the memory it could take: the caching allocator's
+# rounding and fragmentation (its cached blocks may not be one block of the size needed) and
+# the CUDA context's small late allocations. The memory plan (kv_cache.py) already reserved
+# the buffer itself, so this stays small and fixed rather than a share of the device.
+DEVICE_MARGIN_BYTES = 256 << 20
+
+
+def device_has_room(*, free: int, cached: int, held: int, nbytes: int, margin: int) -> bool:
+    """Whether a new buffer of `nbytes` fits on a device: `free` bytes the driver has free,
+    `cached` bytes torch's caching allocator holds unused (reserved - allocated), `held` bytes
+    of the arena's old device buffer (freed before the new one is allocated), with `margin`
+    bytes left over."""
+    return free + cached + held - nbytes >= margin
 
 
 class StagingArena:
@@ -98,6 +120,7 @@ class StagingArena:
         self._buffer: torch.Tensor | None = None
         self._on_device = False  # whether _buffer is the device buffer
         self._device_refused = False  # the device could not hold the buffer: stage on the host
+        self._room_refusal_logged = False  # the no-room warning is given once per arena
         # The one buffer the model's state-dict tensors live in (models/memory.py, or an adopted
         # arena): the first adoption recycles it instead of allocating a second staging buffer.
         self._model_buffer = model_buffer
@@ -149,7 +172,15 @@ class StagingArena:
             if self._buffer is None:
                 self._buffer = self._host_buffer(nbytes)
             self.allocations += 1
+            # Rare (growth, or a switch between device and host), and the one place that says
+            # where updates stage (bench_gpu_weights.py reads it from the server's log).
+            _LOG.info("staging buffer of %d bytes %s", nbytes, self._where())
         return self._buffer[:nbytes]
+
+    def _where(self) -> str:
+        if self._on_device:
+            return f"on {self.device}"
+        return "in pinned host memory" if self.pin_memory else "in host memory"
 
     def _wants_device(self, nbytes: int) -> bool:
         if self.device is None or self._device_refused:
@@ -161,25 +192,29 @@ class StagingArena:
         return self._device_has_room(nbytes)
 
     def _device_has_room(self, nbytes: int) -> bool:
-        """Whether a new device buffer of nbytes leaves DEVICE_HEADROOM_FRACTION free, beyond
-        the KV growth the engines on the device were promised."""
+        """device_has_room with the device's figures now; the first refusal is logged."""
         assert self.device is not None
         if self.device.type != "cuda":
             return True
-        free, total = torch.cuda.mem_get_info(self.device)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         held = self.capacity_bytes if self._on_device else 0  # freed before the new one
-        promised = _promised_kv_bytes(self.device)
-        if free + held - promised - nbytes >= DEVICE_HEADROOM_FRACTION * total:
+        margin = DEVICE_MARGIN_BYTES
+        if device_has_room(free=free, cached=cached, held=held, nbytes=nbytes, margin=margin):
             return True
-        _LOG.warning(
-            "staging %d bytes on %s would leave less than %.0f%% of its memory free (%d bytes "
-            "free, %d promised to KV caches); this update stages in host memory",
-            nbytes,
-            self.device,
-            100 * DEVICE_HEADROOM_FRACTION,
-            free,
-            promised,
-        )
+        if not self._room_refusal_logged:  # once per arena: every update would repeat it
+            self._room_refusal_logged = True
+            _LOG.warning(
+                "staging %d bytes on %s does not fit (%d bytes free, %d cached unused by torch, "
+                "%d in the old staging buffer, %d kept as a margin); updates that need a new "
+                "buffer stage in host memory while this lasts",
+                nbytes,
+                self.device,
+                free,
+                cached,
+                held,
+                margin,
+            )
         return False
 
     def _device_buffer(self, nbytes: int) -> torch.Tensor | None:
@@ -227,23 +262,6 @@ class StagingArena:
 
 _ARENAS: weakref.WeakKeyDictionary[torch.nn.Module, StagingArena] = weakref.WeakKeyDictionary()
 _ARENAS_LOCK = threading.Lock()
-
-
-def _promised_kv_bytes(device: torch.device) -> int:
-    """KV cache bytes the generation engines on `device` may still allocate (their budget, less
-    what they hold), over the models that have an arena (the ones updates reach)."""
-    with _ARENAS_LOCK:
-        models = list(_ARENAS.keys())
-    promised = 0
-    for model in models:
-        engine = built_engine(model)
-        if engine is None or engine.device.type != device.type:
-            continue
-        if engine.device.index != device.index:
-            continue
-        cache = engine.cache
-        promised += max(0, cache.capacity_tokens * cache.token_bytes - cache.allocated_bytes)
-    return promised
 
 
 def staging_arena(model: torch.nn.Module) -> StagingArena:
