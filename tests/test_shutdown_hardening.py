@@ -138,7 +138,9 @@ def assert_clean_exit(proc: ServerProcess, code: ExitCode = ExitCode.DRAINED) ->
 
 
 def test_sigterm_mid_upload_lets_the_upload_finish_and_apply(tiny_actor_dir: Path, weights) -> None:
-    proc, target = start(tiny_actor_dir)
+    # A grace the rest of the upload fits in on a loaded machine (with 2 s, two busy cores made
+    # it outlast the grace now and then: cancelled, UNAVAILABLE); it ends as soon as it is done.
+    proc, target = start(tiny_actor_dir, "--shutdown-grace-s", "30")
     try:
         gate = Gate(encoded_update(weights, version=1), at=2, finish=True)
         with grpc.insecure_channel(target) as channel:
