@@ -495,3 +495,24 @@ def test_attention_widths_cover_the_live_columns_with_few_graphs() -> None:
     assert widths == sorted(widths)
     assert len(set(widths[:2048])) == 16 and len(set(widths)) == 32  # 128 columns each: 64
     assert attention_width(300, 256) == 256  # never past the layout
+
+
+def test_a_freed_model_frees_its_engine() -> None:
+    """The registry keys engines weakly by model: an engine must not keep its model (and with
+    it the KV cache and graphs) alive."""
+    import gc
+    import weakref
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    engine = engine_for(model, "rollserve")
+    assert engine is not None and engine.model is model
+    model_ref, engine_ref = weakref.ref(model), weakref.ref(engine)
+    del model, engine
+    gc.collect()
+    assert model_ref() is None and engine_ref() is None

@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -186,7 +187,9 @@ class Engine:
         cuda_graphs: bool = True,
         compiled: bool | None = None,
     ) -> None:
-        self.model = model
+        # Weakly: the registry maps model -> engine in a WeakKeyDictionary, whose value must not
+        # hold its key (the model, its KV cache and graphs would then never be freed).
+        self._model = weakref.ref(model)
         self.family = family
         weight = family.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -216,6 +219,14 @@ class Engine:
         self._lock = threading.Lock()
 
     # ---- lifetime ---------------------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The HF module whose parameters the engine runs (alive while the engine is used)."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the engine's model was freed")
+        return model
 
     def _parameter_addresses(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self.model.parameters())
