@@ -282,13 +282,13 @@ def test_reward_of_an_empty_row_is_invalid_argument(reward) -> None:
 def test_plain_lm_head_is_applied_in_chunks_and_equals_the_full_head(actor) -> None:
     """The backbone runs once per forward batch; lm_head sees at most positions_per_chunk
     (row, column) pairs at a time, and the result equals lm_head over every position."""
-    from rollserve.server.experience.scoring import _logits_head
+    from rollserve.server.experience.scoring import _logits_head, lm_head_plan
 
     assert _logits_head(actor) is not None
     ids, mask, actions = layout()
     calls: list[int] = []
     hook = actor.get_output_embeddings().register_forward_hook(
-        lambda module, args, out: calls.append(out.shape[0] * out.shape[1])
+        lambda module, args, out: calls.append(out.shape[:-1].numel())
     )
     try:
         lp, ent = action_log_probs(
@@ -298,6 +298,7 @@ def test_plain_lm_head_is_applied_in_chunks_and_equals_the_full_head(actor) -> N
     finally:
         hook.remove()
     assert max(calls) <= 8 and sum(calls) == len(ROWS) * actions
+    assert len(calls) == lm_head_plan(len(ROWS), actions, 8).blocks
     ref_lp, ref_ent = naive_reference(actor, ids, mask, actions)
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)

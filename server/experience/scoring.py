@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +38,9 @@ from ..generation import SCORING_CHUNK_BYTES, Forward, GenerationSettings, scori
 
 __all__ = [
     "DEFAULT_POSITIONS_PER_CHUNK",
+    "LmHeadPlan",
     "default_positions_per_chunk",
+    "lm_head_plan",
     "position_ids_from_mask",
     "action_log_probs",
     "critic_values",
@@ -45,10 +48,10 @@ __all__ = [
     "reward_scores",
 ]
 
-# (row, column) pairs per float32 chunk at most; fewer for a large vocabulary, so that a
-# float32 block stays within SCORING_CHUNK_BYTES (128 MiB: ~220 positions of a 152k vocabulary),
-# the part of the memory budget the KV cache leaves to scoring (kv_cache.activation_reserve_bytes).
-DEFAULT_POSITIONS_PER_CHUNK = 512
+# (row, column) pairs per float32 block at most; fewer for a large vocabulary, so that a float32
+# block stays within SCORING_CHUNK_BYTES, the part of the memory budget the KV cache leaves to
+# scoring (kv_cache.activation_reserve_bytes). The cap only matters for small vocabularies.
+DEFAULT_POSITIONS_PER_CHUNK = 4096
 
 
 def default_positions_per_chunk(model: torch.nn.Module) -> int:
@@ -57,6 +60,26 @@ def default_positions_per_chunk(model: torch.nn.Module) -> int:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     vocab = getattr(head, "out_features", None) or model.get_input_embeddings().num_embeddings
     return max(16, min(DEFAULT_POSITIONS_PER_CHUNK, SCORING_CHUNK_BYTES // (4 * int(vocab))))
+
+
+@dataclass(frozen=True)
+class LmHeadPlan:
+    """How the (rows, actions) positions of one forward batch go through lm_head: blocks of
+    every row (when they fit) x `columns` action columns, so a block is one contiguous run of
+    the column-major hidden states and the blocks are as few as the chunk allows."""
+
+    rows: int  # rows per block
+    columns: int  # action columns per block
+    blocks: int  # lm_head calls for the forward batch
+
+
+def lm_head_plan(rows: int, actions: int, positions_per_chunk: int) -> LmHeadPlan:
+    """The blocks of at most positions_per_chunk (row, column) pairs for a (rows, actions)
+    forward batch: all rows x as many columns as fit, else fewer rows x one column."""
+    block_rows = min(rows, positions_per_chunk)
+    block_columns = max(1, positions_per_chunk // block_rows)
+    blocks = -(-rows // block_rows) * -(-actions // block_columns)
+    return LmHeadPlan(block_rows, block_columns, blocks)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -127,17 +150,21 @@ def _engine_hidden(
 def _action_logits(
     model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, actions: int, path: ScoringPath
 ) -> Callable[[slice, slice], torch.Tensor]:
-    """A function giving the logits (rows, columns, V) of action columns, on demand.
+    """A function giving the logits (columns x rows, V) of a block of action columns, on demand,
+    flattened column-major (position c * rows + r).
 
     Action column j is scored at position S - A - 1 + j. On the engine, or with a checked
-    lm_head split, the backbone runs once and lm_head is applied to the requested block only,
-    so no (b, A, V) tensor ever exists; otherwise the model computes its logits for the last
-    A + 1 positions (`logits_to_keep` where supported) and blocks are views of them.
+    lm_head split, the backbone runs once, its hidden states of the action positions are laid
+    out column-major (A, b, H) once, and lm_head is applied to the requested block only (a
+    block of every row is then one contiguous run: no gather per block), so no (b, A, V) tensor
+    ever exists; otherwise the model computes its logits for the last A + 1 positions
+    (`logits_to_keep` where supported) and blocks are read from them.
     """
     forward = scoring_forward(model, path)
     if forward is not None and forward.family.lm_head is not None:
         hidden = _engine_hidden(forward, ids, mask, slice(-actions - 1, -1), actions)  # (b, A, H)
-        return lambda rows, columns: forward.logits(hidden[rows, columns])
+        by_column = hidden.transpose(0, 1).contiguous()  # (A, b, H)
+        return lambda rows, columns: forward.logits(by_column[columns, rows].flatten(0, 1))
     position_ids = position_ids_from_mask(mask)
     split = _logits_head(model)
     if split is not None:
@@ -145,8 +172,8 @@ def _action_logits(
         out = backbone(
             input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False
         )
-        hidden = out.last_hidden_state[:, -actions - 1 : -1]  # (b, A, H)
-        return lambda rows, columns: head(hidden[rows, columns])
+        by_column = out.last_hidden_state[:, -actions - 1 : -1].transpose(0, 1).contiguous()
+        return lambda rows, columns: head(by_column[columns, rows].flatten(0, 1))
     kwargs = {}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         # An int keeps the last N positions (transformers' slice_logits_to_keep); the last
@@ -156,7 +183,32 @@ def _action_logits(
         input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **kwargs
     )
     logits = out.logits[:, -actions - 1 : -1]  # (b, A, V)
-    return lambda rows, columns: logits[rows, columns]
+    return lambda rows, columns: logits[rows, columns].transpose(0, 1).flatten(0, 1)
+
+
+def _block_log_probs(
+    z: torch.Tensor, labels: torch.Tensor, temperature: float | None, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(label) and entropy (n,) of logits z (n, V) float32, which it overwrites.
+
+    log p = z[label] - logsumexp(z), computed in place on z: one float32 block (two with
+    entropy) is the whole transient, where torch.logsumexp and a softmax hold three. z may
+    alias the model's own float32 logits: each block is read once, so overwriting is safe.
+    """
+    if temperature is not None:
+        z.div_(temperature)
+    picked = z.gather(-1, labels[:, None])[:, 0]  # (n,)
+    top = z.amax(-1, keepdim=True)  # (n, 1)
+    top = top.masked_fill(top.isinf(), 0.0)  # as torch.logsumexp: no inf - inf
+    if not with_entropy:
+        total = z.sub_(top).exp_().sum(-1, keepdim=True)
+        return picked - (total.log_() + top)[:, 0], None
+    exp = (z - top).exp_()  # (n, V)
+    total = exp.sum(-1, keepdim=True)
+    log_norm = (total.log() + top)[:, 0]
+    # H = logsumexp(z) - sum softmax(z) * z, softmax = exp / total.
+    entropy = log_norm - exp.mul_(z).sum(-1) / total[:, 0]
+    return picked - log_norm, entropy
 
 
 def _chunked_log_probs(
@@ -166,29 +218,26 @@ def _chunked_log_probs(
     with_entropy: bool,
     positions_per_chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(label) and entropy (b, A) float32, one block of at most positions_per_chunk
-    (row, column) pairs at a time: log p = z[label] - logsumexp(z), never a full log-softmax."""
+    """log p(label) and entropy (b, A) float32, block by block (lm_head_plan): log p = z[label]
+    - logsumexp(z), never a full log-softmax. No host synchronisation in the loop: on a GPU
+    the blocks queue back to back."""
     rows, actions = labels.shape
-    block_rows = min(rows, positions_per_chunk)
-    block_columns = max(1, positions_per_chunk // block_rows)
-    log_probs = torch.empty((rows, actions), dtype=torch.float32, device=labels.device)
+    plan = lm_head_plan(rows, actions, positions_per_chunk)
+    labels_by_column = labels.t()  # (A, b)
+    log_probs = torch.empty((actions, rows), dtype=torch.float32, device=labels.device)
     entropy = torch.empty_like(log_probs) if with_entropy else None
-    for r in range(0, rows, block_rows):
-        for c in range(0, actions, block_columns):
-            block = (slice(r, r + block_rows), slice(c, c + block_columns))
-            z = logits_of(*block).float()  # (r, c, V); may alias the model's float32 logits
-            if temperature is not None:
-                # In place even when z aliases the model's logits: each block is read only
-                # once, and it saves a (r, c, V) temporary.
-                z = z.div_(temperature)
-            log_norm = torch.logsumexp(z, dim=-1)  # (r, c)
-            picked = z.gather(-1, labels[block][..., None]).squeeze(-1)  # (r, c)
-            log_probs[block] = picked - log_norm
+    for c in range(0, actions, plan.columns):
+        for r in range(0, rows, plan.rows):
+            block = (slice(c, c + plan.columns), slice(r, r + plan.rows))
+            # The model-dtype logits are dropped as soon as their float32 copy exists.
+            z = logits_of(block[1], block[0]).float()  # (columns x rows, V)
+            picked = labels_by_column[block].reshape(-1)
+            lp, ent = _block_log_probs(z, picked, temperature, with_entropy)
+            del z
+            log_probs[block] = lp.view(log_probs[block].shape)
             if entropy is not None:
-                # H = logsumexp(z) - sum softmax(z) * z; p is a fresh tensor, so mul_ is safe.
-                p = torch.exp(z - log_norm[..., None])  # (r, c, V)
-                entropy[block] = log_norm - p.mul_(z).sum(-1)
-    return log_probs, entropy
+                entropy[block] = ent.view(entropy[block].shape)
+    return log_probs.t().contiguous(), None if entropy is None else entropy.t().contiguous()
 
 
 def action_log_probs(

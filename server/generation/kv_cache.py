@@ -32,9 +32,11 @@ DEFAULT_CPU_BYTES = 4 << 30
 # sampler's temporaries come on top for SAMPLE_ROWS rows at a time (~16 bytes x vocab per row):
 # together, the captured graphs' private pool.
 RESERVE_ROWS = 512
-# Scoring's lm_head chunk: its float32 block and two temporaries of the same size (the
-# log-sum-exp's exp, the entropy's probabilities), at most this many bytes each.
-SCORING_CHUNK_BYTES = 128 << 20
+# Scoring's lm_head chunk: its float32 block, at most this many bytes; the block's math runs in
+# place (scoring._block_log_probs), so its transient is the block, plus the model-dtype logits
+# it came from and one exp temporary with entropy: under 3 blocks. Fewer, larger blocks keep
+# lm_head's weight reads and the kernel launches per block small next to the block's work.
+SCORING_CHUNK_BYTES = 256 << 20
 
 
 def activation_reserve_bytes(vocab: int) -> int:
