@@ -31,6 +31,7 @@ from rollserve.client import AsyncRolloutClient, FailedPrecondition, RolloutClie
 from rollserve.client.calls import SubscribedBatch
 from rollserve.client.protocol.errors import InvalidArgument
 from rollserve.client.protocol.experience import experience_from_proto
+from rollserve.client.protocol.reward_moments import RunningRewardMoments
 from rollserve.server.config import ConfigError, ServerConfig
 from rollserve.server.continuous import (
     Dealer,
@@ -739,3 +740,27 @@ def test_two_trainer_processes_share_the_rollout_and_survive_a_kill(
     assert progress.finished
     assert (progress.step, progress.batches_delivered, progress.epoch) == (total, total, epochs - 1)
     assert progress.batches_dropped_stale == 0 and progress.subscribers == 0
+
+
+def test_running_reward_moments_carry_from_batch_to_batch(models: ModelSet, tmp_path: Path) -> None:
+    """With reward_running_norm the loop threads the moments as a trainer would: each batch
+    starts from the moments its predecessor ended with, so the count grows by every row."""
+    prompts = [{"prompt": f"q{i}=", "gt_answer": str(i)} for i in range(NUM_PROMPTS)]
+    template = {
+        **TEMPLATE,
+        "algorithm": {"advantageEstimator": "reinforce", "rewardRunningNorm": "standardize"},
+    }
+    files = {
+        "prompts": _write_jsonl(tmp_path / "p.jsonl", prompts),
+        "request": _write_template(tmp_path / "r.json", template),
+    }
+    with serving(models, files) as server, RolloutClient(server.address) as client:
+        batches = list(client.subscribe("moments", max_batches=3))
+    counts = [
+        RunningRewardMoments.from_experience(b.experience).count for b in sorted(
+            batches, key=lambda b: b.batch_index
+        )
+    ]  # fmt: skip
+    rows = PER_BATCH * GROUP
+    # LightRFT's prior count is 1e-24: the count after batch k is k x rows.
+    assert counts == pytest.approx([rows, 2 * rows, 3 * rows])

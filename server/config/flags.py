@@ -140,7 +140,11 @@ FLAGS: dict[str, Flag] = {
     "rollout_epochs": Flag(parse.non_negative_int, "passes over the prompts; 0: no limit", "N"),
     "rollout_steps": Flag(parse.non_negative_int, "rollout batches to make; 0: no limit", "N"),
     "rollout_seed": Flag(parse.non_negative_int, "seed of the prompt shuffle and sampling", "N"),
-    "rollout_queue_batches": Flag(parse.positive_int, "made batches held for subscribers", "N"),
+    "rollout_queue_batches": Flag(
+        parse.positive_int,
+        "made batches held for subscribers (at most one made ahead per subscriber with a window)",
+        "N",
+    ),
     "max_staleness": Flag(
         parse.staleness, "drop rollout batches this many versions behind; or unlimited", "N"
     ),

@@ -19,6 +19,7 @@ import torch
 
 from ...client.protocol.errors import ResourceExhausted, RolloutError, Unavailable
 from ...client.protocol.experience import Experience, concat_experiences, experience_to_proto
+from ...client.protocol.reward_moments import RunningRewardMoments
 from ...v1 import rollout_pb2 as pb
 from ..config import ServerConfig
 from ..engine.runtime import Runtime
@@ -95,6 +96,14 @@ class ContinuousRollout:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._made = self._failed = self._epoch = 0
+        # LightRFT's running reward moments (AlgorithmOptions.reward_running_norm) thread from
+        # batch to batch here, as a trainer threads them from request to request; the loop
+        # thread alone reads and writes them, in the order the batches are made.
+        self._reward_moments = (
+            template.algorithm.reward_moments
+            if template.algorithm.reward_running_norm not in ("", "off")
+            else None
+        )
         # Leaving WAITING_FOR_WEIGHTS (or entering it) changes whether the loop may make.
         state.on_phase_change(lambda phase: self.dealer.notify())
 
@@ -175,7 +184,15 @@ class ContinuousRollout:
         )
 
     def _request(self, planned: PlannedBatch) -> pb.MakeExperienceRequest:
-        return build_batch_request(self.template, self.source, planned, seed=self.settings.seed)
+        request = build_batch_request(self.template, self.source, planned, seed=self.settings.seed)
+        if self._reward_moments is not None:
+            request.algorithm.reward_moments.CopyFrom(self._reward_moments)
+        return request
+
+    def _carry_reward_moments(self, parts: list[Experience]) -> None:
+        """The moments after this batch's last micro-batch start the next batch."""
+        if self._reward_moments is not None:
+            self._reward_moments = RunningRewardMoments.from_experience(parts[-1]).to_proto()
 
     def _can_make(self) -> bool:
         return self._state.phase in _MAKING_PHASES
@@ -221,6 +238,7 @@ class ContinuousRollout:
             return True
         if self._closed.is_set() or not parts:  # abandoned half-way by close()
             return False
+        self._carry_reward_moments(parts)
         response = pb.SubscribeResponse(
             experience=experience_to_proto(self._joined(runtime, parts, planned)),
             epoch=planned.epoch,
