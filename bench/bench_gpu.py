@@ -25,6 +25,8 @@ the run (and its server process) when --budget-s is spent.
                      /metrics (rollserve_device_memory_bytes) after start and after the requests
    Each lane prints its phases (info time/<phase>_s summed over the rows) and the seconds
    outside them (streaming, transfer, joining), which is where gRPC differs from in-process.
+   Before it, scoring alone: actor log-probs of the same rows on the HF path and on the
+   engine path (forward batch 64), and each path's decoder body alone (best of 3).
 3. The ratios the issue sets targets for.
 4. The small request of bench_make_experience.py (32 prompts x 4, 64 new tokens, a random
    Llama of hidden 256 x 4 layers, the server's default dtype): in-process against gRPC from a
@@ -263,6 +265,92 @@ def run_generation_case(
                      f"{seconds:.2f} ({len(steady)})", memory(device), ratio])  # fmt: skip
         print("| " + " | ".join(rows[-1]) + " |", flush=True)
     return rows
+
+
+# ---- 1b. scoring -------------------------------------------------------------------------------
+
+SCORING_REPS = 3  # best of, after one warm call
+
+
+def scoring_rows(case: Case, vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The end-to-end case's rows as scoring sees them: distinct prompts x samples (a group's
+    rows share their prompt columns), then new_tokens response tokens; no padding."""
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(1, vocab, (case.prompts, case.prompt_len), generator=g)
+    responses = torch.randint(1, vocab, (case.rows, case.new_tokens), generator=g)
+    sequences = torch.cat([prompts.repeat_interleave(case.samples, 0), responses], 1)
+    return sequences.to(device), torch.ones_like(sequences, device=device)
+
+
+def scoring_section(model, args: argparse.Namespace, budget: Budget) -> None:
+    """Actor log-probs of the end-to-end case's rows (one forward batch at a time), on the HF
+    path and on the engine path, and each path's decoder body alone (the rest is the chunked
+    lm_head): best of SCORING_REPS after a warm call, with the allocator's peak above what
+    was allocated before. Tells the lm_head loop from the forward when scoring is slow."""
+    from rollserve.server.experience.scoring import (
+        action_log_probs,
+        default_positions_per_chunk,
+        lm_head_plan,
+        position_ids_from_mask,
+    )
+    from rollserve.server.generation import scoring_forward
+
+    case, batching = end_to_end_case(args.quick)
+    device, rows = args.device, batching.forward
+    sequences, mask = scoring_rows(case, model.config.vocab_size, device)
+    actions = case.new_tokens
+    chunk = default_positions_per_chunk(model)
+    plan = lm_head_plan(rows, actions, chunk)
+    print(
+        f"\n## Scoring ({case.rows} rows x ({case.prompt_len} prompt + {actions} actions), "
+        f"forward batch {rows}; lm_head blocks of {plan.rows} rows x {plan.columns} columns, "
+        f"{plan.blocks} per forward batch; best of {SCORING_REPS} after one warm call)\n"
+    )
+    print("| lane | seconds | peak above start GiB |\n| --- | --- | --- |", flush=True)
+
+    def log_probs(path: str) -> Callable[[], object]:
+        return lambda: action_log_probs(
+            model, sequences, mask, actions, forward_batch_size=rows, temperature=1.0, path=path
+        )
+
+    def body(path: str) -> Callable[[], object]:
+        forward = scoring_forward(model, path)
+
+        def run() -> None:
+            with torch.inference_mode():
+                for start in range(0, case.rows, rows):
+                    ids, m = sequences[start : start + rows], mask[start : start + rows]
+                    positions = position_ids_from_mask(m)
+                    if forward is None:
+                        model.model(input_ids=ids, attention_mask=m, position_ids=positions,
+                                    use_cache=False)  # fmt: skip
+                    else:
+                        forward.hidden_states(ids, m, positions, case.prompt_len)
+
+        return run
+
+    lanes = {
+        "actor log-probs, hf path": log_probs("hf"),
+        "actor log-probs, engine path": log_probs("rollserve"),
+        "decoder body only, hf path": body("hf"),
+        "decoder body only, engine path": body("rollserve"),
+    }
+    for name, fn in lanes.items():
+        if budget.left() < args.lane_reserve_s:
+            print(f"| {name} | skipped: out of budget | - |", flush=True)
+            continue
+        try:
+            gc.collect()
+            reset_memory(device)
+            on_cuda = device.startswith("cuda")
+            before = torch.cuda.memory_allocated() if on_cuda else 0
+            first = timed(fn, device)
+            reps = SCORING_REPS if first < 4.0 else 1  # a slow lane must not eat the run
+            best = min(timed(fn, device) for _ in range(reps))
+            peak = (torch.cuda.max_memory_allocated() - before) / GIB if on_cuda else float("nan")
+            print(f"| {name} | {best:.3f} (first {first:.2f}) | {peak:.2f} |", flush=True)
+        except Exception as error:  # noqa: BLE001 - one failing lane must not end the run
+            print(f"| {name} | {failure(error)} | - |", flush=True)
 
 
 # ---- 2. MakeExperience end to end -------------------------------------------------------------
@@ -726,7 +814,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--all-lanes", action="store_true", help="also batch 32, and graphs-only and eager lanes"
     )
-    parser.add_argument("--skip", default="", help="comma list of: generation, e2e, grpc, small")
+    parser.add_argument(
+        "--skip", default="", help="comma list of: generation, scoring, e2e, grpc, small"
+    )
     parser.add_argument("--small-rounds", type=int, default=3, help="rounds of the small request")
     parser.add_argument("--budget-s", type=float, default=290.0, help="the whole run")
     parser.add_argument("--lane-budget-s", type=float, default=60.0, help="no new call after")
@@ -762,6 +852,8 @@ def main(argv: list[str] | None = None) -> int:
         print("| " + " | ".join(header) + " |\n|" + " --- |" * len(header), flush=True)
         for case in generation_cases(args.quick, args.all_lanes):  # rows print as measured
             run_generation_case(model, case, args, budget, rates)
+    if "scoring" not in args.skip:
+        scoring_section(model, args, budget)
     case, batching = end_to_end_case(args.quick)
     lanes: dict[str, Lane] = {}
     server = ServerFigures(Lane("grpc", error="skipped"))

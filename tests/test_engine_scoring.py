@@ -268,3 +268,77 @@ def test_a_maker_on_the_engine_path_warms_up_and_scores_there(
     torch.testing.assert_close(
         e.rollout_log_probs[mask], e.action_log_probs[mask], atol=2e-5, rtol=0
     )
+
+
+def test_lm_head_blocks_are_as_large_as_the_chunk_allows(tmp_path: Path) -> None:
+    """A Qwen2-sized vocabulary: lm_head runs on blocks of every row x the action columns a
+    SCORING_CHUNK_BYTES float32 block holds, exactly as many as lm_head_plan says (a regression
+    to small blocks, each a GPU round of launches and a read of lm_head's weight, fails), and
+    the log-probs still equal the HF path's."""
+    import transformers as tf
+    from rollserve.server.experience.scoring import default_positions_per_chunk, lm_head_plan
+    from rollserve.server.generation import SCORING_CHUNK_BYTES
+
+    vocab, groups, samples, width, actions = 151_936, 8, 8, 4, 16
+    config = tf.Qwen2Config(
+        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    tf.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    model = tf.Qwen2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, vocab, (groups, width), generator=g).repeat_interleave(samples, 0)
+    responses = torch.randint(1, vocab, (groups * samples, actions), generator=g)
+    sequences = torch.cat([prompts, responses], 1)
+    mask = torch.ones_like(sequences)
+    rows_ = groups * samples
+
+    plan = lm_head_plan(rows_, actions, default_positions_per_chunk(model))
+    block_bytes = plan.rows * plan.columns * vocab * 4
+    assert plan.rows == rows_ and SCORING_CHUNK_BYTES // 2 < block_bytes <= SCORING_CHUNK_BYTES
+    # The issue's forward batch (64 rows x 256 actions): 86 blocks of 3 columns at 128 MiB.
+    assert lm_head_plan(64, 256, default_positions_per_chunk(model)).blocks <= 43
+
+    forward = scoring_forward(model, "rollserve")
+    blocks: list[int] = []
+    original = forward.logits
+    forward.logits = lambda hidden: blocks.append(hidden.shape[:-1].numel()) or original(hidden)
+    try:
+        ours = action_log_probs(model, sequences, mask, actions, forward_batch_size=rows_,
+                                with_entropy=True, path="rollserve")  # fmt: skip
+    finally:
+        del forward.logits
+    whole, last = divmod(actions, plan.columns)
+    assert len(blocks) == plan.blocks
+    assert blocks == [rows_ * plan.columns] * whole + ([rows_ * last] if last else [])
+    theirs = action_log_probs(model, sequences, mask, actions, forward_batch_size=rows_,
+                              with_entropy=True, path="hf")  # fmt: skip
+    for mine, hf in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, hf, atol=1e-5, rtol=1e-5)
+
+
+def test_the_default_scoring_path_can_be_hf_for_every_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DEFAULT_SCORING_PATH = "hf" keeps a model whose server adopted the engine on its HF
+    forward for calls that name no path (the maker's); a named path still wins."""
+    from rollserve.server.experience import scoring
+
+    model = _built("causal_lm", "qwen2", tmp_path / "lm")
+    adopt_settings(model, GenerationSettings(path="rollserve"))
+    sequences, mask, actions = rows()
+    calls: list[int] = []
+    hook = model.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        action_log_probs(model, sequences, mask, actions, forward_batch_size=8)
+        assert not calls  # "auto": the adopted engine path
+        monkeypatch.setattr(scoring, "DEFAULT_SCORING_PATH", "hf")
+        action_log_probs(model, sequences, mask, actions, forward_batch_size=8)
+        assert calls  # the HF body ran
+        calls.clear()
+        action_log_probs(model, sequences, mask, actions, forward_batch_size=8, path="rollserve")
+        assert not calls
+    finally:
+        hook.remove()

@@ -21,7 +21,7 @@ parameters of the HF module) and the model's own head is applied as above: lm_he
 the actor and reference, `score` for a critic (*ForTokenClassification) or a reward model
 (*ForSequenceClassification). Any other model runs its Hugging Face forward. Both paths give the
 same numbers up to the kernels' rounding. `path` (a server's GenerationSettings or a path name)
-overrides the model's adopted settings.
+overrides the model's adopted settings; DEFAULT_SCORING_PATH decides for calls that name none.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def lm_head_plan(rows: int, actions: int, positions_per_chunk: int) -> LmHeadPla
     """The blocks of at most positions_per_chunk (row, column) pairs for a (rows, actions)
     forward batch: all rows x as many columns as fit, else fewer rows x one column."""
     block_rows = min(rows, positions_per_chunk)
-    block_columns = max(1, positions_per_chunk // block_rows)
+    block_columns = min(actions, max(1, positions_per_chunk // block_rows))
     blocks = -(-rows // block_rows) * -(-actions // block_columns)
     return LmHeadPlan(block_rows, block_columns, blocks)
 
@@ -134,8 +134,22 @@ def _logits_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Modu
 _HEAD_SPLITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-# A server's GenerationSettings, a path name, or None (the model's adopted settings).
+# A server's GenerationSettings, a path name, or None (DEFAULT_SCORING_PATH).
 ScoringPath = GenerationSettings | str | None
+
+# The path of calls that name none (the maker's steps): "auto" follows the rule of generation
+# (registry.scoring_path over the model's adopted settings: the engine's forward wherever
+# generation runs on the engine); "hf" scores every model on its HF forward whatever the
+# generation path. "auto" is the faster one measured on the CPU (the engine runs a group's
+# prompt columns once); bench_gpu.py's scoring section measures both paths on a GPU.
+DEFAULT_SCORING_PATH = "auto"
+
+
+def _scoring_forward(model: torch.nn.Module, path: ScoringPath) -> Forward | None:
+    """The engine's forward to score `model` on, or None for its HF forward (Paths)."""
+    if path is None and DEFAULT_SCORING_PATH != "auto":
+        path = DEFAULT_SCORING_PATH
+    return scoring_forward(model, path)
 
 
 def _engine_hidden(
@@ -160,7 +174,7 @@ def _action_logits(
     ever exists; otherwise the model computes its logits for the last A + 1 positions
     (`logits_to_keep` where supported) and blocks are read from them.
     """
-    forward = scoring_forward(model, path)
+    forward = _scoring_forward(model, path)
     if forward is not None and forward.family.lm_head is not None:
         hidden = _engine_hidden(forward, ids, mask, slice(-actions - 1, -1), actions)  # (b, A, H)
         by_column = hidden.transpose(0, 1).contiguous()  # (A, b, H)
@@ -333,7 +347,7 @@ def _engine_body_and_head(
         return None, None
     if model.training:
         return None, None
-    forward = scoring_forward(model, path)
+    forward = _scoring_forward(model, path)
     return (forward, head) if forward is not None else (None, None)
 
 
