@@ -276,7 +276,11 @@ def test_lm_head_blocks_are_as_large_as_the_chunk_allows(tmp_path: Path) -> None
     to small blocks, each a GPU round of launches and a read of lm_head's weight, fails), and
     the log-probs still equal the HF path's."""
     import transformers as tf
-    from rollserve.server.experience.scoring import default_positions_per_chunk, lm_head_plan
+    from rollserve.server.experience.scoring import (
+        _logits_head,
+        default_positions_per_chunk,
+        lm_head_plan,
+    )
     from rollserve.server.generation import SCORING_CHUNK_BYTES
 
     vocab, groups, samples, width, actions = 151_936, 8, 8, 4, 16
@@ -288,6 +292,7 @@ def test_lm_head_blocks_are_as_large_as_the_chunk_allows(tmp_path: Path) -> None
     torch.manual_seed(0)
     tf.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
     model = tf.Qwen2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model.requires_grad_(False)  # as a server loads it (models/loading.py)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, vocab, (groups, width), generator=g).repeat_interleave(samples, 0)
     responses = torch.randint(1, vocab, (groups * samples, actions), generator=g)
@@ -301,20 +306,33 @@ def test_lm_head_blocks_are_as_large_as_the_chunk_allows(tmp_path: Path) -> None
     # The issue's forward batch (64 rows x 256 actions): 86 blocks of 3 columns at 128 MiB.
     assert lm_head_plan(64, 256, default_positions_per_chunk(model)).blocks <= 43
 
+    # Each block reaches lm_head as one contiguous (positions, H) matrix, so F.linear is one
+    # mm: a 3-D block of a strided view makes it a bmm over the rows with lm_head's weight
+    # broadcast, reading the whole weight once per row (for a model without grad, as served).
+    def record(into: list[tuple[int, bool]], hidden: torch.Tensor) -> None:
+        into.append((hidden.shape[:-1].numel(), hidden.dim() == 2 and hidden.is_contiguous()))
+
     forward = scoring_forward(model, "rollserve")
-    blocks: list[int] = []
+    engine_blocks: list[tuple[int, bool]] = []
     original = forward.logits
-    forward.logits = lambda hidden: blocks.append(hidden.shape[:-1].numel()) or original(hidden)
+    forward.logits = lambda hidden: record(engine_blocks, hidden) or original(hidden)
     try:
         ours = action_log_probs(model, sequences, mask, actions, forward_batch_size=rows_,
                                 with_entropy=True, path="rollserve")  # fmt: skip
     finally:
         del forward.logits
+    hf_blocks: list[tuple[int, bool]] = []
+    assert _logits_head(model) is not None  # its one-off probe calls lm_head: before the hook
+    hook = model.lm_head.register_forward_pre_hook(lambda _, args: record(hf_blocks, args[0]))
+    try:
+        theirs = action_log_probs(model, sequences, mask, actions, forward_batch_size=rows_,
+                                  with_entropy=True, path="hf")  # fmt: skip
+    finally:
+        hook.remove()
     whole, last = divmod(actions, plan.columns)
-    assert len(blocks) == plan.blocks
-    assert blocks == [rows_ * plan.columns] * whole + ([rows_ * last] if last else [])
-    theirs = action_log_probs(model, sequences, mask, actions, forward_batch_size=rows_,
-                              with_entropy=True, path="hf")  # fmt: skip
+    planned = [(rows_ * plan.columns, True)] * whole + ([(rows_ * last, True)] if last else [])
+    assert len(planned) == plan.blocks
+    assert engine_blocks == planned and hf_blocks == planned
     for mine, hf in zip(ours, theirs, strict=True):
         torch.testing.assert_close(mine, hf, atol=1e-5, rtol=1e-5)
 

@@ -169,10 +169,13 @@ def _action_logits(
 
     Action column j is scored at position S - A - 1 + j. On the engine, or with a checked
     lm_head split, the backbone runs once, its hidden states of the action positions are laid
-    out column-major (A, b, H) once, and lm_head is applied to the requested block only (a
-    block of every row is then one contiguous run: no gather per block), so no (b, A, V) tensor
-    ever exists; otherwise the model computes its logits for the last A + 1 positions
-    (`logits_to_keep` where supported) and blocks are read from them.
+    out column-major (A, b, H) once, and lm_head is applied to the requested block only, as
+    one (positions, H) matrix: a block of every row is one contiguous run, so F.linear is one
+    mm. (A 3-D block of a strided view made it a bmm over the rows with lm_head's weight
+    broadcast, for a model without grad as a server loads it: the whole weight read once per
+    row per block.) No (b, A, V) tensor ever exists; otherwise the model computes its logits
+    for the last A + 1 positions (`logits_to_keep` where supported) and blocks are read from
+    them.
     """
     forward = _scoring_forward(model, path)
     if forward is not None and forward.family.lm_head is not None:
