@@ -297,6 +297,9 @@ def scoring_section(model, args: argparse.Namespace, budget: Budget) -> None:
 
     case, batching = end_to_end_case(args.quick)
     device, rows = args.device, batching.forward
+    # As a server loads its models (models/loading.py); F.linear takes other kernels for a
+    # weight that requires grad, so the lanes would not measure what a server runs.
+    model.requires_grad_(False)
     sequences, mask = scoring_rows(case, model.config.vocab_size, device)
     actions = case.new_tokens
     chunk = default_positions_per_chunk(model)
