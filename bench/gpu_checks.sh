@@ -27,7 +27,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a time bound, log to $OUT/NAM
     tail -n "${TAIL_LINES:-25}" "$OUT/$name.log"
 }
 
-step test-gpu "${TEST_GPU_S:-160}" python3 -m pytest -v -m gpu --durations=10 -p no:cacheprovider tests
-step bench-weights "${BENCH_WEIGHTS_S:-100}" python3 bench/bench_gpu_weights.py
+# TEST_GPU_FILES, WEIGHTS_ARGS and BENCH_GPU_ARGS narrow a rerun (e.g. BENCH_GPU_ARGS="--skip generation").
+# shellcheck disable=SC2086
+step test-gpu "${TEST_GPU_S:-160}" python3 -m pytest -v -m gpu --durations=10 -p no:cacheprovider ${TEST_GPU_FILES:-tests}
+# shellcheck disable=SC2086
+step bench-weights "${BENCH_WEIGHTS_S:-100}" python3 bench/bench_gpu_weights.py ${WEIGHTS_ARGS:-}
 budget=${BENCH_GPU_S:-260}  # bench_gpu.py stops its own lanes in time to print its summary
-TAIL_LINES=80 step bench-gpu $((budget + 20)) python3 bench/bench_gpu.py --budget-s "$budget"
+# shellcheck disable=SC2086
+TAIL_LINES=80 step bench-gpu $((budget + 20)) python3 bench/bench_gpu.py --budget-s "$budget" ${BENCH_GPU_ARGS:-}
