@@ -42,6 +42,7 @@ from .protocol.experience import (
     make_experience_batch,
     split_experience_batch,
 )
+from .protocol.experience.batching import check_same_presence
 from .protocol.experience.fields import INDEX_SPECS, STEP_SPECS
 
 __all__ = ["BUFFER_LAYOUTS", "ExperienceBuffer"]
@@ -272,15 +273,8 @@ def _zero_padded_batch(items: Sequence[BufferItem], *, left: bool) -> Experience
     the longest item (LEFT for LightRFT, RIGHT for OpenRLHF), per-row values stacked."""
     if not items:
         raise InvalidArgument("make_experience_batch: no items")
+    check_same_presence(items)
     first = items[0]
-    for index, item in enumerate(items):
-        for spec in STEP_SPECS:
-            if (getattr(item, spec.name) is None) != (getattr(first, spec.name) is None):
-                raise InvalidArgument(
-                    f"items[{index}].{spec.name}: present in some items and absent in others"
-                )
-        if item.info.keys() != first.info.keys():
-            raise InvalidArgument(f"items[{index}].info: keys differ from items[0]")
     widths = {
         "S": max(item.sequences.shape[0] for item in items),
         "A": max(item.num_actions for item in items),

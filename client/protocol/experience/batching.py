@@ -12,7 +12,12 @@ from ..errors import InvalidArgument
 from .fields import INDEX_SPECS, STEP_SPECS
 from .records import BufferItem, Experience
 
-__all__ = ["concat_experiences", "make_experience_batch", "split_experience_batch"]
+__all__ = [
+    "check_same_presence",
+    "concat_experiences",
+    "make_experience_batch",
+    "split_experience_batch",
+]
 
 
 def split_experience_batch(e: Experience) -> list[BufferItem]:
@@ -63,7 +68,7 @@ def make_experience_batch(items: Sequence[BufferItem], pad_token_id: int = 0) ->
     """
     if not items:
         raise InvalidArgument("make_experience_batch: no items")
-    _check_same_presence(items)
+    check_same_presence(items)
     prompt_widths = [item.sequences.shape[0] - item.num_actions for item in items]
     width_p, width_a = max(prompt_widths), max(item.num_actions for item in items)
     # A row's tokens are contiguous (prompt part then response part), so one shift places both:
@@ -100,7 +105,9 @@ def concat_experiences(experiences: Sequence[Experience], pad_token_id: int = 0)
     return make_experience_batch(items, pad_token_id=pad_token_id)
 
 
-def _check_same_presence(items: Sequence[BufferItem]) -> None:
+def check_same_presence(items: Sequence[BufferItem]) -> None:
+    """InvalidArgument unless every item holds the same optional fields and info keys as the
+    first (a batch is built field by field)."""
     first = items[0]
     for index, item in enumerate(items):
         for spec in STEP_SPECS:
