@@ -21,7 +21,11 @@ dist no slower than into the CPU server. A failing lane prints its error; the ru
 Each lane also says where the server staged it ("staged"): the server runs at --log-level INFO
 and its arena logs where each staging buffer it allocates lives (weights/arena.py: on the
 device, or in pinned host memory, with a warning when the device had no room); the lane's
-column is the last such buffer, plus any fallback warning logged during the lane. The "grpc"
+column is the last such buffer, plus any fallback warning logged during the lane. The server
+also logs one line per update with its phases (weights/timings.py: head, open, receive, finish,
+swap_wait, apply, close, ... and the lanes' summed seconds of ring waits, host copies, copy and
+check launches); each lane prints the phases of its best round ("phases v<version>") and the
+median of its rounds per phase, and the table's last column names its largest phase. The "grpc"
 lane asks for transport="grpc": the client may split it over parallel streams (it does on a
 many-core node), which the server reports as "grpc-parallel"; the note says which carried it.
 
@@ -62,6 +66,9 @@ CARRIED_AS = {"grpc": ("grpc", "grpc-parallel")}
 # update staged on the host when the device had no room or its allocation failed.
 _BUFFER = re.compile(r"staging buffer of (\d+) bytes (on \S+|in pinned host memory|in host memory)")
 _FALLBACK = re.compile(r"staging \d+ bytes on \S+ (does not fit|failed)")
+# The server's line per update (weights/update.py): its version and its phases (timings.py).
+_PHASES = re.compile(r"updated \S+ to version (\d+) over \S+: .*?; phases: (.*)$", re.MULTILINE)
+_PHASE = re.compile(r"([a-z_]+) ([0-9.]+)")
 
 
 @dataclass
@@ -75,6 +82,7 @@ class Row:
     target: str = ""
     staged: str = ""  # where the server staged the lane's updates (its log)
     note: str = ""
+    largest: str = ""  # the largest server phase of the best round (its log)
 
 
 def _sync(device: str) -> None:
@@ -117,6 +125,35 @@ def staged_where(log: str, lane_start: int) -> str:
     return where if not fallbacks else f"{where} (device {', '.join(fallbacks)})"
 
 
+def update_phases(log: str, lane_start: int) -> dict[int, str]:
+    """The phases line (timings.py) of every update the server logged since `lane_start`, by
+    version."""
+    return {int(m.group(1)): m.group(2) for m in _PHASES.finditer(log, lane_start)}
+
+
+def phase_seconds(line: str) -> dict[str, float]:
+    """The phases of one phases line (before its lane-seconds), in seconds."""
+    return {name: float(value) for name, value in _PHASE.findall(line.split(" = ")[0])}
+
+
+def print_phases(lines: dict[int, str], best_version: int, label: str) -> str:
+    """Print the best round's phases line and each phase's median over the rounds; the best
+    round's largest phase ("" without its line)."""
+    best = lines.get(best_version)
+    if best is None:
+        print(f"    {label} phases: no line for v{best_version} in the server's log", flush=True)
+        return ""
+    print(f"    {label} phases v{best_version}: {best}", flush=True)
+    rounds = [phase_seconds(line) for line in lines.values()]
+    names = list(phase_seconds(best))
+    medians = {n: sorted(r.get(n, 0.0) for r in rounds)[len(rounds) // 2] for n in names}
+    print(f"    {label} median of {len(rounds)}: "
+          + " ".join(f"{n} {s:.4f}" for n, s in medians.items()), flush=True)  # fmt: skip
+    seconds = phase_seconds(best)
+    name = max(seconds, key=seconds.__getitem__)
+    return f"{name} {seconds[name]:.3f} s"
+
+
 class Trainer:
     """This process as the trainer of one server: versions rise by one per update."""
 
@@ -124,6 +161,7 @@ class Trainer:
         # log: the server's log so far (staged_where reads it).
         self.client = RolloutClient(target, timeout_s=WAIT_S)
         self.version = self.client.health().policy_version
+        self.best_version = self.version  # the version of the last lane's best round
         self.log = log
 
     def best_gbps(
@@ -141,13 +179,16 @@ class Trainer:
             if round_ and total_bytes / seconds / 1e9 > best:
                 best = total_bytes / seconds / 1e9
                 server_s = result.server_seconds  # type: ignore[attr-defined]
+                self.best_version = self.version
         return best, server_s, transport
 
     def lane(
         self, weights: dict[str, torch.Tensor], transport: str, total_bytes: int
-    ) -> tuple[float, float, str, str]:
-        """GB/s, the server's seconds, the transport that carried it, where it staged."""
+    ) -> tuple[float, float, str, str, str]:
+        """GB/s, the server's seconds, the transport that carried it, where it staged, its best
+        round's largest phase (the phases are printed)."""
         lane_start = len(self.log())
+        warm_up = self.version + 1  # its line is left out of the medians
         if transport == "dist":
             with WeightsGroup([self.client], backend="gloo", timeout_s=WAIT_S) as group:
                 gbps, server_s, sent_as = self.best_gbps(
@@ -161,19 +202,24 @@ class Trainer:
             )
         if sent_as not in CARRIED_AS.get(transport, (transport,)):
             raise RuntimeError(f"asked for {transport}, the server says {sent_as}")
-        return gbps, server_s, sent_as, staged_where(self.log(), lane_start)
+        log = self.log()
+        lines = {v: line for v, line in update_phases(log, lane_start).items() if v != warm_up}
+        largest = print_phases(lines, self.best_version, transport)
+        return gbps, server_s, sent_as, staged_where(log, lane_start), largest
 
     def close(self) -> None:
         self.client.close()
 
 
 def run_lane(
-    row: Row, measure: Callable[[], tuple[float, float, str, str]], ceiling: float | None = None
+    row: Row,
+    measure: Callable[[], tuple[float, float, str, str, str]],
+    ceiling: float | None = None,
 ) -> None:
     """Fill row.gbps (and its ratio to `ceiling`), or its note with the error; print the row
     at once either way (a run cut short keeps what it printed)."""
     try:
-        row.gbps, row.server_s, sent_as, row.staged = measure()
+        row.gbps, row.server_s, sent_as, row.staged, row.largest = measure()
         if sent_as != row.lane:
             row.note = f"carried by {sent_as} {row.note}".strip()
     except Exception as error:
@@ -243,12 +289,12 @@ def main(argv: list[str]) -> int:
         print(f"- ceiling {name}: {_cell(gbps)} GB/s")
     print()
     print("| lane | trainer's tensors | applied GB/s | server s | ratio | to | target | staged "
-          "| note |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| note | largest server phase |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         print(f"| {row.lane} | {row.tensors} | {_cell(row.gbps)} | {_cell(row.server_s, 3)} | "
               f"{_cell(row.ratio)} | {row.ceiling} | {row.target} | {row.staged} | "
-              f"{row.note} |")  # fmt: skip
+              f"{row.note} | {row.largest} |")  # fmt: skip
     print(
         '\ngrpc: transport="grpc", which the client may carry over parallel streams (the '
         "server then says grpc-parallel, named in the note). staged: where the server's "

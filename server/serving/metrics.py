@@ -23,6 +23,10 @@ servers in one process (tests, benchmarks) keep separate numbers. What is export
   rollserve_weight_updates_total{role,transport}, _weight_update_bytes_total{role},
   rollserve_weight_update_duration_seconds{role} (histogram),
   rollserve_weight_update_gigabytes_per_second{role,transport} the last update's throughput
+  rollserve_update_phase_seconds{phase}                    seconds of one weight update in each
+                                                           of its phases (weights/timings.py:
+                                                           head, open, receive, finish,
+                                                           swap_wait, apply, close, ...)
   rollserve_queue_depth, rollserve_policy_version{role},
   rollserve_phase{phase} (1 for the current one), rollserve_uptime_seconds   read at scrape time
   rollserve_device_memory_bytes{kind}                      the models' CUDA device as the
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
@@ -72,6 +76,8 @@ _RPC = ("service", "method")
 _DURATION_BUCKETS_S = (0.001, 0.005, 0.025, 0.1, 0.25, 1.0, 2.5, 10.0, 30.0, 60.0, 180.0, 600.0)
 _ROWS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 _UPDATE_BUCKETS_S = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0, 600.0)
+# An update's phases run from microseconds (a reply) to the whole transfer (seconds).
+_PHASE_BUCKETS_S = (1e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0)
 _TOKENS_PER_S_BUCKETS = (10.0, 100.0, 1e3, 3e3, 1e4, 3e4, 1e5, 3e5, 1e6)
 
 
@@ -166,6 +172,13 @@ class ServerMetrics:
             ("role", "transport"),
             registry=r,
         )
+        self.update_phase_seconds = Histogram(
+            "rollserve_update_phase_seconds",
+            "seconds of one weight update in one of its phases on the server",
+            ("phase",),
+            buckets=_PHASE_BUCKETS_S,
+            registry=r,
+        )
         r.register(_StateCollector(state))
 
     def watch_rollout(self, stats: Callable[[], RolloutStats]) -> None:
@@ -223,6 +236,11 @@ class ServerMetrics:
         self.weight_update_duration.labels(role).observe(response.seconds)
         gbps = response.bytes / max(response.seconds, 1e-9) / 1e9
         self.weight_update_gbps.labels(role, transport).set(gbps)
+
+    def observe_update_phases(self, phases: Mapping[str, float]) -> None:
+        """One weight update's seconds per phase (weights/timings.py; phases that ran)."""
+        for phase, seconds in phases.items():
+            self.update_phase_seconds.labels(phase).observe(seconds)
 
     def observe_rpc(self, full_method: str, code: str, duration_s: float) -> None:
         service, method = split_method(full_method)

@@ -69,6 +69,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def serve_models(self, runtime: Runtime, updates: WeightUpdates) -> None:
         """Start serving the bulk RPCs with the engine and updater of the loaded models."""
         self._runtime, self._updates = runtime, updates
+        updates.phase_observer = self._metrics.observe_update_phases
 
     @handles_errors
     def MakeExperience(

@@ -208,6 +208,7 @@ class CudaIpcPlane:
     def receive(self, stager: UpdateStager, requests: Iterator[Request]) -> None:
         """The head from the stream, then every span device to device into the stager."""
         data_start = _feed_head(stager, requests)
+        stager.timings.lap("head")
         spans = self._source.spans
         first = spans[0].begin if spans else self._total_bytes
         if first != data_start:
@@ -217,6 +218,7 @@ class CudaIpcPlane:
             )
         self._indices = self._map_devices()
         self._open_all()
+        stager.timings.lap("open")
         storage = whole = None
         try:
             for span in spans:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from .header import StreamEntry
+from .timings import UpdateTimings
 
 __all__ = ["RING_SLOTS", "SLOT_BYTES", "DevicePipeline", "SlotRing"]
 
@@ -137,7 +139,10 @@ class DevicePipeline:
         ring: SlotRing,
         stream: torch.cuda.Stream | None,
         complete: Callable[[int], None],
+        timings: UpdateTimings | None = None,
     ) -> None:
+        # timings: lane-seconds of ring waits, host copies, copy launches and check launches.
+        self._timings = UpdateTimings() if timings is None else timings
         self.arena = arena
         self._segments = tuple(segments)
         self._segment_begins = [begin for begin, _, _ in segments]
@@ -160,16 +165,29 @@ class DevicePipeline:
         ring, then asynchronously into the arena. `source` may be reused when this returns."""
         size = len(source)
         done = 0
+        waited_s = copied_s = launched_s = 0.0
+        slots = 0
         while done < size:
+            asked_s = time.perf_counter()
             slot = self._ring.acquire()
+            got_s = time.perf_counter()
             try:
                 take = min(size - done, self._ring.slot_bytes)
                 np.copyto(slot.array[:take], source[done : done + take])
+                filled_s = time.perf_counter()
                 with self._on_stream():
                     self._copy_runs(position + done, slot.tensor[:take])
             finally:
                 self._ring.release(slot, self._stream)
+            released_s = time.perf_counter()
+            waited_s += got_s - asked_s
+            copied_s += filled_s - got_s
+            launched_s += released_s - filled_s
+            slots += 1
             done += take
+        self._timings.add("ring_wait", waited_s, slots)
+        self._timings.add("host_copy", copied_s, slots)
+        self._timings.add("copy_launch", launched_s, slots)
         self._arrived(position, size)
 
     def tensor_bytes(self, position: int, source: torch.Tensor) -> None:
@@ -179,6 +197,7 @@ class DevicePipeline:
         if source.device.type == "cpu":
             self.host_bytes(position, source.numpy())
             return
+        started_s = time.perf_counter()
         if self._stream is None:  # a CPU arena: the copy is synchronous
             self._copy_runs(position, source)
         else:
@@ -192,6 +211,7 @@ class DevicePipeline:
                 while self._held and self._held[0][0].query():
                     self._held.popleft()
                 self._held.append((event, source))
+        self._timings.add("copy_launch", time.perf_counter() - started_s)
         self._arrived(position, len(source))
 
     def written(self, position: int, size: int) -> None:
@@ -262,6 +282,8 @@ class DevicePipeline:
                         completed.append(index)
                 index += 1
         if completed:
+            started_s = time.perf_counter()
             with self._on_stream():
                 for index in completed:
                     self._complete(index)
+            self._timings.add("check_launch", time.perf_counter() - started_s, len(completed))

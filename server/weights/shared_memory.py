@@ -74,6 +74,7 @@ def receive_shared_memory(
     total_bytes = stager.options.total_bytes
     written = _Written(total_bytes, iter_shm_written(requests) if source.streamed else None)
     with _MAPPINGS.mapping(source, total_bytes) as mapping:
+        stager.timings.lap("open")
         file = np.frombuffer(mapping, dtype=np.uint8, count=total_bytes)
         try:
             _copy(stager, file, lanes, written)
@@ -215,6 +216,7 @@ def _copy(stager: UpdateStager, file: np.ndarray, threads: int, written: _Writte
             for begin, end in zip([0, *bounds], [*bounds, total_bytes], strict=True)
         ]
         _feed_range(stripes[0].feed, file, 0, data_start, written)  # the head: then the arena
+        stager.timings.lap("head")
         queue: SimpleQueue[Lane] = SimpleQueue()
         for stripe in stripes:
             queue.put(stripe)

@@ -11,6 +11,7 @@ update.py runs that sequence.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from .lora import LoraState, apply_lora
 from .options import UpdateOptions, update_options
 from .spec import TargetTensor, model_spec
 from .stream import Lane, SafetensorsStager
+from .timings import UpdateTimings
 from .verify import UpdateChecks, UpdatePlan
 
 __all__ = [
@@ -57,6 +59,7 @@ class StagedUpdate:
     lora_state: LoraState | None
     arena: StagingArena | None = None  # the leased arena the tensors are views of
     on_device: bool = False  # the tensors are in a device arena (pipeline.py)
+    timings: UpdateTimings | None = None  # the update's timings: apply adds its parts
 
     @property
     def total_bytes(self) -> int:
@@ -77,6 +80,7 @@ class StagedUpdate:
         arena is free for the next update. A LoRA merge runs on the host either way (the
         factors, a few MB, are copied there first): one weight-sized host temporary.
         """
+        started_s = time.perf_counter()
         model_tensors = _resolve(model, self._targets())
         with torch.no_grad():
             if self.options.mode == pb.UPDATE_MODE_LORA:
@@ -99,8 +103,12 @@ class StagedUpdate:
                 for entry, target in self.plan.copies:
                     _copy_into(model_tensors[target.name], self.tensors[entry.name])
                 self._forget_lora_bases()
+            launched_s = time.perf_counter()
             if self.on_device:
                 _wait_for_copies(self.tensors.values())
+        if self.timings is not None:
+            self.timings.add("apply_launch", launched_s - started_s, len(self.plan.copies))
+            self.timings.add("apply_wait", time.perf_counter() - launched_s)
         return AppliedUpdate(tensors=len(self.tensors), bytes=self.total_bytes)
 
     def _adoptable(self, model_tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -169,8 +177,11 @@ class UpdateStager:
         *,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
         arena: StagingArena | None = None,
+        timings: UpdateTimings | None = None,
     ) -> None:
         # arena: a leased StagingArena to stage into (held until apply is done); None: fresh.
+        # timings: the update's (update.py); planes and the arena's pipeline add to it.
+        self.timings = UpdateTimings() if timings is None else timings
         self._options = update_options(header)
         if self._options.mode == pb.UPDATE_MODE_LORA and lora_state is None:
             raise ValueError("a LoraState is required to stage a LoRA update")
@@ -183,6 +194,7 @@ class UpdateStager:
             max_header_bytes=max_header_bytes,
             sha256_hex=self._options.sha256,
             arena=arena,
+            timings=self.timings,
         )
 
     @property
@@ -196,7 +208,12 @@ class UpdateStager:
 
     def feed(self, offset: int, data: bytes | memoryview, crc32: int | None = None) -> None:
         """The next chunk of a single ordered stream (one lane over the whole file)."""
+        if self._stager.head_parsed:
+            self._stager.feed(offset, data, crc32)
+            return
         self._stager.feed(offset, data, crc32)
+        if self._stager.head_parsed:  # fed on the handler thread: the head's phase ends here
+            self.timings.lap("head")
 
     def feed_tensor(self, offset: int, data: torch.Tensor) -> None:
         """The next bytes of the single ordered stream (the same contract as `feed`, no crc32)
@@ -234,6 +251,7 @@ class UpdateStager:
             lora_state=self._lora_state,
             arena=self._arena,
             on_device=staged.on_device,
+            timings=self.timings,
         )
 
 

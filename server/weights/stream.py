@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -46,6 +47,7 @@ from .arena import StagingArena
 from .checksum import crc32 as crc32_of
 from .header import PREFIX_BYTES, StreamEntry, parse_header
 from .pipeline import DevicePipeline
+from .timings import UpdateTimings
 
 __all__ = [
     "ArenaLayout",
@@ -426,8 +428,11 @@ class SafetensorsStager:
         max_header_bytes: int,
         sha256_hex: str | None = None,
         arena: StagingArena | None = None,
+        timings: UpdateTimings | None = None,
     ) -> None:
         # arena: a leased, reusable buffer (warm memory); None allocates a fresh one.
+        # timings: where the arena's take, the pipeline and finish add their seconds.
+        self.timings = UpdateTimings() if timings is None else timings
         self.total_bytes = total_bytes
         self._reusable_arena = arena
         self._checks = checks
@@ -557,10 +562,12 @@ class SafetensorsStager:
         self._checks.check_header(entries)
         layout = plan_arena(entries, data_bytes)
         reusable = self._reusable_arena
+        taking_s = time.perf_counter()
         if reusable is not None:
             arena = reusable.take(layout.arena_bytes)
         else:
             arena = torch.empty(layout.arena_bytes, dtype=torch.uint8)
+        self.timings.add("arena_take", time.perf_counter() - taking_s)
         pipeline = None
         if reusable is not None and reusable.staged_on_device:
             checks = self._checks
@@ -571,6 +578,7 @@ class SafetensorsStager:
                 ring=reusable.ring,
                 stream=reusable.copy_stream,
                 complete=lambda index: data.check_tensor(checks, index),
+                timings=self.timings,
             )
         data = _Data(entries, data_start, arena, layout, pipeline)
         self._data = data
@@ -585,8 +593,12 @@ class SafetensorsStager:
             raise InvalidArgument(f"stream ended after {received} of {self.total_bytes} bytes")
         data = self._data
         if data.pipeline is not None:
+            waiting_s = time.perf_counter()
             data.pipeline.synchronize()  # every copy and check issued: one wait for all
+            settling_s = time.perf_counter()
             self._checks.settle()
+            self.timings.add("finish_sync", settling_s - waiting_s)
+            self.timings.add("settle", time.perf_counter() - settling_s)
         else:
             self._check_lane_boundaries(data)
         if self._sha256_hex is not None and self._sha256() != self._sha256_hex:

@@ -33,6 +33,7 @@ from .header import DEFAULT_MAX_HEADER_BYTES
 from .lora import LoraState
 from .planes import DataPlane, Follower, Planes
 from .staging import AppliedUpdate, Request, StagedUpdate, UpdateStager, read_header
+from .timings import PhaseObserver, UpdateTimings
 
 __all__ = ["Swap", "WeightUpdates"]
 
@@ -66,6 +67,8 @@ class WeightUpdates:
         self._update_lock = threading.Lock()  # one weight stream at a time
         # One stream updating, one more waiting; see _update_turn.
         self._update_slots = threading.BoundedSemaphore(2)
+        # Told each finished update's phases (timings.py); the server's metrics observe them.
+        self.phase_observer: PhaseObserver | None = None
 
     @classmethod
     def for_models(cls, models: ModelSet, state: ServerState, swap: Swap) -> WeightUpdates:
@@ -75,15 +78,19 @@ class WeightUpdates:
 
     def update(self, requests: Iterator[Request]) -> pb.UpdateWeightsResponse:
         """Stage and verify on this thread, then swap between batches; the reply."""
+        timings = UpdateTimings()
         header = read_header(requests)
         plane = self.planes.pick(header)
         if isinstance(plane, Follower):
             return plane.follow(requests)
+        timings.lap("header")
         with self._update_turn():
+            timings.lap("turn")
             started_s = time.monotonic()
             with plane:
-                role, staged, applied = self._stage_and_swap(header, requests, plane)
+                role, staged, applied = self._stage_and_swap(header, requests, plane, timings)
             seconds = time.monotonic() - started_s
+            timings.lap("close")
         response = pb.UpdateWeightsResponse(
             target=header.target or pb.MODEL_ROLE_ACTOR,
             version=header.version,
@@ -93,8 +100,11 @@ class WeightUpdates:
             transport=plane.name,
         )
         plane.finished(response)
+        timings.lap("reply")
+        # One line per update, its phases included (bench_gpu_weights.py reads them).
         _LOG.info(
-            "updated %s to version %d over %s: %d tensors, %d bytes in %.2f s (%.2f GB/s)",
+            "updated %s to version %d over %s: %d tensors, %d bytes in %.3f s (%.2f GB/s); "
+            "staged %s; phases: %s",
             role,
             header.version,
             plane.name,
@@ -102,14 +112,30 @@ class WeightUpdates:
             staged.total_bytes,
             seconds,
             staged.total_bytes / max(seconds, 1e-9) / 1e9,
+            "on the device" if staged.on_device else "in host memory",
+            timings.line(),
         )
+        self._observe(timings)
         return response
+
+    def _observe(self, timings: UpdateTimings) -> None:
+        observer = self.phase_observer
+        if observer is None:
+            return
+        try:
+            observer(timings.phases)
+        except Exception:  # metrics must never fail an update that was applied
+            _LOG.exception("observing an update's phases failed")
 
     def close(self) -> None:
         self.planes.close()
 
     def _stage_and_swap(
-        self, header: pb.WeightsHeader, requests: Iterator[Request], plane: DataPlane
+        self,
+        header: pb.WeightsHeader,
+        requests: Iterator[Request],
+        plane: DataPlane,
+        timings: UpdateTimings,
     ) -> tuple[str, StagedUpdate, AppliedUpdate]:
         """Check target and version, receive into the target's arena, verify, swap."""
         role, module = self._target(header)
@@ -122,10 +148,21 @@ class WeightUpdates:
                 self.lora[role],
                 max_header_bytes=self._max_header_bytes,
                 arena=arena,
+                timings=timings,
             )
             plane.receive(stager, requests)
+            timings.lap("receive")
             staged = stager.finish()
-            applied = self._swap(role, lambda: self._apply(role, module, staged))
+            timings.lap("finish")
+
+            def apply() -> AppliedUpdate:  # on the engine thread, while this one waits
+                timings.lap("swap_wait")
+                applied = self._apply(role, module, staged)
+                timings.lap("apply")
+                return applied
+
+            applied = self._swap(role, apply)
+            timings.lap("swap_return")
             return role, staged, applied
 
     @contextlib.contextmanager
