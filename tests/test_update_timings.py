@@ -5,6 +5,7 @@ and the rollserve_update_phase_seconds histogram, for a host arena and a pipelin
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from pathlib import Path
 
@@ -135,3 +136,64 @@ def test_a_refused_update_logs_no_phases(actor_dir: Path, caplog: pytest.LogCapt
         )
         assert count is None
     assert phase_lines(caplog.records) == []
+
+
+# ---- the device checks of back-to-back tensors: one reduction per group ------------------------
+
+
+def views(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    out, start = [], 0
+    for size in sizes:
+        out.append(buffer[start : start + size])
+        start += size
+    return out
+
+
+def aminmax_calls(run: object) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        run()  # type: ignore[operator]
+    return sum(1 for event in profiler.events() if event.name == "aten::aminmax")
+
+
+def test_back_to_back_tensors_are_checked_by_one_reduction_and_the_first_bad_is_named() -> None:
+    from rollserve.client.protocol.errors import InvalidArgument
+    from rollserve.server.weights.verify import DeferredValues, ValueRule
+
+    rule = ValueRule(check_finite=True)
+    buffer = torch.ones(1000, dtype=torch.bfloat16)
+    tensors = views(buffer, [100, 300, 50, 550])
+    deferred = DeferredValues()
+
+    def add_all() -> None:
+        for order in (0, 2, 1, 3):  # lanes complete tensors out of order
+            deferred.add(order, f"t{order}", tensors[order], rule)
+        deferred.settle()
+
+    # t0 opens a group; t2 is not behind it: a second group; t1 is behind t0: joins the first;
+    # t3 is behind t2: joins the second. Two reductions instead of four.
+    assert aminmax_calls(add_all) == 2
+    buffer[150] = math.inf  # in t1
+    buffer[990] = math.nan  # in t3
+    for order in (3, 2, 1, 0):
+        deferred.add(order, f"t{order}", tensors[order], rule)
+    with pytest.raises(InvalidArgument, match=r"^t1: NaN or infinite"):
+        deferred.settle()
+
+
+def test_groups_break_at_a_dtype_a_rule_or_a_gap() -> None:
+    from rollserve.server.weights.verify import DeferredValues, ValueRule
+
+    strict, loose = ValueRule(check_finite=True), ValueRule(check_finite=True, max_abs=100.0)
+    buffer = torch.zeros(4096, dtype=torch.uint8)
+    halves = buffer[:1024].view(torch.float16)  # 512 halves
+    floats = buffer[1024:3072].view(torch.float32)  # 512 floats, right behind the halves
+    deferred = DeferredValues()
+
+    def add_all() -> None:
+        deferred.add(0, "a", halves[:256], strict)
+        deferred.add(1, "b", halves[256:], loose)  # another rule
+        deferred.add(2, "c", floats[:256], loose)  # another dtype
+        deferred.add(3, "d", floats[257:], loose)  # a gap of one element
+        deferred.settle()
+
+    assert aminmax_calls(add_all) == 4

@@ -19,7 +19,8 @@ Dtype rules (wire dtype -> parameter or buffer dtype):
 
 Where values are checked: in a host arena, chunk by chunk on the host (`check_values`); in a
 device arena (pipeline.py), per whole tensor on the device (`DeferredValues`): one min/max
-reduction per tensor, enqueued without waiting, read back all at once when the file is complete.
+reduction per run of back-to-back tensors of one dtype (GROUP_BYTES), enqueued without waiting,
+read back all at once when the file is complete.
 A failure is named by the first offending tensor in data order, with the message
 `check_values` gives for it.
 """
@@ -203,67 +204,129 @@ def check_values(name: str, tensor: torch.Tensor, rule: ValueRule) -> None:
     raise InvalidArgument(f"{name}: NaN or infinite values (header.allow_non_finite is off)")
 
 
+# Tensors that lie back to back in one buffer, with one dtype and one rule, are checked by one
+# reduction over all of them, up to this many bytes: one launch instead of one per tensor (a
+# model has hundreds, each launch costs host time), and still several per update, so most checks
+# run on the device while later bytes are being copied.
+GROUP_BYTES = 256 << 20
+
+
 @dataclass(frozen=True)
-class _Pending:
-    """One tensor's device check in flight: its place in data order and its extremes."""
+class _Member:
+    """One tensor of a group: its place in data order, its name, its values (a view)."""
 
     order: int
     name: str
-    rule: ValueRule
     values: torch.Tensor  # the staged tensor, 1-D wire dtype (a view of the arena)
-    low: torch.Tensor  # 0-dim, on the device (uint8 for bools)
-    high: torch.Tensor
+
+
+@dataclass
+class _Group:
+    """Back-to-back tensors of one buffer, dtype and rule; their extremes once launched."""
+
+    rule: ValueRule
+    storage: int  # data_ptr of the buffer they are views of
+    members: list[_Member]
+    end: int  # data_ptr one past the last member's bytes
+    nbytes: int
+    low: torch.Tensor | None = None  # 0-dim, on the device (uint8 for bools)
+    high: torch.Tensor | None = None
+
+    def takes(self, values: torch.Tensor, rule: ValueRule, storage: int) -> bool:
+        first = self.members[0].values
+        return (
+            values.data_ptr() == self.end
+            and storage == self.storage
+            and values.dtype == first.dtype
+            and values.device == first.device
+            and rule == self.rule
+        )
+
+    def launch(self) -> None:
+        """One aminmax over every member, on the caller's current stream; nothing waits."""
+        first = self.members[0].values
+        numel = sum(member.values.numel() for member in self.members)
+        whole = first.as_strided((numel,), (1,), first.storage_offset())
+        if whole.dtype == torch.bool:
+            whole = whole.view(torch.uint8)
+        self.low, self.high = torch.aminmax(whole)
 
 
 class DeferredValues:
-    """`check_values` for tensors on a device, enqueued per tensor and judged once at the end.
+    """`check_values` for tensors on a device, enqueued as they complete, judged once at the end.
 
-    `add` runs one aminmax per tensor that needs a check, on the caller's current stream, and
-    keeps the two 0-dim results without reading them: no host sync per tensor. NaN propagates
-    through min and max, an infinity is an extreme, and a value out of range is too, so the
-    extremes decide every rule of check_values. `settle` (after the stream was synchronised)
-    copies all extremes to the host at once and, for the first tensor that fails, re-runs
-    check_values on a host copy of it, so the message is check_values' own.
+    `add` takes a tensor that needs a check into a group of back-to-back tensors (GROUP_BYTES);
+    a full group runs one aminmax on the caller's current stream and keeps the two 0-dim
+    results without reading them: no host sync per tensor or group. NaN propagates through min
+    and max, an infinity is an extreme, and a value out of range is too, so the extremes decide
+    every rule of check_values, for a group as for each of its tensors. `settle` (after the
+    stream was synchronised) launches the groups still open, copies all extremes to the host at
+    once and, in the first group that fails, re-runs check_values on a host copy of each tensor
+    in data order until one fails, so the message is check_values' own, naming the first
+    offending tensor.
     """
 
     def __init__(self) -> None:
-        self._pending: list[_Pending] = []
+        self._open: dict[int, _Group] = {}  # by the data_ptr where each group ends
+        self._launched: list[_Group] = []
         self._lock = threading.Lock()
 
     def add(self, order: int, name: str, values: torch.Tensor, rule: ValueRule) -> None:
         if not values.numel():
             return
-        if values.dtype == torch.bool:
-            low, high = torch.aminmax(values.view(torch.uint8))
-        elif rule.check_finite and values.dtype.is_floating_point:
-            low, high = torch.aminmax(values)
-        else:
+        if values.dtype != torch.bool and not (
+            rule.check_finite and values.dtype.is_floating_point
+        ):
             return
+        member = _Member(order, name, values)
+        storage = values.untyped_storage().data_ptr()
         with self._lock:
-            self._pending.append(_Pending(order, name, rule, values, low, high))
+            group = self._open.pop(values.data_ptr(), None)
+            if group is None or not group.takes(values, rule, storage):
+                if group is not None:  # another dtype or rule right behind it: it ends here
+                    self._launch(group)
+                group = _Group(rule, storage, [], values.data_ptr(), 0)
+            group.members.append(member)
+            group.end += values.nbytes
+            group.nbytes += values.nbytes
+            if group.nbytes >= GROUP_BYTES:
+                self._launch(group)
+            else:
+                self._open[group.end] = group
+
+    def _launch(self, group: _Group) -> None:
+        group.launch()
+        self._launched.append(group)
 
     def settle(self) -> None:
         with self._lock:
-            pending = sorted(self._pending, key=lambda p: p.order)
-            self._pending = []
-        if not pending:
+            for group in self._open.values():
+                self._launch(group)
+            self._open = {}
+            groups = sorted(self._launched, key=lambda g: g.members[0].order)
+            self._launched = []
+        if not groups:
             return
         by_dtype: dict[torch.dtype, list[int]] = {}
-        for position, item in enumerate(pending):
-            by_dtype.setdefault(item.low.dtype, []).append(position)
+        for position, group in enumerate(groups):
+            assert group.low is not None
+            by_dtype.setdefault(group.low.dtype, []).append(position)
         extremes: dict[int, tuple[float, float]] = {}
         for positions in by_dtype.values():
-            pairs = [t for p in positions for t in (pending[p].low, pending[p].high)]
+            pairs = [t for p in positions for t in (groups[p].low, groups[p].high)]
             # float64 holds every value of every wire dtype exactly (and NaN, and infinities).
-            host = torch.stack(pairs).to("cpu", torch.float64).tolist()
+            host = torch.stack(pairs).to("cpu", torch.float64).tolist()  # type: ignore[misc]
             for k, p in enumerate(positions):
                 extremes[p] = (host[2 * k], host[2 * k + 1])
-        for position, item in enumerate(pending):
+        for position, group in enumerate(groups):
             low, high = extremes[position]
-            if _passes(item.values.dtype, item.rule, low, high):
+            dtype = group.members[0].values.dtype
+            if _passes(dtype, group.rule, low, high):
                 continue
-            check_values(item.name, item.values.cpu(), item.rule)
-            raise InvalidArgument(f"{item.name}: values out of range (checked on the device)")
+            for member in group.members:  # the first offending tensor words the refusal
+                check_values(member.name, member.values.cpu(), group.rule)
+            name = group.members[0].name
+            raise InvalidArgument(f"{name}: values out of range (checked on the device)")
 
 
 def _passes(dtype: torch.dtype, rule: ValueRule, low: float, high: float) -> bool:
