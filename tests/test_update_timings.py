@@ -108,6 +108,8 @@ def test_every_update_logs_its_phases_and_observes_the_histogram(
     assert named == [p for p in PHASES if p in named]  # in order, none unknown
     if transport == "shm":
         assert "open" in named and "head" in named
+    else:  # the stream's waits for its chunks, apart from the work on them
+        assert "stream_wait" in phases
     if pipelined:
         assert "staged on the device" in lines[1]
         # Every data byte passed the ring: at least one slot per SLOT_BYTES, each counted.

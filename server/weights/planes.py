@@ -36,6 +36,7 @@ from .distributed import GroupUpdate, WeightsGroups
 from .parallel import Assembly, ParallelUpdates, check_part, feed_part
 from .shared_memory import default_lanes, receive_shared_memory, release_mappings
 from .staging import Request, UpdateStager, iter_chunks
+from .timings import waited
 
 __all__ = ["DataPlane", "Follower", "Planes", "offered_transports"]
 
@@ -84,7 +85,7 @@ class _Chunks(_Plane):
     name = GRPC
 
     def receive(self, stager: UpdateStager, requests: Iterator[Request]) -> None:
-        for offset, data, crc32 in iter_chunks(requests):
+        for offset, data, crc32 in iter_chunks(waited(requests, stager.timings, "stream_wait")):
             stager.feed(offset, data, crc32)
 
 
@@ -134,7 +135,8 @@ class _ParallelLead(_Plane):
 
     def receive(self, stager: UpdateStager, requests: Iterator[Request]) -> None:
         self._assembly = assembly = self._updates.open(self._header, stager)
-        feed_part(stager.lane(0, self._header.parallel.end), requests)
+        part = waited(requests, stager.timings, "stream_wait")  # part 0's only
+        feed_part(stager.lane(0, self._header.parallel.end), part)
         assembly.part_done()
         assembly.wait_parts(self._updates.wait_s)
 

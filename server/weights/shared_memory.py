@@ -26,6 +26,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from queue import Empty, SimpleQueue
@@ -38,6 +39,7 @@ from ...v1 import rollout_pb2 as pb
 from .pipeline import SLOT_BYTES
 from .staging import Request, UpdateStager, iter_chunks, iter_shm_written
 from .stream import Lane
+from .timings import UpdateTimings
 
 __all__ = ["PIECE_BYTES", "default_lanes", "receive_shared_memory", "release_mappings"]
 
@@ -215,7 +217,8 @@ def _copy(stager: UpdateStager, file: np.ndarray, threads: int, written: _Writte
             stager.lane(begin, end)
             for begin, end in zip([0, *bounds], [*bounds, total_bytes], strict=True)
         ]
-        _feed_range(stripes[0].feed, file, 0, data_start, written)  # the head: then the arena
+        # The head (then the arena exists).
+        _feed_range(stripes[0].feed, file, 0, data_start, written, timings=stager.timings)
         stager.timings.lap("head")
         queue: SimpleQueue[Lane] = SimpleQueue()
         for stripe in stripes:
@@ -266,7 +269,9 @@ def _copy_stripes(
                 lane.start_in_data(timeout_s=0)  # the head was parsed before this thread started
             on_device = stager.head_parsed and lane.file_data.on_device
             piece_bytes = DEVICE_PIECE_BYTES if on_device else PIECE_BYTES
-            _feed_range(lane.feed, file, lane.position, lane.end, written, piece_bytes)
+            _feed_range(
+                lane.feed, file, lane.position, lane.end, written, piece_bytes, stager.timings
+            )
     except BaseException as error:
         _stop(written, stager, error)
         raise
@@ -279,11 +284,21 @@ def _feed_range(
     end: int,
     written: _Written,
     piece_bytes: int = PIECE_BYTES,
+    timings: UpdateTimings | None = None,
 ) -> None:
+    # timings: where the lane's waits for the client's writes add up (writer_wait).
+    waiting_s = 0.0
+    waits = 0
     for offset in range(begin, end, piece_bytes):
         piece_end = min(offset + piece_bytes, end)
-        written.wait_for(piece_end)
+        if written.bytes < piece_end:  # a streamed file not yet written this far
+            asked_s = time.perf_counter()
+            written.wait_for(piece_end)
+            waiting_s += time.perf_counter() - asked_s
+            waits += 1
         feed(offset, file[offset:piece_end])
+    if waits and timings is not None:
+        timings.add("writer_wait", waiting_s, waits)
 
 
 def _stripes(data_start: int, total_bytes: int) -> list[int]:

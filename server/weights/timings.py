@@ -4,7 +4,9 @@ An update is a sequence on its handler thread (the engine thread runs `apply` wh
 waits for it), so its phases are *laps*: `lap(phase)` charges the time since the previous lap
 to `phase`. Work that runs on several lanes at once (copies into the ring, waits for a ring
 slot, check launches) is summed per kind in `add` (lane-seconds: with four lanes they can
-exceed the phase that holds them). The update logs `line()` at INFO, one line per update, and
+exceed the phase that holds them), as are a stream's waits for its next message (`waited`:
+stream_wait) and shared-memory lanes' waits for the client's writes (writer_wait). The update
+logs `line()` at INFO, one line per update, and
 hands `phases` to an observer (the server's metrics: rollserve_update_phase_seconds).
 
 The phases (those a plane does not have stay absent):
@@ -26,9 +28,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
 
-__all__ = ["PHASES", "PhaseObserver", "UpdateTimings"]
+__all__ = ["PHASES", "PhaseObserver", "UpdateTimings", "waited"]
+
+T = TypeVar("T")
 
 PHASES = (
     "header",
@@ -87,3 +92,23 @@ class UpdateTimings:
                 )
                 text += f"; lane-s/count: {kinds}"
         return text
+
+
+def waited(items: Iterator[T], timings: UpdateTimings, kind: str) -> Iterator[T]:
+    """`items`, adding the seconds spent waiting for each next one to `kind` (a stream's wait
+    for the network, as opposed to the time spent on what arrived)."""
+    waiting_s = 0.0
+    count = 0
+    try:
+        while True:
+            asked_s = time.perf_counter()
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            finally:
+                waiting_s += time.perf_counter() - asked_s
+                count += 1
+            yield item
+    finally:
+        timings.add(kind, waiting_s, count)
