@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 from collections.abc import Iterator
 from types import TracebackType
 
@@ -54,6 +55,7 @@ from ...client.protocol.transports import CUDA_IPC
 from ...v1 import rollout_pb2 as pb
 from .header import PREFIX_BYTES
 from .staging import Request, UpdateStager, iter_chunks
+from .timings import UpdateTimings
 
 __all__ = ["PIECE_BYTES", "CudaIpcPlane", "can_open_cuda_ipc", "check_source"]
 
@@ -177,6 +179,7 @@ class CudaIpcPlane:
         self._device = device
         self._indices: list[int] = []  # this process's device index of each buffer
         self._opened: list[torch.UntypedStorage | None] = []  # by buffer, once opened
+        self._timings = UpdateTimings()  # the update's, once receive has its stager
         self._released: list[bool] = [False] * len(source.buffers)  # counter given back
 
     def __enter__(self) -> CudaIpcPlane:
@@ -199,7 +202,10 @@ class CudaIpcPlane:
             self._released[number] = True  # torch's deleter decrements it on the drop
         # The last references: dropping them closes the handles (torch's deleter syncs the
         # device's current stream, decrements the trainer's counter, closes the mapping).
+        closing_s = time.perf_counter()
+        closed = sum(storage is not None for storage in self._opened)
         self._opened = []
+        self._timings.add("ipc_handle_close", time.perf_counter() - closing_s, closed)
         self._release_unopened()
 
     def finished(self, response: pb.UpdateWeightsResponse) -> None:
@@ -207,6 +213,7 @@ class CudaIpcPlane:
 
     def receive(self, stager: UpdateStager, requests: Iterator[Request]) -> None:
         """The head from the stream, then every span device to device into the stager."""
+        self._timings = stager.timings
         data_start = _feed_head(stager, requests)
         stager.timings.lap("head")
         spans = self._source.spans
@@ -260,15 +267,18 @@ class CudaIpcPlane:
         """Open every buffer's handle (after waiting for its event); FailedPrecondition when one
         does not open. Storages opened before the failure are closed by __exit__."""
         self._opened = [None] * len(self._source.buffers)
+        events_s = handles_s = 0.0
         for number, (buffer, index) in enumerate(
             zip(self._source.buffers, self._indices, strict=True)
         ):
             try:
+                started_s = time.perf_counter()
                 if buffer.event_sync_required:
                     # The trainer's event after its last write (a handle that also fails when
                     # the trainer is gone). Waited on the host: the copies run on the stager's
                     # own stream, which a stream wait on ours would not order.
                     torch.cuda.Event.from_ipc_handle(index, buffer.event_handle).synchronize()
+                waited_s = time.perf_counter()
                 storage = torch.UntypedStorage._new_shared_cuda(
                     index,
                     buffer.handle,
@@ -279,6 +289,8 @@ class CudaIpcPlane:
                     buffer.event_handle,
                     False,  # the event is waited for above
                 )
+                events_s += waited_s - started_s
+                handles_s += time.perf_counter() - waited_s
             except (RuntimeError, ValueError, TypeError) as error:
                 reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
                 raise FailedPrecondition(
@@ -287,6 +299,8 @@ class CudaIpcPlane:
                     "exit or free the tensors?)"
                 ) from None
             self._opened[number] = storage
+        self._timings.add("ipc_event_wait", events_s, len(self._opened))
+        self._timings.add("ipc_handle_open", handles_s, len(self._opened))
 
     def _release_unopened(self) -> None:
         """Give back the ref counter of every buffer that was never opened (best effort: a

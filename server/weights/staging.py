@@ -82,6 +82,7 @@ class StagedUpdate:
         """
         started_s = time.perf_counter()
         model_tensors = _resolve(model, self._targets())
+        resolved_s = time.perf_counter()
         with torch.no_grad():
             if self.options.mode == pb.UPDATE_MODE_LORA:
                 assert self.lora_state is not None and self.options.lora is not None
@@ -107,7 +108,8 @@ class StagedUpdate:
             if self.on_device:
                 _wait_for_copies(self.tensors.values())
         if self.timings is not None:
-            self.timings.add("apply_launch", launched_s - started_s, len(self.plan.copies))
+            self.timings.add("apply_resolve", resolved_s - started_s)
+            self.timings.add("apply_launch", launched_s - resolved_s, len(self.plan.copies))
             self.timings.add("apply_wait", time.perf_counter() - launched_s)
         return AppliedUpdate(tensors=len(self.tensors), bytes=self.total_bytes)
 
