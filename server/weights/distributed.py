@@ -57,6 +57,7 @@ from ...client.protocol.process_group import (
 from ...v1 import rollout_pb2 as pb
 from .staging import Request, UpdateStager, iter_chunks
 from .stream import Lane
+from .timings import UpdateTimings
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -428,7 +429,7 @@ class GroupUpdate:
             raise FailedPrecondition("another rank of the group refused this update")
         failure, refusal = None, None
         try:
-            refusal = self._receive_buckets(lane, spans)
+            refusal = self._receive_buckets(lane, spans, stager.timings)
         except Exception as error:
             failure = str(error)
         if failure is not None:  # outside the except block: see _out_of_step
@@ -449,13 +450,16 @@ class GroupUpdate:
             raise InvalidArgument(f"header.distributed.bucket_bytes: {error}") from None
         return [(data.data_start + begin, end - begin) for begin, end in spans]
 
-    def _receive_buckets(self, lane: Lane, spans: list[tuple[int, int]]) -> RolloutError | None:
+    def _receive_buckets(
+        self, lane: Lane, spans: list[tuple[int, int]], timings: UpdateTimings
+    ) -> RolloutError | None:
         """Every broadcast of the data section (broadcast_spans; broadcast i over lane
         i % lanes), each checked while the next _POSTED_PER_LANE x lanes are being received
         (gloo runs posted receives in its own threads, and the trainer keeps as many
         broadcasts in flight). Returns the first value error:
         after one, the rest of the broadcast is still taken (rank 0 and the other servers must
-        not hang on a rank that stopped listening), but not kept."""
+        not hang on a rank that stopped listening), but not kept. The waits for each broadcast
+        add up in `timings` (broadcast_wait), apart from the work on what arrived."""
         group = self._group
         lanes = group.process_groups
         ahead = _POSTED_PER_LANE * len(lanes)
@@ -476,9 +480,12 @@ class GroupUpdate:
             return work, target, direct is not None
 
         posted = collections.deque(post(i) for i in range(min(ahead, len(spans))))
+        waited_s = 0.0
         for index, (position, size) in enumerate(spans):
             work, received, direct = posted.popleft()
+            asked_s = time.perf_counter()
             work.wait()
+            waited_s += time.perf_counter() - asked_s
             if index + ahead < len(spans):
                 posted.append(post(index + ahead))
             if refusal is not None:
@@ -490,6 +497,7 @@ class GroupUpdate:
                     lane.feed(position, received.cpu().numpy())
             except RolloutError as error:
                 refusal = error
+        timings.add("broadcast_wait", waited_s, len(spans))
         return refusal
 
     def _vote(self, vote: int) -> bool:
