@@ -32,6 +32,7 @@ from rollserve.client.weights.update_file import iter_safetensors_bytes, prepare
 from rollserve.server.weights.arena import StagingArena, set_staging_arena
 from rollserve.server.weights.cuda_ipc import PIECE_BYTES as IPC_PIECE_BYTES
 from rollserve.server.weights.lora import LoraState
+from rollserve.server.weights.pipeline import RING_SLOTS, SLOT_BYTES, SlotRing
 from rollserve.server.weights.shared_memory import receive_shared_memory
 from rollserve.server.weights.staging import UpdateStager
 from rollserve.server.weights.timings import UpdateTimings
@@ -127,14 +128,17 @@ def main(argv: list[str]) -> int:
         "--shape", default="896,4864,151936,128", help="hidden,intermediate,vocab,kv width"
     )
     parser.add_argument("--planes", default="grpc,tensor,shm")
-    parser.add_argument("--lanes", type=int, default=4)
+    parser.add_argument("--lanes", type=int, default=4, help="shm copy lanes (threads)")
+    parser.add_argument("--slots", type=int, default=RING_SLOTS, help="ring slots")
+    parser.add_argument("--slot-mib", type=int, default=SLOT_BYTES >> 20, help="ring slot size")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", default="", help="a plane to run under cProfile once")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     model = Shaped(args.layers, *(int(n) for n in args.shape.split(",")))
     weights = {name: torch.full_like(t, 0.25) for name, t in model.state_dict().items()}
-    arena = StagingArena(device="cpu")
+    ring = SlotRing(pin_memory=False, slots=args.slots, slot_bytes=args.slot_mib << 20)
+    arena = StagingArena(device="cpu", ring=ring)
     set_staging_arena(model, arena)
     header, file = header_and_file(weights, 1)
     fd = sealed_memfd(file)

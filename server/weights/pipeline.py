@@ -160,6 +160,11 @@ class DevicePipeline:
     def device(self) -> torch.device:
         return self.arena.device
 
+    @property
+    def slot_bytes(self) -> int:
+        """The ring's slot size: host bytes handed over in pieces of it cost one copy each."""
+        return self._ring.slot_bytes
+
     def host_bytes(self, position: int, source: np.ndarray) -> None:
         """Data-section bytes [position, position + len(source)) from host memory: through the
         ring, then asynchronously into the arena. `source` may be reused when this returns."""

@@ -36,7 +36,6 @@ import numpy as np
 from ...client.protocol.errors import FailedPrecondition, InvalidArgument
 from ...client.protocol.shared_memory import REQUIRED_SEALS
 from ...v1 import rollout_pb2 as pb
-from .pipeline import SLOT_BYTES
 from .staging import Request, UpdateStager, iter_chunks, iter_shm_written
 from .stream import Lane
 from .timings import UpdateTimings
@@ -47,8 +46,8 @@ __all__ = ["PIECE_BYTES", "default_lanes", "receive_shared_memory", "release_map
 # large enough that the per-piece Python is small (the sizes tried: bench/RESULTS.md).
 PIECE_BYTES = 2 << 20
 # Into a device arena no host check follows the copy: a piece fills one slot of the pinned ring
-# (pipeline.py), so each host-to-device copy is as large as the ring allows.
-DEVICE_PIECE_BYTES = SLOT_BYTES
+# (pipeline.py: SLOT_BYTES unless the arena's ring says otherwise), so each host-to-device copy
+# is as large as the ring allows.
 MAX_LANES = 4  # copying threads; memory-bound copies gain little past two per socket
 # The data section is cut into stripes that the lanes take in file order: with a streamed file,
 # the lanes copy right behind the client's writes.
@@ -267,8 +266,8 @@ def _copy_stripes(
                 return
             if lane.begin > 0:
                 lane.start_in_data(timeout_s=0)  # the head was parsed before this thread started
-            on_device = stager.head_parsed and lane.file_data.on_device
-            piece_bytes = DEVICE_PIECE_BYTES if on_device else PIECE_BYTES
+            pipeline = lane.file_data.pipeline if stager.head_parsed else None
+            piece_bytes = PIECE_BYTES if pipeline is None else pipeline.slot_bytes
             _feed_range(
                 lane.feed, file, lane.position, lane.end, written, piece_bytes, stager.timings
             )
