@@ -205,6 +205,13 @@ class Trainer:
         log = self.log()
         lines = {v: line for v, line in update_phases(log, lane_start).items() if v != warm_up}
         largest = print_phases(lines, self.best_version, transport)
+        wall_s = total_bytes / (gbps * 1e9) if gbps else 0.0
+        print(
+            f"    {transport} best round: {wall_s:.4f} s in update_weights = server "
+            f"{server_s:.4f} s (turn to close) + {wall_s - server_s:.4f} s outside it (the "
+            "client's export and calls, the RPC, the header's and reply's trips)",
+            flush=True,
+        )
         return gbps, server_s, sent_as, staged_where(log, lane_start), largest
 
     def close(self) -> None:
