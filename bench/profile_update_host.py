@@ -29,6 +29,7 @@ import sys
 import torch
 from rollserve.client.protocol.shared_memory import REQUIRED_SEALS
 from rollserve.client.weights.update_file import iter_safetensors_bytes, prepare_update
+from rollserve.server.weights import verify
 from rollserve.server.weights.arena import StagingArena, set_staging_arena
 from rollserve.server.weights.cuda_ipc import PIECE_BYTES as IPC_PIECE_BYTES
 from rollserve.server.weights.lora import LoraState
@@ -132,9 +133,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--slots", type=int, default=RING_SLOTS, help="ring slots")
     parser.add_argument("--slot-mib", type=int, default=SLOT_BYTES >> 20, help="ring slot size")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--group-bytes", type=int, default=None, help="verify.GROUP_BYTES (0: one check per tensor)"
+    )
     parser.add_argument("--profile", default="", help="a plane to run under cProfile once")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
+    if args.group_bytes is not None:
+        verify.GROUP_BYTES = args.group_bytes
     model = Shaped(args.layers, *(int(n) for n in args.shape.split(",")))
     weights = {name: torch.full_like(t, 0.25) for name, t in model.state_dict().items()}
     ring = SlotRing(pin_memory=False, slots=args.slots, slot_bytes=args.slot_mib << 20)

@@ -73,6 +73,11 @@ def loaded(actor_dir: Path, pipelined: bool) -> ModelSet:
     return models
 
 
+def lane_count(phases: str, kind: str) -> int:
+    """The count of `kind` in a phases line's lane-seconds ("kind seconds/count")."""
+    return int(phases.split(f" {kind} ")[1].split()[0].split("/")[1])
+
+
 def phase_lines(records: list[logging.LogRecord]) -> list[str]:
     lines = [r.getMessage() for r in records if r.name.endswith("weights.update")]
     return [line for line in lines if "; phases: " in line]
@@ -116,6 +121,9 @@ def test_every_update_logs_its_phases_and_observes_the_histogram(
         slots = int(phases.split("host_copy ")[1].split()[0].split("/")[1])
         assert slots >= data_bytes // SLOT_BYTES
         assert "check_launch" in phases and "ring_wait" in phases
+        # The tiny model's tensors lie back to back in one dtype: one reduction checks them all.
+        assert lane_count(phases, "check_group") == 1
+        assert lane_count(phases, "check_launch") == len(actor.state_dict())
     else:
         assert "in host memory" in lines[1]
         assert "host_copy" not in phases
@@ -199,3 +207,35 @@ def test_groups_break_at_a_dtype_a_rule_or_a_gap() -> None:
         deferred.settle()
 
     assert aminmax_calls(add_all) == 4
+
+
+# ---- on a CUDA device (marked gpu: skipped without CUDA) ---------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_a_cuda_server_logs_device_phases_with_one_check_per_group(
+    actor_dir: Path, transport: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = ServerConfig(host="127.0.0.1", port=0, device="cuda", dtype="bfloat16",
+                          metrics_port=0, actor=str(actor_dir),
+                          generation_path="hf")  # fmt: skip
+    models = load_models(config)
+    actor = models.actor.module
+    tensors = len(actor.state_dict())
+    caplog.set_level(logging.INFO, logger="rollserve.server.weights.update")
+    with RolloutServer(config, models=models) as server:
+        with RolloutClient(server.address, timeout_s=WAIT_S) as client:
+            for version in (1, 2):
+                weights = {
+                    k: v.detach().cpu() + 0.01 * version for k, v in actor.state_dict().items()
+                }
+                client.update_weights(weights, version=version, transport=transport, streams=1)
+    lines = phase_lines(caplog.records)
+    assert len(lines) == 2 and "staged on the device" in lines[1]
+    phases = lines[1].split("; phases: ")[1]
+    assert lane_count(phases, "apply_launch") == tensors
+    assert lane_count(phases, "check_launch") == tensors  # every tensor reached its group
+    # The tiny model's tensors lie back to back in one dtype: one reduction checks them all.
+    assert lane_count(phases, "check_group") == 1
+    assert lane_count(phases, "host_copy") >= 1 and " ring_wait " in phases

@@ -189,7 +189,7 @@ class UpdateStager:
             raise ValueError("a LoraState is required to stage a LoRA update")
         self._lora_state = lora_state
         self._arena = arena
-        self._checks = UpdateChecks(model_spec(model), self._options)
+        self._checks = UpdateChecks(model_spec(model), self._options, self.timings)
         self._stager = SafetensorsStager(
             self._options.total_bytes,
             self._checks,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -42,6 +43,7 @@ from .header import StreamEntry, check_manifest, preview
 from .lora import LoraTarget, plan_lora
 from .options import UpdateOptions
 from .spec import ModelSpec, TargetTensor
+from .timings import UpdateTimings
 
 __all__ = [
     "UpdateChecks",
@@ -266,7 +268,9 @@ class DeferredValues:
     offending tensor.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timings: UpdateTimings | None = None) -> None:
+        # timings: each group's launch adds to check_group (seconds and count).
+        self._timings = timings
         self._open: dict[int, _Group] = {}  # by the data_ptr where each group ends
         self._launched: list[_Group] = []
         self._lock = threading.Lock()
@@ -295,8 +299,11 @@ class DeferredValues:
                 self._open[group.end] = group
 
     def _launch(self, group: _Group) -> None:
+        started_s = time.perf_counter()
         group.launch()
         self._launched.append(group)
+        if self._timings is not None:
+            self._timings.add("check_group", time.perf_counter() - started_s)
 
     def settle(self) -> None:
         with self._lock:
@@ -340,11 +347,13 @@ class UpdateChecks:
     """The StreamChecks of one update: manifest and plan at the header, value rules per run
     (host arenas) or per tensor on the device (device arenas)."""
 
-    def __init__(self, spec: ModelSpec, options: UpdateOptions) -> None:
+    def __init__(
+        self, spec: ModelSpec, options: UpdateOptions, timings: UpdateTimings | None = None
+    ) -> None:
         self._spec = spec
         self._options = options
         self.plan: UpdatePlan | None = None
-        self._deferred = DeferredValues()
+        self._deferred = DeferredValues(timings)
         self._order: dict[str, int] = {}
 
     def check_header(self, entries: Sequence[StreamEntry]) -> None:
