@@ -2,12 +2,19 @@
 
 An update is a sequence on its handler thread (the engine thread runs `apply` while the handler
 waits for it), so its phases are *laps*: `lap(phase)` charges the time since the previous lap
-to `phase`. Work that runs on several lanes at once (copies into the ring, waits for a ring
-slot, check launches) is summed per kind in `add` (lane-seconds: with four lanes they can
-exceed the phase that holds them), as are a stream's waits for its next message (`waited`:
-stream_wait) and shared-memory lanes' waits for the client's writes (writer_wait). The update
-logs `line()` at INFO, one line per update, and
-hands `phases` to an observer (the server's metrics: rollserve_update_phase_seconds).
+to `phase`. Work that runs on several lanes at once is summed per kind in `add`, with how many
+times it ran (lane-seconds: with four lanes they can exceed the phase that holds them). The
+update logs `line()` at INFO, one line per update, and hands `phases` to an observer (the
+server's metrics: rollserve_update_phase_seconds).
+
+The lane-seconds: stream_wait (a gRPC stream waiting for its next chunk: the network),
+writer_wait (shm lanes waiting for the client's writes), broadcast_wait (dist), ring_wait,
+host_copy and copy_launch (per slot of a device arena's pinned ring: waiting for a free slot,
+the host copy into it, the host-to-device copy's launch; copy_launch also per device piece),
+check_launch (per tensor completed) and check_group (per value-check reduction launched),
+ipc_event_wait, ipc_handle_open and ipc_handle_close (per CUDA IPC buffer), arena_take,
+finish_sync and settle (finish's wait and its verdict), apply_resolve, apply_launch (per tensor
+copied) and apply_wait.
 
 The phases (those a plane does not have stay absent):
 
@@ -20,7 +27,7 @@ The phases (those a plane does not have stay absent):
     swap_wait    the verified update waiting for its turn on the engine thread
     apply        the copies into the live weights (and their wait)
     swap_return  from the end of apply until the handler thread runs again
-    close        the plane closed (CUDA IPC handles closed; a shared-memory mapping kept)
+    close        the arena's lease ended and the plane closed (CUDA IPC handles closed)
     reply        the reply built and the plane told
 """
 
