@@ -217,6 +217,124 @@ def test_tensor_bytes_through_the_seam_land_exactly() -> None:
         SafetensorsStager(8, _Accept(), max_header_bytes=64).feed_tensor(0, torch.zeros(2, 4))
 
 
+def stage_on_lanes(
+    blob: bytes, arena: StagingArena, lanes: int, seed: int, *, sha256: bool = True
+) -> tuple[dict[str, torch.Tensor], Record, int]:
+    """Stage `blob` through `arena` on `lanes` threads, each fed chunks of 1 to 120 bytes; the
+    staged tensors (host copies), the checks, and the chunks fed. The arena starts as garbage,
+    so a check that ran before a tensor's last bytes landed would record other values."""
+    data_start = 8 + int.from_bytes(blob[:8], "little")
+    checks = Record()
+    digest = hashlib.sha256(blob).hexdigest() if sha256 else None
+    stager = SafetensorsStager(len(blob), checks, max_header_bytes=1 << 20, sha256_hex=digest,
+                               arena=arena)  # fmt: skip
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(data_start + 1, len(blob)), lanes - 1))
+    bounds = [0, *cuts, len(blob)]
+    fed = [0] * lanes
+    with arena.lease():
+        arena.take(len(blob)).fill_(0xA5)  # the stager takes this same buffer
+        lane_list = [
+            stager.lane(begin, end) for begin, end in zip(bounds, bounds[1:], strict=False)
+        ]
+
+        def feed(index: int) -> None:
+            lane, sizes = lane_list[index], random.Random(seed * 100 + index)
+            if lane.begin > 0:
+                lane.start_in_data(timeout_s=WAIT_S)
+            while lane.position < lane.end:
+                size = min(sizes.randint(1, 120), lane.end - lane.position)
+                lane.feed(lane.position, blob[lane.position : lane.position + size])
+                fed[index] += 1
+
+        threads = [threading.Thread(target=feed, args=(i,)) for i in range(lanes)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT_S)
+        staged = stager.finish()
+        tensors = {name: t.clone() for name, t in staged.tensors.items()}
+    assert staged.on_device and checks.settled == 1
+    return tensors, checks, sum(fed)
+
+
+def lane_data_bytes(blob: bytes, lanes: int, seed: int) -> list[int]:
+    """The data-section bytes of each lane `stage_on_lanes` cuts (the same random cuts)."""
+    data_start = 8 + int.from_bytes(blob[:8], "little")
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(data_start + 1, len(blob)), lanes - 1))
+    bounds = [data_start, *cuts, len(blob)]
+    return [end - begin for begin, end in zip(bounds, bounds[1:], strict=False)]
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_small_chunks_of_a_lane_share_one_slot_copy(lanes: int) -> None:
+    """Many small chunks: each lane fills its slot before copying it, so a lane of n data bytes
+    costs ceil(n / slot) copies, not one per chunk; the bytes and the checks are unchanged."""
+    blob, tensors = misaligned_file()
+    arena = cpu_arena(slot_bytes=1000, slots=lanes + 1)  # room for every lane to hold a slot
+    staged, checks, chunks = stage_on_lanes(blob, arena, lanes, seed=7)
+    assert_bits_equal(staged, tensors)
+    assert sorted(checks.checked) == sorted(n for n, t in tensors.items() if t.numel())
+    for name, values in checks.checked.items():
+        assert torch.equal(values.view(torch.uint8), tensors[name].reshape(-1).view(torch.uint8))
+    want = sum(math.ceil(n / 1000) for n in lane_data_bytes(blob, lanes, seed=7))
+    assert arena.ring.copies == want
+    assert chunks > 5 * want  # the chunks were many more than the copies
+
+
+def test_coalescing_under_slot_pressure_and_after_a_failed_update() -> None:
+    """Five lanes on a ring of two slots: one lane at a time may keep a slot, the others copy
+    per chunk, and the bytes still land; a failed update's held slot is reclaimed by the next
+    update, which coalesces again."""
+    blob, tensors = misaligned_file()
+    arena = cpu_arena(slot_bytes=1000, slots=2)
+    staged, _, chunks = stage_on_lanes(blob, arena, 5, seed=3, sha256=True)
+    assert_bits_equal(staged, tensors)
+    assert arena.ring.copies <= chunks and arena.ring.allocated_bytes <= 2 * 1000
+    # An update cut after a few chunks leaves a partly filled slot held.
+    stager = SafetensorsStager(len(blob), Record(), max_header_bytes=1 << 20, arena=arena)
+    with arena.lease():
+        stager.feed(0, blob[: len(blob) // 3])
+        stager.feed(len(blob) // 3, blob[len(blob) // 3 : len(blob) // 3 + 17])
+    copies = arena.ring.copies
+    staged, _, _ = stage_on_lanes(blob, arena, 1, seed=5)
+    assert_bits_equal(staged, tensors)
+    assert arena.ring.copies - copies == math.ceil(lane_data_bytes(blob, 1, seed=5)[0] / 1000)
+
+
+def test_bytes_a_plane_writes_itself_copy_the_held_slot_first() -> None:
+    """Small host chunks, then bytes written straight into the arena (destination / commit),
+    then small chunks again on one lane: the slot held before the write is copied at the write,
+    so the chunks after it fill a slot of their own (one copy per slot, not one per chunk)."""
+    blob, tensors = misaligned_file()
+    data_start = 8 + int.from_bytes(blob[:8], "little")
+    arena = cpu_arena(slot_bytes=1000, slots=2)
+    checks = Record()
+    stager = SafetensorsStager(len(blob), checks, max_header_bytes=1 << 20, arena=arena)
+    written = (data_start + 700, data_start + 2701)
+    with arena.lease():
+        arena.take(len(blob)).fill_(0x5A)
+        offset = 0
+        while offset < len(blob):
+            if offset == written[0]:
+                run = stager._single.destination(offset, written[1] - offset)
+                assert run is not None  # one segment holds it
+                run.copy_(torch.frombuffer(bytearray(blob[offset : written[1]]), dtype=torch.uint8))
+                stager._single.commit(written[1] - offset)
+                offset = written[1]
+                continue
+            end = min(offset + 50, written[0] if offset < written[0] else len(blob))
+            stager.feed(offset, blob[offset:end])
+            offset = end
+        staged = stager.finish()
+    assert_bits_equal(dict(staged.tensors), tensors)
+    assert sorted(checks.checked) == sorted(n for n, t in tensors.items() if t.numel())
+    for name, values in checks.checked.items():
+        assert torch.equal(values.view(torch.uint8), tensors[name].reshape(-1).view(torch.uint8))
+    assert arena.ring.copies == 1 + math.ceil((len(blob) - written[1]) / 1000)
+
+
 class _Accept:
     def check_header(self, entries: Sequence[StreamEntry]) -> None:
         return None

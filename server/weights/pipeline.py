@@ -8,6 +8,15 @@ bytes arrive while the DMA engine moves these. A slot is taken again only after 
 recorded behind its copy completed. Bytes that are already on a device (feed_tensor) are copied
 device to device on the same stream, with no pass through the host.
 
+Coalescing. A lane's consecutive host bytes fill its current slot until the slot is full, and
+only then is the slot copied: one copy and one event per slot, however small the pieces that
+arrived (gRPC chunks are a fraction of a slot; each launch costs tens of microseconds on a GPU).
+A partly filled slot stays with its lane between calls (keyed by the position of the lane's next
+byte) and is copied when the lane's next bytes do not continue it (device bytes, bytes a plane
+wrote itself), when its lane ends (`flush`), or at `synchronize`. Bytes count as arrived only
+once their slot's copy was issued, so a tensor's checks never run before its last bytes left a
+slot. At most all but one of the ring's slots are held this way, so a lane always gets a slot.
+
 Value checks run on the device too: once every byte of a tensor was copied (by whichever lane
 brought its last bytes; all copies go through the one copy stream, so the check is ordered after
 them), its checks are enqueued on the copy stream without waiting for them (verify.py,
@@ -42,11 +51,21 @@ RING_SLOTS = 8
 SLOT_BYTES = 8 << 20
 
 
-@dataclass
+@dataclass(eq=False)
 class _Slot:
     tensor: torch.Tensor  # uint8, SLOT_BYTES, pinned for CUDA
     array: np.ndarray  # the same memory, for numpy's GIL-free copies
     event: torch.cuda.Event | None = None  # recorded behind the slot's last copy
+
+
+@dataclass(eq=False)
+class _Fill:
+    """A slot a lane is filling: data-section bytes [start, start + filled), not yet copied."""
+
+    slot: _Slot
+    start: int
+    filled: int = 0
+    held: bool = False  # kept by its lane between calls (SlotRing.hold)
 
 
 class SlotRing:
@@ -67,7 +86,14 @@ class SlotRing:
         self._allocated = 0
         self._free: deque[_Slot] = deque()
         self._in_flight: deque[_Slot] = deque()  # in the order their copies were issued
+        self._held: dict[int, _Slot] = {}  # partly filled slots kept by lanes, by id
         self._changed = threading.Condition()
+        self.copies = 0  # slot copies issued (release with bytes in the slot), ever
+
+    @property
+    def slots(self) -> int:
+        """The most slots the ring allocates."""
+        return self._limit
 
     @property
     def allocated_bytes(self) -> int:
@@ -105,20 +131,43 @@ class SlotRing:
             raise
         return _Slot(tensor, tensor.numpy())
 
-    def release(self, slot: _Slot, stream: torch.cuda.Stream | None) -> None:
+    def hold(self, slot: _Slot) -> bool:
+        """Keep an acquired slot across calls (partly filled) if at least one other slot stays
+        free to take; False: the caller must copy and release it now."""
+        with self._changed:
+            if len(self._held) + 1 >= self._limit:
+                return False
+            self._held[id(slot)] = slot
+            return True
+
+    def release(
+        self, slot: _Slot, stream: torch.cuda.Stream | None, *, copied: bool = True
+    ) -> None:
+        """Put `slot` back (held or not); `copied`: a copy out of it was just issued."""
         if stream is not None:
             if slot.event is None:
                 slot.event = torch.cuda.Event()
             slot.event.record(stream)
         with self._changed:
+            self._held.pop(id(slot), None)
+            self.copies += copied
             (self._in_flight if stream is not None else self._free).append(slot)
             self._changed.notify()
+
+    def reclaim(self) -> None:
+        """Free the slots still held by an update that ended without copying them (a failed
+        one): a new update starts, so no lane of the old one fills them any more."""
+        with self._changed:
+            self._free.extend(self._held.values())
+            self._held.clear()
+            self._changed.notify_all()
 
     def clear(self) -> None:
         """Drop every slot (none may be in use; the copy stream was synchronised)."""
         with self._changed:
             self._free.clear()
             self._in_flight.clear()
+            self._held.clear()
             self._allocated = 0
 
 
@@ -155,6 +204,11 @@ class DevicePipeline:
         self._lock = threading.Lock()
         # Device sources still being read by the copy stream: kept alive until their event.
         self._held: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+        # Each lane's partly filled slot, by the data-section position of the lane's next byte
+        # (lanes never overlap, so the position names the lane).
+        self._open: dict[int, _Fill] = {}
+        # The arena's lease is exclusive: a slot an earlier update still holds is abandoned.
+        ring.reclaim()
 
     @property
     def device(self) -> torch.device:
@@ -166,34 +220,74 @@ class DevicePipeline:
         return self._ring.slot_bytes
 
     def host_bytes(self, position: int, source: np.ndarray) -> None:
-        """Data-section bytes [position, position + len(source)) from host memory: through the
-        ring, then asynchronously into the arena. `source` may be reused when this returns."""
+        """Data-section bytes [position, position + len(source)) from host memory: into the
+        lane's current ring slot, which is copied asynchronously into the arena once full (or
+        at `flush` / `synchronize`). `source` may be reused when this returns."""
         size = len(source)
+        if size == 0:
+            return
+        with self._lock:
+            fill = self._open.pop(position, None)  # the slot this lane left partly filled
         done = 0
         waited_s = copied_s = launched_s = 0.0
-        slots = 0
-        while done < size:
-            asked_s = time.perf_counter()
-            slot = self._ring.acquire()
-            got_s = time.perf_counter()
-            try:
-                take = min(size - done, self._ring.slot_bytes)
-                np.copyto(slot.array[:take], source[done : done + take])
-                filled_s = time.perf_counter()
-                with self._on_stream():
-                    self._copy_runs(position + done, slot.tensor[:take])
-            finally:
-                self._ring.release(slot, self._stream)
-            released_s = time.perf_counter()
-            waited_s += got_s - asked_s
-            copied_s += filled_s - got_s
-            launched_s += released_s - filled_s
-            slots += 1
-            done += take
-        self._timings.add("ring_wait", waited_s, slots)
-        self._timings.add("host_copy", copied_s, slots)
-        self._timings.add("copy_launch", launched_s, slots)
-        self._arrived(position, size)
+        acquired = copies = launches = 0
+        slot_bytes = self._ring.slot_bytes
+        try:
+            while done < size:
+                if fill is None:
+                    asked_s = time.perf_counter()
+                    fill = _Fill(self._ring.acquire(), position + done)
+                    waited_s += time.perf_counter() - asked_s
+                    acquired += 1
+                take = min(size - done, slot_bytes - fill.filled)
+                copying_s = time.perf_counter()
+                np.copyto(
+                    fill.slot.array[fill.filled : fill.filled + take], source[done : done + take]
+                )
+                copied_s += time.perf_counter() - copying_s
+                copies += 1
+                fill.filled += take
+                done += take
+                if fill.filled == slot_bytes:
+                    full, fill = fill, None
+                    launched_s += self._launch(full)
+                    launches += 1
+            if fill is not None:
+                last, fill = fill, None
+                if last.held or self._ring.hold(last.slot):
+                    last.held = True
+                    with self._lock:
+                        self._open[position + size] = last
+                else:  # every other slot is held by a lane: copy this one now
+                    launched_s += self._launch(last)
+                    launches += 1
+        finally:
+            if fill is not None:  # an error: hand the slot back uncopied
+                self._ring.release(fill.slot, None, copied=False)
+            self._timings.add("ring_wait", waited_s, acquired)
+            self._timings.add("host_copy", copied_s, copies)
+            self._timings.add("copy_launch", launched_s, launches)
+
+    def flush(self, position: int) -> None:
+        """The lane whose next byte would be at data-section `position` ended (or goes on
+        without the ring): copy its partly filled slot now."""
+        with self._lock:
+            fill = self._open.pop(position, None)
+        if fill is not None:
+            self._timings.add("copy_launch", self._launch(fill))
+
+    def _launch(self, fill: _Fill) -> float:
+        """Issue the copy of a filled slot into the arena, hand the slot back, count its bytes
+        as arrived (which may enqueue checks); the seconds the launch took."""
+        started_s = time.perf_counter()
+        try:
+            with self._on_stream():
+                self._copy_runs(fill.start, fill.slot.tensor[: fill.filled])
+        finally:
+            self._ring.release(fill.slot, self._stream)
+        launched_s = time.perf_counter() - started_s
+        self._arrived(fill.start, fill.filled)
+        return launched_s
 
     def tensor_bytes(self, position: int, source: torch.Tensor) -> None:
         """Data-section bytes from a 1-D uint8 tensor: host tensors go through the ring (reusable
@@ -202,6 +296,7 @@ class DevicePipeline:
         if source.device.type == "cpu":
             self.host_bytes(position, source.numpy())
             return
+        self.flush(position)  # the lane goes on without the ring: its slot's bytes go first
         started_s = time.perf_counter()
         if self._stream is None:  # a CPU arena: the copy is synchronous
             self._copy_runs(position, source)
@@ -222,12 +317,17 @@ class DevicePipeline:
     def written(self, position: int, size: int) -> None:
         """Bytes a data plane wrote into the arena itself (Lane.destination), on the caller's
         current stream: the checks of the tensors they complete are ordered after them."""
+        self.flush(position)  # the lane goes on without the ring: its slot's bytes go first
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         self._arrived(position, size)
 
     def synchronize(self) -> None:
-        """Wait for every copy and check issued so far."""
+        """Copy every partly filled slot, then wait for every copy and check issued so far."""
+        with self._lock:
+            positions = list(self._open)
+        for position in positions:
+            self.flush(position)
         if self._stream is not None:
             self._stream.synchronize()
         with self._lock:
@@ -248,7 +348,7 @@ class DevicePipeline:
                 self._stream.synchronize()
                 yield slot.array[:take]
         finally:
-            self._ring.release(slot, None)
+            self._ring.release(slot, None, copied=False)
 
     def _on_stream(self) -> contextlib.AbstractContextManager[object]:
         if self._stream is None:

@@ -312,6 +312,8 @@ class Lane:
         data_state = self._stager.data
         position = self.position - len(source) - data_state.data_start
         data_state.route(position, source)
+        if self.complete and data_state.pipeline is not None:
+            data_state.pipeline.flush(position + len(source))  # its last slot: copy it now
         self._cursor.advance(position + len(source))
 
     def feed_tensor(self, offset: int, data: torch.Tensor) -> None:
