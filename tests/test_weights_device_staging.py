@@ -315,17 +315,18 @@ def test_bytes_a_plane_writes_itself_copy_the_held_slot_first() -> None:
     written = (data_start + 700, data_start + 2701)
     with arena.lease():
         arena.take(len(blob)).fill_(0x5A)
+        lane = stager.lane(0, len(blob))
         offset = 0
         while offset < len(blob):
             if offset == written[0]:
-                run = stager._single.destination(offset, written[1] - offset)
+                run = lane.destination(offset, written[1] - offset)
                 assert run is not None  # one segment holds it
                 run.copy_(torch.frombuffer(bytearray(blob[offset : written[1]]), dtype=torch.uint8))
-                stager._single.commit(written[1] - offset)
+                lane.commit(written[1] - offset)
                 offset = written[1]
                 continue
             end = min(offset + 50, written[0] if offset < written[0] else len(blob))
-            stager.feed(offset, blob[offset:end])
+            lane.feed(offset, blob[offset:end])
             offset = end
         staged = stager.finish()
     assert_bits_equal(dict(staged.tensors), tensors)
