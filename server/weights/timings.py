@@ -9,8 +9,9 @@ server's metrics: rollserve_update_phase_seconds).
 
 The lane-seconds: stream_wait (a gRPC stream waiting for its next chunk: the network),
 writer_wait (shm lanes waiting for the client's writes), broadcast_wait (dist), ring_wait,
-host_copy and copy_launch (per slot of a device arena's pinned ring: waiting for a free slot,
-the host copy into it, the host-to-device copy's launch; copy_launch also per device piece),
+host_copy and copy_launch (a device arena's pinned ring: ring_wait and copy_launch per slot,
+waiting for a free slot and launching its host-to-device copy; host_copy per piece copied into a
+slot, several per slot when small chunks fill one; copy_launch also per device piece),
 check_launch (per tensor completed) and check_group (per value-check reduction launched),
 ipc_event_wait, ipc_handle_open and ipc_handle_close (per CUDA IPC buffer), arena_take,
 finish_sync and settle (finish's wait and its verdict), apply_resolve, apply_launch (per tensor
