@@ -69,6 +69,8 @@ from .thread_pool import ShrinkingThreadPool
 __all__ = ["BindError", "RolloutServer", "ROLLOUT_SERVICE", "grpc_server_options", "serve"]
 
 _LOG = logging.getLogger("rollserve.server")
+# After the last work call's handler returned: how long its reply may take to go out.
+FLUSH_S = 1.0
 ROLLOUT_SERVICE = pb.DESCRIPTOR.services_by_name["Rollout"].full_name  # "rollserve.v1.Rollout"
 _HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # grpc.health.v1 names: "" is the whole server (what Kubernetes and grpc_health_probe ask).
@@ -250,7 +252,8 @@ class RolloutServer:
     def _stop_calls(self, server: grpc.Server, grace_s: float) -> ExitCode:
         """Stop gRPC (calls running at the end of the grace are cancelled), then the engine;
         each wait bounded, so the outcome is known within grace_s + STOP_BOUND_S."""
-        deadline_s = time.monotonic() + grace_s + STOP_BOUND_S
+        grace_ends_s = time.monotonic() + grace_s
+        deadline_s = grace_ends_s + STOP_BOUND_S
         shutdown = server.stop(grace_s)  # returns at once; cancels every call after grace_s
         assert self.call_limit is not None  # bound with the server
         in_flight = self.call_limit.in_flight
@@ -265,6 +268,12 @@ class RolloutServer:
                 # the cancel until its wait ends: end the wait.
                 self.updates.planes.parallel.stop_waiting()
         returned = drained or in_flight.wait_idle(deadline_s - time.monotonic())
+        if drained:
+            # A handler that returned has not always sent its reply yet: stop(0) now would
+            # cancel it (the client sees UNAVAILABLE "Cancelling all calls" for an update that
+            # was applied). gRPC's own shutdown ends once every call is done; a grpc.health.v1
+            # Watch never is, so wait at most FLUSH_S (and never past the grace).
+            shutdown.wait(max(min(FLUSH_S, grace_ends_s - time.monotonic()), 0.0))
         # No work call runs: what is left (grpc.health.v1 Watch, reflection) ends now.
         server.stop(0)
         shutdown.wait(max(deadline_s - time.monotonic(), 0.0))
