@@ -110,20 +110,22 @@ def _device(model: torch.nn.Module) -> torch.device:
 def engine_path(model: torch.nn.Module, settings: GenerationSettings | str | None = None) -> str:
     """'rollserve' when generate() runs `model` on the engine, else 'hf'. Pure: touches no
     device memory (Health calls it)."""
-    chosen = _settings(settings, model).path
-    if chosen == "hf" or unsupported_reason(model) is not None:
-        return "hf"
-    if chosen == "auto" and _device(model).type != "cuda":
-        return "hf"
-    return "rollserve"
+    return _path(model, settings, supported=unsupported_reason(model) is None)
 
 
 def scoring_path(model: torch.nn.Module, settings: GenerationSettings | str | None = None) -> str:
     """'rollserve' when scoring runs `model`'s decoder body on the engine's forward, else 'hf':
     the rule of engine_path, for any model whose body the engine runs (critics and reward
     models included)."""
+    return _path(model, settings, supported=body_unsupported_reason(model) is None)
+
+
+def _path(
+    model: torch.nn.Module, settings: GenerationSettings | str | None, *, supported: bool
+) -> str:
+    """The one rule of both paths: 'hf' when asked or unsupported, and under 'auto' off CUDA."""
     chosen = _settings(settings, model).path
-    if chosen == "hf" or body_unsupported_reason(model) is not None:
+    if chosen == "hf" or not supported:
         return "hf"
     if chosen == "auto" and _device(model).type != "cuda":
         return "hf"

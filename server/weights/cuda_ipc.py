@@ -34,7 +34,6 @@ finds no file of that (empty) name and does nothing.
 from __future__ import annotations
 
 import logging
-import struct
 import time
 from collections.abc import Iterator
 from types import TracebackType
@@ -54,7 +53,7 @@ from ...client.protocol.errors import FailedPrecondition, InvalidArgument
 from ...client.protocol.transports import CUDA_IPC
 from ...v1 import rollout_pb2 as pb
 from .header import PREFIX_BYTES
-from .staging import Request, UpdateStager, iter_chunks
+from .staging import Request, UpdateStager, receive_head_only
 from .timings import UpdateTimings
 
 __all__ = ["PIECE_BYTES", "CudaIpcPlane", "can_open_cuda_ipc", "check_source"]
@@ -214,7 +213,8 @@ class CudaIpcPlane:
     def receive(self, stager: UpdateStager, requests: Iterator[Request]) -> None:
         """The head from the stream, then every span device to device into the stager."""
         self._timings = stager.timings
-        data_start = _feed_head(stager, requests)
+        lane = receive_head_only(stager, requests, CUDA_IPC)
+        data_start = lane.file_data.data_start
         stager.timings.lap("head")
         spans = self._source.spans
         first = spans[0].begin if spans else self._total_bytes
@@ -236,7 +236,7 @@ class CudaIpcPlane:
                 for begin in range(span.begin, span.end, PIECE_BYTES):
                     size = min(PIECE_BYTES, span.end - begin)
                     start = span.offset + begin - span.begin
-                    stager.feed_tensor(begin, whole[start : start + size])
+                    lane.feed_tensor(begin, whole[start : start + size])
         finally:
             # No reference of this frame may outlive the call (a traceback keeps the frame):
             # the handles close when __exit__ drops the storages.
@@ -317,21 +317,3 @@ class CudaIpcPlane:
                 )
             except Exception as error:  # the trainer is gone: nothing to give back
                 _LOG.debug("cuda_ipc: buffers[%d]: ref counter not released: %s", number, error)
-
-
-def _feed_head(stager: UpdateStager, requests: Iterator[Request]) -> int:
-    """Feed the stream's chunks (the file's head, nothing else); the data section's offset."""
-    prefix = bytearray()
-    fed = 0
-    for offset, data, crc32 in iter_chunks(requests):
-        if len(prefix) < PREFIX_BYTES:
-            prefix += bytes(memoryview(data)[: PREFIX_BYTES - len(prefix)])
-        stager.feed(offset, data, crc32)
-        fed += len(data)
-    data_start = PREFIX_BYTES + struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
-    if not stager.head_parsed or fed != data_start:
-        raise InvalidArgument(
-            "the stream of a cuda_ipc update must carry the file's head and nothing else (it "
-            f"carried {fed} bytes)"
-        )
-    return data_start

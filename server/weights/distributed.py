@@ -55,7 +55,7 @@ from ...client.protocol.process_group import (
     shut_down,
 )
 from ...v1 import rollout_pb2 as pb
-from .staging import Request, UpdateStager, iter_chunks
+from .staging import Request, UpdateStager, receive_head_only
 from .stream import Lane
 from .timings import UpdateTimings
 
@@ -416,14 +416,7 @@ class GroupUpdate:
 
     def receive(self, stager: UpdateStager, requests: Iterator[Request]) -> None:
         """The head from the stream, the vote, then the data section by broadcast."""
-        lane = stager.lane(0, stager.options.total_bytes)
-        for offset, data, crc32 in iter_chunks(requests):
-            lane.feed(offset, data, crc32)
-        if not stager.head_parsed or lane.position != lane.file_data.data_start:
-            raise InvalidArgument(
-                "the stream of a distributed update must carry the file's head and nothing "
-                f"else (it carried {lane.position} bytes)"
-            )
+        lane = receive_head_only(stager, requests, "distributed")
         spans = self._spans(lane)  # a refusal here still votes (no broadcast starts)
         if not self._vote(_READY):
             raise FailedPrecondition("another rank of the group refused this update")

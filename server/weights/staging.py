@@ -36,6 +36,7 @@ __all__ = [
     "iter_chunks",
     "iter_shm_written",
     "read_header",
+    "receive_head_only",
 ]
 
 
@@ -286,6 +287,21 @@ def iter_chunks(stream: Iterator[Request]) -> Iterator[tuple[int, bytes | memory
             chunk = request.chunk
             # upb copies `data` on every access: read it once.
             yield chunk.offset, chunk.data, chunk.crc32 if chunk.HasField("crc32") else None
+
+
+def receive_head_only(stager: UpdateStager, requests: Iterator[Request], plane: str) -> Lane:
+    """A lane over the whole file, fed with the stream's chunks, which must be the file's head
+    and nothing else: the planes whose data section comes another way (a broadcast, CUDA IPC)
+    then feed the lane from its file_data.data_start on."""
+    lane = stager.lane(0, stager.options.total_bytes)
+    for offset, data, crc32 in iter_chunks(requests):
+        lane.feed(offset, data, crc32)
+    if not stager.head_parsed or lane.position != lane.file_data.data_start:
+        raise InvalidArgument(
+            f"the stream of a {plane} update must carry the file's head and nothing else (it "
+            f"carried {lane.position} bytes)"
+        )
+    return lane
 
 
 def iter_shm_written(stream: Iterator[Request]) -> Iterator[int]:
