@@ -71,6 +71,8 @@ __all__ = ["BindError", "RolloutServer", "ROLLOUT_SERVICE", "grpc_server_options
 _LOG = logging.getLogger("rollserve.server")
 # After the last work call's handler returned: how long its reply may take to go out.
 FLUSH_S = 1.0
+# gRPC's cancel of the calls left after the grace comes this much after our own decision.
+CANCEL_AFTER_S = 0.5
 ROLLOUT_SERVICE = pb.DESCRIPTOR.services_by_name["Rollout"].full_name  # "rollserve.v1.Rollout"
 _HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # grpc.health.v1 names: "" is the whole server (what Kubernetes and grpc_health_probe ask).
@@ -254,11 +256,20 @@ class RolloutServer:
         each wait bounded, so the outcome is known within grace_s + STOP_BOUND_S."""
         grace_ends_s = time.monotonic() + grace_s
         deadline_s = grace_ends_s + STOP_BOUND_S
-        shutdown = server.stop(grace_s)  # returns at once; cancels every call after grace_s
+        # gRPC's own cancel comes CANCEL_AFTER_S later than the grace: the decision drained or
+        # not is ours (at grace_s), never a race with gRPC cancelling a call that then returns
+        # in time to look drained (exit 0 for a cancelled call).
+        shutdown = server.stop(grace_s + CANCEL_AFTER_S)  # returns at once
         assert self.call_limit is not None  # bound with the server
         in_flight = self.call_limit.in_flight
         drained = in_flight.wait_idle(grace_s)
-        if not drained:
+        if drained:
+            # A handler that returned has not always sent its reply yet: stop(0) now would
+            # cancel it (the client sees UNAVAILABLE "Cancelling all calls" for an update that
+            # was applied). gRPC's own shutdown ends once every call is done; a grpc.health.v1
+            # Watch never is, so wait at most FLUSH_S (and never past the grace).
+            shutdown.wait(max(min(FLUSH_S, grace_ends_s - time.monotonic()), 0.0))
+        else:
             _LOG.warning(
                 "%d calls were still running when the grace period ended: cancelled",
                 in_flight.count,
@@ -267,15 +278,9 @@ class RolloutServer:
                 # A part waiting for its part 0 that has read its first message does not see
                 # the cancel until its wait ends: end the wait.
                 self.updates.planes.parallel.stop_waiting()
-        returned = drained or in_flight.wait_idle(deadline_s - time.monotonic())
-        if drained:
-            # A handler that returned has not always sent its reply yet: stop(0) now would
-            # cancel it (the client sees UNAVAILABLE "Cancelling all calls" for an update that
-            # was applied). gRPC's own shutdown ends once every call is done; a grpc.health.v1
-            # Watch never is, so wait at most FLUSH_S (and never past the grace).
-            shutdown.wait(max(min(FLUSH_S, grace_ends_s - time.monotonic()), 0.0))
-        # No work call runs: what is left (grpc.health.v1 Watch, reflection) ends now.
+        # Cancel what still runs: work calls past the grace, grpc.health.v1 Watch, reflection.
         server.stop(0)
+        returned = drained or in_flight.wait_idle(deadline_s - time.monotonic())
         shutdown.wait(max(deadline_s - time.monotonic(), 0.0))
         if self.send_deadlines is not None:
             self.send_deadlines.close()
