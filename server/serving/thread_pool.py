@@ -46,6 +46,7 @@ class ShrinkingThreadPool(Executor):
         self._threads = 0  # alive workers
         self._free = 0  # workers waiting for work (a spawn is due when work outnumbers them)
         self._queued = 0  # work put and not yet taken
+        self._shut_down = False
 
     @property
     def threads(self) -> int:
@@ -70,7 +71,8 @@ class ShrinkingThreadPool(Executor):
         """Idle threads end now, busy ones once their work is done, before the interpreter's
         exit (`wait` is not waited for: a stuck handler is the stop's business)."""
         with self._lock:
-            for _ in range(self._threads):
+            self._shut_down = True  # a thread that finishes its work from now on ends
+            for _ in range(self._threads):  # wakes the idle ones
                 self._work.put(None)
 
     def _run(self) -> None:
@@ -86,10 +88,13 @@ class ShrinkingThreadPool(Executor):
                 continue  # work came in the meantime: take it
             if work is None:  # shutdown
                 with self._lock:
-                    if self._queued == 0:  # else work came after the shutdown: take it first
+                    if self._queued == 0:
                         self._free -= 1
                         self._threads -= 1
                         return
+                    # Work came after the shutdown: take it first, and keep the wake-up for
+                    # whichever thread is idle next (a lost one would leave it idle for idle_s).
+                    self._work.put(None)
                 continue
             with self._lock:
                 self._queued -= 1
@@ -105,11 +110,18 @@ class ShrinkingThreadPool(Executor):
                     failure = error
             del fn, args, kwargs
             with self._lock:
-                # Free before the submitter hears back, so that its next work reuses this thread.
-                self._free += 1
+                if self._shut_down and self._queued == 0:
+                    ending = True  # no wake-up needed: end now rather than idle for idle_s
+                    self._threads -= 1
+                else:
+                    ending = False
+                    # Free before the submitter hears back, so its next work reuses this thread.
+                    self._free += 1
             if future.running():
                 if failure is None:
                     future.set_result(result)
                 else:
                     future.set_exception(failure)
             del future, result, failure
+            if ending:
+                return
