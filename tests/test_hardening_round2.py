@@ -425,6 +425,35 @@ def test_a_waiting_part_whose_caller_leaves_frees_its_place_at_once(models: Mode
         _assert_probes_answer(channel)
 
 
+def test_a_waiting_part_whose_stream_ends_after_its_header_answers_at_once(
+    models: ModelSet,
+) -> None:
+    # grpc reports a cancel as a plain end of the request stream now and then (the receive
+    # completes empty before the call is marked cancelled): an end must end the wait as a failed
+    # read does, or that cancelled part holds its place for the whole wait.
+    long_wait_s = 60.0
+    config = ServerConfig(
+        host="127.0.0.1", port=0, device="cpu", metrics_port=0, log_level="WARNING",
+        parallel_part_wait_s=long_wait_s,
+    )  # fmt: skip
+    header = pb.WeightsHeader(target=pb.MODEL_ROLE_ACTOR, version=1, total_bytes=1000)
+    header.parallel.update_id = "ends"
+    header.parallel.streams, header.parallel.index = 2, 1
+    header.parallel.begin, header.parallel.end = 500, 1000
+    with (
+        RolloutServer(config, models=models) as server,
+        grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        assert server.updates is not None
+        with pytest.raises(grpc.RpcError) as raised:
+            _stub(channel).UpdateWeights(
+                iter([pb.UpdateWeightsRequest(header=header)]), timeout=long_wait_s / 6
+            )
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+        assert "ended after its header" in (raised.value.details() or "")
+        assert server.updates.planes.parallel.waiting == 0
+
+
 def test_a_part_that_waited_for_its_part_0_stages_the_message_it_read_ahead(
     models: ModelSet, server: RolloutServer, channel: grpc.Channel
 ) -> None:

@@ -16,9 +16,9 @@ come held all 16 handler threads for --parallel-part-wait-s, and Health timed ou
 takes one of the two update turns (update.py) like any upload. The pool holds the early parts of
 a client's default parallel update (at most 8 streams) with room to spare. While a part waits, a
 thread of its own reads the stream's next message (`_ReadAhead`): a caller that cancels, or whose
-stream the idle deadline ends, makes that read fail, which ends the wait at once instead of after
---parallel-part-wait-s (the message read, if one comes, is the first the part then stages). A
-server that stops ends every wait (`stop_waiting`).
+stream the idle deadline ends, makes that read fail or end, which ends the wait at once instead
+of after --parallel-part-wait-s (the message read, if one comes, is the first the part then
+stages). A server that stops ends every wait (`stop_waiting`).
 """
 
 from __future__ import annotations
@@ -246,11 +246,8 @@ class ParallelUpdates:
                 while (found := self._known(update_id)) is None:
                     if self._stopping:
                         raise Unavailable(f"parallel update {update_id!r}: the server is stopping")
-                    if ahead is not None and ahead.failed:
-                        raise Cancelled(
-                            f"parallel update {update_id!r}: the stream ended while waiting for "
-                            "part 0"
-                        )
+                    if ahead is not None and ahead.ended:
+                        ahead.raise_end(f"parallel update {update_id!r}")
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise DeadlineExceeded(
@@ -294,12 +291,17 @@ class ParallelUpdates:
 
 class _ReadAhead:
     """The next message of a waiting part's stream, read on a thread of its own: the read fails
-    when the caller cancels (or the stream's idle deadline ends it), which `failed` reports and
-    `on_failure` signals at once."""
+    when the caller cancels (or the stream's idle deadline ends it), which `ended` reports and
+    `on_end` signals at once.
 
-    def __init__(self, requests: Iterator[Request], on_failure: Callable[[], None]) -> None:
+    A stream that ends there counts as ended too: a part's range is never empty, so a stream with
+    nothing after its header is broken anyway, and grpc reports a cancel that way now and then
+    (the receive completes empty before the call is marked cancelled, and the iterator stops
+    instead of raising)."""
+
+    def __init__(self, requests: Iterator[Request], on_end: Callable[[], None]) -> None:
         self._requests = requests
-        self._on_failure = on_failure
+        self._on_end = on_end
         self._done = threading.Event()
         self._message: Request | None = None
         self._error: BaseException | None = None
@@ -307,8 +309,15 @@ class _ReadAhead:
         self._thread.start()
 
     @property
-    def failed(self) -> bool:
-        return self._done.is_set() and self._error is not None
+    def ended(self) -> bool:
+        """The read failed, or the stream ended, with no message."""
+        return self._done.is_set() and self._message is None
+
+    def raise_end(self, what: str) -> None:
+        """The status of a stream that ended while its part waited (the caller checked `ended`)."""
+        if self._error is not None:
+            raise Cancelled(f"{what}: the stream broke off while waiting for part 0")
+        raise InvalidArgument(f"{what}: the stream ended after its header, with none of its bytes")
 
     def _read(self) -> None:
         try:
@@ -316,8 +325,8 @@ class _ReadAhead:
         except BaseException as error:  # noqa: BLE001 - re-raised on the handler's thread
             self._error = error
         self._done.set()
-        if self._error is not None:
-            self._on_failure()
+        if self._message is None:
+            self._on_end()
 
     def then(self, requests: Iterator[Request]) -> Iterator[Request]:
         """The message read ahead (waiting for the read), then the rest of the stream."""
