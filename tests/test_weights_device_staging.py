@@ -46,6 +46,7 @@ from rollserve.server.weights.arena import (
 )
 from rollserve.server.weights.header import StreamEntry
 from rollserve.server.weights.pipeline import RING_SLOTS, SLOT_BYTES, SlotRing
+from rollserve.server.weights.shared_memory import mapping_page_locked
 from rollserve.server.weights.stream import SafetensorsStager
 from rollserve.server.weights.verify import ValueRule, check_values
 from rollserve.v1 import rollout_pb2 as pb
@@ -700,6 +701,8 @@ def test_a_cuda_bf16_server_is_updated_on_the_device(
                 weights = {k: (v + 0.01 * version).to(device) for k, v in perturbed_dict(source)}
                 send(client, transport, weights, version=version, sha256=version == 2)
                 assert arena.staged_on_device and arena.device.type == "cuda"
+                if transport == "shm":  # its mapping is copied by DMA, not through the ring
+                    assert mapping_page_locked()
                 want = {k: v.cpu().to(torch.bfloat16) for k, v in weights.items()}
                 assert_bits_equal(actor.state_dict(), want)
                 assert pointers(actor) == where  # the engine's CUDA graphs stay valid

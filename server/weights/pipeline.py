@@ -289,11 +289,20 @@ class DevicePipeline:
         self._arrived(fill.start, fill.filled)
         return launched_s
 
+    def copies_directly(self, source: torch.Tensor) -> bool:
+        """Whether `tensor_bytes` copies `source` into the arena without the ring: a device
+        tensor, or page-locked host memory (a registered shared-memory mapping, page_lock.py)
+        bound for a CUDA arena, which the DMA engine reads as it is."""
+        if source.device.type != "cpu":
+            return True
+        return self._stream is not None and source.is_pinned()
+
     def tensor_bytes(self, position: int, source: torch.Tensor) -> None:
         """Data-section bytes from a 1-D uint8 tensor: host tensors go through the ring (reusable
-        at once); device tensors are copied device to device and must stay unchanged until
+        at once); device tensors, and page-locked host tensors into a CUDA arena
+        (`copies_directly`), are copied straight into the arena and must stay unchanged until
         `synchronize` (they are kept alive until their copy completed)."""
-        if source.device.type == "cpu":
+        if not self.copies_directly(source):
             self.host_bytes(position, source.numpy())
             return
         self.flush(position)  # the lane goes on without the ring: its slot's bytes go first
@@ -301,8 +310,9 @@ class DevicePipeline:
         if self._stream is None:  # a CPU arena: the copy is synchronous
             self._copy_runs(position, source)
         else:
-            # The source was written on its producer's stream (a receive, a kernel).
-            self._stream.wait_stream(torch.cuda.current_stream(source.device))
+            if source.device.type != "cpu":
+                # The source was written on its producer's stream (a receive, a kernel).
+                self._stream.wait_stream(torch.cuda.current_stream(source.device))
             with self._on_stream():
                 self._copy_runs(position, source)
             event = torch.cuda.Event()

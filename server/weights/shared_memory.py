@@ -32,15 +32,23 @@ from concurrent.futures import ThreadPoolExecutor
 from queue import Empty, SimpleQueue
 
 import numpy as np
+import torch
 
 from ...client.protocol.errors import FailedPrecondition, InvalidArgument
 from ...client.protocol.shared_memory import REQUIRED_SEALS
 from ...v1 import rollout_pb2 as pb
+from .page_lock import host_tensor, register_host_range, unregister_host_range
 from .staging import Request, UpdateStager, iter_chunks, iter_shm_written
 from .stream import Lane
 from .timings import UpdateTimings
 
-__all__ = ["PIECE_BYTES", "default_lanes", "receive_shared_memory", "release_mappings"]
+__all__ = [
+    "PIECE_BYTES",
+    "default_lanes",
+    "mapping_page_locked",
+    "receive_shared_memory",
+    "release_mappings",
+]
 
 # Copied and checked per piece: small enough to stay in L3 between the copy and the check,
 # large enough that the per-piece Python is small (the sizes tried: bench/RESULTS.md).
@@ -48,6 +56,9 @@ PIECE_BYTES = 2 << 20
 # Into a device arena no host check follows the copy: a piece fills one slot of the pinned ring
 # (pipeline.py: SLOT_BYTES unless the arena's ring says otherwise), so each host-to-device copy
 # is as large as the ring allows.
+# From a page-locked mapping a piece is one DMA copy: large, so launches cost little, and small
+# enough that a streamed file's copies follow close behind the client's writes.
+DMA_PIECE_BYTES = 32 << 20
 MAX_LANES = 4  # copying threads; memory-bound copies gain little past two per socket
 # The data section is cut into stripes that the lanes take in file order: with a streamed file,
 # the lanes copy right behind the client's writes.
@@ -155,6 +166,10 @@ class _RecentMapping:
         self._mapping: mmap.mmap | None = None
         self._size = 0
         self._timer: threading.Timer | None = None
+        # The mapping page-locked for a CUDA device (page_lock.py): the array over it and the
+        # device; None when not registered.
+        self._locked: tuple[np.ndarray, torch.device] | None = None
+        self._lock_refused = False  # registering this mapping failed: not tried again
 
     @contextlib.contextmanager
     def mapping(self, source: pb.SharedMemorySource, total_bytes: int) -> Iterator[mmap.mmap]:
@@ -178,14 +193,41 @@ class _RecentMapping:
                 self._timer.daemon = True
                 self._timer.start()
 
+    @property
+    def locked(self) -> bool:
+        return self._locked is not None
+
+    def page_locked(self, device: torch.device) -> np.ndarray | None:
+        """The current mapping as an array whose memory is page-locked for `device` (CUDA), so
+        copies from it go by DMA; registered on first use and kept with the mapping. None when
+        it cannot be (not CUDA, refused). Call inside `mapping` (whose lock is held)."""
+        if self._locked is not None and self._locked[1] == device:
+            return self._locked[0]
+        if self._mapping is None or self._lock_refused or device.type != "cuda":
+            return None
+        self._unlock()
+        array = np.frombuffer(self._mapping, dtype=np.uint8, count=self._size)
+        if not register_host_range(array, device):
+            self._lock_refused = True
+            return None
+        self._locked = (array, device)
+        return array
+
     def release(self) -> None:
         with self._lock:
             self._drop()
+
+    def _unlock(self) -> None:
+        if self._locked is not None:
+            unregister_host_range(*self._locked)
+            self._locked = None
 
     def _drop(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._unlock()  # before the unmap: no copy from it is in flight between updates
+        self._lock_refused = False
         if self._mapping is not None:
             try:
                 self._mapping.close()
@@ -196,6 +238,11 @@ class _RecentMapping:
 
 _KEEP_S = 30.0
 _MAPPINGS = _RecentMapping()
+
+
+def mapping_page_locked() -> bool:
+    """Whether the kept client mapping is page-locked for a CUDA device (copied by DMA)."""
+    return _MAPPINGS.locked
 
 
 def release_mappings() -> None:
@@ -219,11 +266,12 @@ def _copy(stager: UpdateStager, file: np.ndarray, threads: int, written: _Writte
         # The head (then the arena exists).
         _feed_range(stripes[0].feed, file, 0, data_start, written, timings=stager.timings)
         stager.timings.lap("head")
+        page_locked = _page_locked_source(stager, stripes[0])
         queue: SimpleQueue[Lane] = SimpleQueue()
         for stripe in stripes:
             queue.put(stripe)
         futures = [
-            _lane_pool().submit(_copy_stripes, queue, file, written, stager)
+            _lane_pool().submit(_copy_stripes, queue, file, written, stager, page_locked)
             for _ in range(min(threads, MAX_LANES, len(stripes)))
         ]
         try:
@@ -253,11 +301,30 @@ def _lane_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(MAX_LANES, thread_name_prefix="shm-lane")
 
 
+def _page_locked_source(stager: UpdateStager, lane: Lane) -> torch.Tensor | None:
+    """The whole mapping as a host tensor the device arena copies from by DMA (page_lock.py),
+    or None: a host arena, a CPU "device" arena, or a mapping that cannot be page-locked."""
+    if not stager.head_parsed or lane.file_data.pipeline is None:
+        return None
+    device = lane.file_data.pipeline.device
+    if device.type != "cuda":
+        return None
+    started_s = time.perf_counter()
+    array = _MAPPINGS.page_locked(device)
+    stager.timings.add("page_lock", time.perf_counter() - started_s)
+    return None if array is None else host_tensor(array)
+
+
 def _copy_stripes(
-    stripes: SimpleQueue[Lane], file: np.ndarray, written: _Written, stager: UpdateStager
+    stripes: SimpleQueue[Lane],
+    file: np.ndarray,
+    written: _Written,
+    stager: UpdateStager,
+    page_locked: torch.Tensor | None,
 ) -> None:
     """Take the next stripe, in file order, until none is left (a streamed file is written in
-    order, so the lanes follow the writer)."""
+    order, so the lanes follow the writer). From a page-locked mapping each piece is one DMA
+    copy into the device arena (no host copy)."""
     try:
         while True:
             try:
@@ -267,13 +334,23 @@ def _copy_stripes(
             if lane.begin > 0:
                 lane.start_in_data(timeout_s=0)  # the head was parsed before this thread started
             pipeline = lane.file_data.pipeline if stager.head_parsed else None
+            feed: Callable[..., None] = lane.feed
             piece_bytes = PIECE_BYTES if pipeline is None else pipeline.slot_bytes
-            _feed_range(
-                lane.feed, file, lane.position, lane.end, written, piece_bytes, stager.timings
-            )
+            if page_locked is not None:
+                feed, piece_bytes = _dma_feed(lane, page_locked), DMA_PIECE_BYTES
+            _feed_range(feed, file, lane.position, lane.end, written, piece_bytes, stager.timings)
     except BaseException as error:
         _stop(written, stager, error)
         raise
+
+
+def _dma_feed(lane: Lane, source: torch.Tensor) -> Callable[[int, np.ndarray], None]:
+    """A lane's feed that hands over the page-locked bytes of each piece instead of the piece."""
+
+    def feed(offset: int, piece: np.ndarray) -> None:
+        lane.feed_tensor(offset, source[offset : offset + len(piece)])
+
+    return feed
 
 
 def _feed_range(

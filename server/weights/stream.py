@@ -321,7 +321,7 @@ class Lane:
         crc32); the same contract as `feed`. Device bytes bound for a device arena are copied
         device to device; see SafetensorsStager.feed_tensor for when `data` may be reused."""
         _check_byte_tensor(data)
-        if data.device.type == "cpu":
+        if data.device.type == "cpu" and not self._copied_directly(data):
             self.feed(offset, data.numpy())
             return
         while self._cursor is None and len(data):  # the head is parsed on the host
@@ -341,6 +341,12 @@ class Lane:
         position = offset - data_state.data_start
         data_state.route_tensor(position, data)
         self._cursor.advance(position + size)
+
+    def _copied_directly(self, data: torch.Tensor) -> bool:
+        """Host bytes past the head that the device arena copies as they are (page-locked
+        memory, pipeline.py `copies_directly`) rather than through `feed`'s ring."""
+        pipeline = self._stager.data.pipeline if self._cursor is not None else None
+        return pipeline is not None and pipeline.copies_directly(data)
 
     def _check_next(self, offset: int, size: int) -> None:
         if offset != self.position:

@@ -13,6 +13,7 @@ host_copy and copy_launch (a device arena's pinned ring: ring_wait and copy_laun
 waiting for a free slot and launching its host-to-device copy; host_copy per piece copied into a
 slot, several per slot when small chunks fill one; copy_launch also per device piece),
 check_launch (per tensor completed) and check_group (per value-check reduction launched),
+page_lock (shm into a CUDA arena: registering the client's mapping, once per mapping),
 ipc_event_wait, ipc_handle_open and ipc_handle_close (per CUDA IPC buffer), arena_take,
 finish_sync and settle (finish's wait and its verdict), apply_resolve, apply_launch (per tensor
 copied) and apply_wait.
