@@ -1,5 +1,6 @@
-"""Page-locking a read-only shared-memory mapping (server/weights/page_lock.py): on CUDA the
-mapping becomes memory torch copies from asynchronously; anywhere else nothing changes."""
+"""Page-locking shared-memory mappings (client/protocol/page_lock.py): on CUDA a mapping becomes
+memory torch copies from or to by DMA (the server's read-only mapping of a client's file, the
+client's own writable one); anywhere else nothing changes."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from rollserve.server.weights.page_lock import (
+from rollserve.client.protocol.page_lock import (
     host_tensor,
     register_host_range,
     unregister_host_range,
 )
+from rollserve.client.weights.shared_memory import SharedMemoryFile
 
 
 @pytest.fixture
@@ -31,7 +33,7 @@ def read_only_mapping() -> Iterator[mmap.mmap]:
 
 def test_off_cuda_nothing_is_registered(read_only_mapping: mmap.mmap) -> None:
     array = np.frombuffer(read_only_mapping, dtype=np.uint8)
-    assert not register_host_range(array, torch.device("cpu"))
+    assert not register_host_range(array, torch.device("cpu"), read_only=True)
     tensor = host_tensor(array)
     assert not tensor.is_pinned()
     assert tensor.data_ptr() == array.ctypes.data  # a view, never a copy
@@ -45,7 +47,7 @@ def test_a_registered_mapping_is_copied_asynchronously_and_unregistered(
 ) -> None:
     device = torch.device("cuda")
     array = np.frombuffer(read_only_mapping, dtype=np.uint8)
-    assert register_host_range(array, device)
+    assert register_host_range(array, device, read_only=True)
     try:
         source = host_tensor(array)
         assert source.is_pinned()
@@ -61,3 +63,42 @@ def test_a_registered_mapping_is_copied_asynchronously_and_unregistered(
     torch.zeros(1, device=device).add_(1)  # no error left behind for the next kernel
     torch.cuda.synchronize(device)
     del source, target, array
+
+
+def _file_bytes(file: SharedMemoryFile, total: int) -> bytes:
+    with open(f"/proc/self/fd/{file.fd}", "rb") as handle:
+        return handle.read(total)
+
+
+def test_a_client_file_of_cpu_tensors_is_not_page_locked() -> None:
+    tensors = [(0, torch.arange(1000, dtype=torch.float32)), (4000, torch.ones(7))]
+    file = SharedMemoryFile()
+    try:
+        file.write(b"head", tensors)
+        assert not file.page_locked
+        want = b"head" + b"".join(t.numpy().tobytes() for _, t in tensors)
+        assert _file_bytes(file, len(want)) == want
+    finally:
+        file.close()
+
+
+@pytest.mark.gpu
+def test_a_client_file_of_cuda_tensors_is_page_locked_and_exact() -> None:
+    device = torch.device("cuda")
+    first = torch.randn(1 << 20, device=device)
+    second = torch.randn(3, 5, device=device).to(torch.bfloat16)
+    tensors = [(0, first), (first.numel() * 4, second)]
+    file = SharedMemoryFile()
+    try:
+        for _ in range(2):  # the second write reuses the mapping and its registration
+            file.write(b"head", tensors)
+            assert file.page_locked
+            want = (
+                b"head"
+                + first.cpu().numpy().tobytes()
+                + second.cpu().view(torch.int16).numpy().tobytes()
+            )
+            assert _file_bytes(file, len(want)) == want
+    finally:
+        file.close()
+    assert not file.page_locked

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from ..protocol.page_lock import register_host_range, unregister_host_range
 from ..protocol.shared_memory import REQUIRED_SEALS
 
 __all__ = ["SharedMemoryFile"]
@@ -84,6 +85,10 @@ class SharedMemoryFile:
         self._size = 0
         self._shared = False  # some tensors are views of the mapping (share)
         self._pool: ThreadPoolExecutor | None = None  # the writing threads, started once
+        # The mapping page-locked for the CUDA device tensors come from (page_lock.py): their
+        # device-to-host copies then go by DMA straight into it. Kept with the mapping.
+        self._locked: tuple[np.ndarray, torch.device] | None = None
+        self._lock_refused = False
 
     @property
     def fd(self) -> int:
@@ -114,6 +119,7 @@ class SharedMemoryFile:
         total = len(head) + sum(t.numel() * t.element_size() for _, t in tensors)
         self._reserve(total)
         assert self._mapping is not None
+        self._page_lock_for(tensors)
         destination = np.frombuffer(self._mapping, dtype=np.uint8, count=total)
         destination[: len(head)] = np.frombuffer(head, dtype=np.uint8)
         begins = [len(head) + offset for offset, _ in tensors]
@@ -168,6 +174,30 @@ class SharedMemoryFile:
                 tensor.data = shared[begin : begin + nbytes].view(tensor.dtype).view(tensor.shape)
         self._shared = True
 
+    @property
+    def page_locked(self) -> bool:
+        """Whether the mapping is page-locked for a CUDA device (tensors from it copy by DMA)."""
+        return self._locked is not None
+
+    def _page_lock_for(self, tensors: list[tuple[int, torch.Tensor]]) -> None:
+        """Page-lock the mapping for the CUDA device of the first CUDA tensor, once."""
+        device = next((t.device for _, t in tensors if t.device.type == "cuda"), None)
+        if device is None or self._lock_refused or self._mapping is None:
+            return
+        if self._locked is not None and self._locked[1] == device:
+            return
+        self._unlock()
+        array = np.frombuffer(self._mapping, dtype=np.uint8)
+        if register_host_range(array, device, read_only=False):
+            self._locked = (array, device)
+        else:
+            self._lock_refused = True
+
+    def _unlock(self) -> None:
+        if self._locked is not None:
+            unregister_host_range(*self._locked)
+            self._locked = None
+
     def _reserve(self, nbytes: int) -> None:
         if nbytes <= self.capacity_bytes:
             return
@@ -193,6 +223,9 @@ class SharedMemoryFile:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
+        self._lock_refused = False
+        if not self._shared:  # shared tensors live in the mapping: it stays, and so may its lock
+            self._unlock()
         if self._mapping is not None and not self._shared:
             self._mapping.close()
         self._mapping = None

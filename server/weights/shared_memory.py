@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from ...client.protocol.errors import FailedPrecondition, InvalidArgument
+from ...client.protocol.page_lock import host_tensor, register_host_range, unregister_host_range
 from ...client.protocol.shared_memory import REQUIRED_SEALS
 from ...v1 import rollout_pb2 as pb
-from .page_lock import host_tensor, register_host_range, unregister_host_range
 from .staging import Request, UpdateStager, iter_chunks, iter_shm_written
 from .stream import Lane
 from .timings import UpdateTimings
@@ -166,8 +166,8 @@ class _RecentMapping:
         self._mapping: mmap.mmap | None = None
         self._size = 0
         self._timer: threading.Timer | None = None
-        # The mapping page-locked for a CUDA device (page_lock.py): the array over it and the
-        # device; None when not registered.
+        # The mapping page-locked for a CUDA device (client/protocol/page_lock.py): the array
+        # over it and the device; None when not registered.
         self._locked: tuple[np.ndarray, torch.device] | None = None
         self._lock_refused = False  # registering this mapping failed: not tried again
 
@@ -207,7 +207,7 @@ class _RecentMapping:
             return None
         self._unlock()
         array = np.frombuffer(self._mapping, dtype=np.uint8, count=self._size)
-        if not register_host_range(array, device):
+        if not register_host_range(array, device, read_only=True):
             self._lock_refused = True
             return None
         self._locked = (array, device)
@@ -302,8 +302,9 @@ def _lane_pool() -> ThreadPoolExecutor:
 
 
 def _page_locked_source(stager: UpdateStager, lane: Lane) -> torch.Tensor | None:
-    """The whole mapping as a host tensor the device arena copies from by DMA (page_lock.py),
-    or None: a host arena, a CPU "device" arena, or a mapping that cannot be page-locked."""
+    """The whole mapping as a host tensor the device arena copies from by DMA (page_lock.py in
+    client/protocol), or None: a host arena, a CPU "device" arena, a mapping that cannot be
+    page-locked."""
     if not stager.head_parsed or lane.file_data.pipeline is None:
         return None
     device = lane.file_data.pipeline.device

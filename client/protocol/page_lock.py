@@ -1,19 +1,18 @@
-"""Page-locking a client's shared-memory mapping, so a CUDA server copies from it by DMA.
+"""Page-locking shared memory, so a CUDA device copies to or from it by DMA.
 
-Into a CUDA model the shared-memory plane used to copy every byte twice on the host side: the
-lanes' memcpy from the mapping into a slot of the pinned ring, then the ring's host-to-device
-copy (pipeline.py). The memcpy is the slow half (~10 GB/s from four lanes against ~55 GB/s of a
-pinned copy on an H100, bench/RESULTS.md). Registered with cudaHostRegister, the mapping itself
-is page-locked: its bytes go straight to the device arena with `non_blocking=True` copies and
-no host copy at all.
+Both sides of the shared-memory data plane (client/weights/shared_memory.py,
+server/weights/shared_memory.py) copy between a memfd mapping and a CUDA device. From pageable
+memory such a copy is staged by the driver, or, on the server, went through a memcpy into a slot
+of its pinned ring first (pipeline.py): the memcpy held shm into a CUDA server at ~0.19 of a
+pinned host-to-device copy on an H100 (bench/RESULTS.md). Registered with cudaHostRegister, the
+mapping itself is page-locked and torch copies from or to it asynchronously, by DMA.
 
-The mapping is read-only (the server never writes a client's memory), so it is registered with
-cudaHostRegisterReadOnly; a device or driver that refuses it (or anything else that fails)
-leaves the mapping unregistered and the update takes the ring, as before. Registering pins every
-page of the file once (a cost of the first update from a file); the mapping is kept for the
-next update from the same file (shared_memory.py, _RecentMapping), and so is its registration.
-It must be unregistered before the mapping is closed, with no copy from it in flight (every
-update waits for its copies before it returns).
+The server maps a client's file read-only (it never writes a client's memory), so it registers
+with cudaHostRegisterReadOnly; the client's own mapping is writable. A device or driver that
+refuses (or anything else that fails) leaves the memory unregistered and the copies take their
+old path. Registering pins every page once (a cost of the first update from a file); both sides
+keep their mapping for the next update, and its registration with it. It must be unregistered
+before the mapping is closed, with no copy from or to it in flight.
 """
 
 from __future__ import annotations
@@ -26,27 +25,27 @@ import torch
 
 __all__ = ["host_tensor", "register_host_range", "unregister_host_range"]
 
-_log = logging.getLogger("rollserve.weights")
+_log = logging.getLogger("rollserve.shared_memory")
 
-# cudaHostRegister flags (cuda_runtime_api.h): usable from every CUDA context, and read-only
-# (the mapping is PROT_READ: pinning it for writing would fail).
+# cudaHostRegister flags (cuda_runtime_api.h): usable from every CUDA context; read-only for a
+# PROT_READ mapping (pinning it for writing would fail).
 _PORTABLE = 0x01
 _READ_ONLY = 0x08
 
 
-def register_host_range(array: np.ndarray, device: torch.device) -> bool:
+def register_host_range(array: np.ndarray, device: torch.device, *, read_only: bool) -> bool:
     """Page-lock the memory of a 1-D uint8 array for `device`'s copies; whether it worked."""
     if device.type != "cuda" or not torch.cuda.is_available() or array.nbytes == 0:
         return False
     cudart = torch.cuda.cudart()
     pointer = array.ctypes.data
+    flags = _PORTABLE | (_READ_ONLY if read_only else 0)
     with torch.cuda.device(device):
-        status = cudart.cudaHostRegister(pointer, array.nbytes, _PORTABLE | _READ_ONLY)
+        status = cudart.cudaHostRegister(pointer, array.nbytes, flags)
         if status != cudart.cudaError.success:
             _clear_last_error(device)
             _log.info(
-                "the shared-memory mapping could not be page-locked (%s): its bytes go through "
-                "the pinned ring",
+                "a shared-memory mapping could not be page-locked (%s): its copies stay staged",
                 cudart.cudaGetErrorString(status),
             )
             return False
