@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Every GPU check in one prepared command, for a GPU node with no internet access whose python3
-# already has a CUDA torch and transformers: the gpu tests, then the weights and generation
-# benchmarks, each bounded so that one slow part cannot eat the others' time. Logs go to $OUT
-# (or ./gpu-out). Wheels of the gRPC/protobuf pins may be carried in .whl/ (README "GPU checks").
+# already has a CUDA torch and transformers: the gpu tests, then the profile of the decode step
+# and of scoring (bench/profile_gpu.py: where the time goes, kernel tables), then the weights and
+# generation benchmarks, each bounded so that one slow part cannot eat the others' time. Logs go
+# to $OUT (or ./gpu-out): the profile's tables in full in $OUT/profile.log. Wheels of the
+# gRPC/protobuf pins may be carried in .whl/ (README "GPU checks").
 #
-#     bash bench/gpu_checks.sh            # under 10 minutes on one H100
+#     bash bench/gpu_checks.sh            # one H100: at most ~10 minutes
+#
+# The steps' bounds add up to 600 s (TEST_GPU_S 160, PROFILE_GPU_S 60, BENCH_WEIGHTS_S 100,
+# BENCH_GPU_S 260 + 20) plus the install: under a 600 s command limit, lower one of them.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -27,9 +32,12 @@ step() {  # step NAME SECONDS COMMAND...: run with a time bound, log to $OUT/NAM
     tail -n "${TAIL_LINES:-25}" "$OUT/$name.log"
 }
 
-# TEST_GPU_FILES, WEIGHTS_ARGS and BENCH_GPU_ARGS narrow a rerun (e.g. BENCH_GPU_ARGS="--skip generation").
+# TEST_GPU_FILES, PROFILE_ARGS, WEIGHTS_ARGS and BENCH_GPU_ARGS narrow a rerun (e.g. BENCH_GPU_ARGS="--skip generation").
 # shellcheck disable=SC2086
 step test-gpu "${TEST_GPU_S:-160}" python3 -m pytest -v -m gpu --durations=10 -p no:cacheprovider ${TEST_GPU_FILES:-tests}
+profile=${PROFILE_GPU_S:-60}  # profile_gpu.py starts no part after its budget, 10 s before the bound
+# shellcheck disable=SC2086
+TAIL_LINES=${PROFILE_TAIL_LINES:-12} step profile "$profile" python3 bench/profile_gpu.py --budget-s $((profile - 10)) ${PROFILE_ARGS:-}
 # shellcheck disable=SC2086
 step bench-weights "${BENCH_WEIGHTS_S:-100}" python3 bench/bench_gpu_weights.py ${WEIGHTS_ARGS:-}
 budget=${BENCH_GPU_S:-260}  # bench_gpu.py stops its own lanes in time to print its summary

@@ -1,0 +1,52 @@
+"""bench/profile_gpu.py must not rot between GPU sessions (a session gets minutes of device
+time, none to spare on a script that no longer runs): its CPU smoke run exits 0 and prints
+every section with its tables filled."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "profile_gpu.py"
+# The script's section headers, in print order (its SECTIONS).
+SECTIONS = (
+    "## Setup",
+    "## Copy ceiling",
+    "## Decode step",
+    "## Sampler alone",
+    "## Decode kernels",
+    "## Scoring",
+    "## Scoring kernels",
+    "## Summary",
+)
+
+
+def test_cpu_quick_run_prints_every_section_and_its_tables() -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--budget-s", "60"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    out = result.stdout
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n{out[-3000:]}\n{result.stderr[-3000:]}"
+    )
+    lines = "\n" + out  # a header starts a line
+    positions = [lines.find(f"\n{title}") for title in SECTIONS]
+    assert -1 not in positions, f"missing {SECTIONS[positions.index(-1)]!r} in:\n{out}"
+    assert positions == sorted(positions), "sections out of order"
+    assert "skipped" not in out and "FAILED" not in out
+    # The quick case crosses one width quantum: a decode row per width, with numbers.
+    assert re.search(r"^\| 128 \| n/a \| [\d.]+ \|", out, re.M)
+    assert re.search(r"^\| 256 \| n/a \| [\d.]+ \|", out, re.M)
+    # Kernel tables: an eager one per width and one of the scoring call, each with rows.
+    assert out.count("| kernel | launches | total ms | ms per call | share |") == 3
+    assert len(re.findall(r"^\| aten::mm \|", out, re.M)) == 3
+    assert re.search(r"^\| forward\.decode \| [\d.]+ \|", out, re.M)
+    assert re.search(r"^\| decoder body \(Forward\.hidden_states\) \| [\d.]+ \|", out, re.M)
+    assert re.search(r"^width 256: step [\d.]+ ms", out, re.M)
