@@ -8,8 +8,8 @@
 #
 #     bash bench/gpu_checks.sh            # one H100: at most ~10 minutes
 #
-# The steps' bounds add up to 600 s (TEST_GPU_S 160, PROFILE_GPU_S 60, BENCH_WEIGHTS_S 100,
-# BENCH_GPU_S 260 + 20) plus the install: under a 600 s command limit, lower one of them.
+# The steps' bounds add up to 540 s (TEST_GPU_S 150, PROFILE_GPU_S 60, BENCH_WEIGHTS_S 90,
+# BENCH_GPU_S 220 + 20) plus the install (~20 s): under the device's 600 s command limit.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -34,12 +34,12 @@ step() {  # step NAME SECONDS COMMAND...: run with a time bound, log to $OUT/NAM
 
 # TEST_GPU_FILES, PROFILE_ARGS, WEIGHTS_ARGS and BENCH_GPU_ARGS narrow a rerun (e.g. BENCH_GPU_ARGS="--skip generation").
 # shellcheck disable=SC2086
-step test-gpu "${TEST_GPU_S:-160}" python3 -m pytest -v -m gpu --durations=10 -p no:cacheprovider ${TEST_GPU_FILES:-tests}
+step test-gpu "${TEST_GPU_S:-150}" python3 -m pytest -v -m gpu --durations=10 -p no:cacheprovider ${TEST_GPU_FILES:-tests}
 profile=${PROFILE_GPU_S:-60}  # profile_gpu.py starts no part after its budget, 10 s before the bound
 # shellcheck disable=SC2086
 TAIL_LINES=${PROFILE_TAIL_LINES:-12} step profile "$profile" python3 bench/profile_gpu.py --budget-s $((profile - 10)) ${PROFILE_ARGS:-}
 # shellcheck disable=SC2086
-step bench-weights "${BENCH_WEIGHTS_S:-100}" python3 bench/bench_gpu_weights.py ${WEIGHTS_ARGS:-}
-budget=${BENCH_GPU_S:-260}  # bench_gpu.py stops its own lanes in time to print its summary
+step bench-weights "${BENCH_WEIGHTS_S:-90}" python3 bench/bench_gpu_weights.py ${WEIGHTS_ARGS:-}
+budget=${BENCH_GPU_S:-220}  # bench_gpu.py stops its own lanes in time to print its summary
 # shellcheck disable=SC2086
 TAIL_LINES=80 step bench-gpu $((budget + 20)) python3 bench/bench_gpu.py --budget-s "$budget" ${BENCH_GPU_ARGS:-}
