@@ -227,7 +227,9 @@ def _block_log_probs(
     exp = (z - top).exp_()  # (n, V)
     total = exp.sum(-1, keepdim=True)
     log_norm = (total.log() + top)[:, 0]
-    # H = logsumexp(z) - sum softmax(z) * z, softmax = exp / total.
+    # H = logsumexp(z) - sum softmax(z) * z, softmax = exp / total. A token at -inf has
+    # probability 0 and adds 0 (not 0 x -inf = nan): z is clamped to the lowest finite float.
+    z = z.clamp_min_(torch.finfo(z.dtype).min)
     entropy = log_norm - exp.mul_(z).sum(-1) / total[:, 0]
     return picked - log_norm, entropy
 
