@@ -114,12 +114,22 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(mass_before >= top_p, 0.0)
 
 
-# Rows sampled at once. The float32 and float64 temporaries over the vocabulary (~16 bytes x
-# vocab per row: the float cast, the probabilities, the float64 CDF) are the step's largest,
-# and they live in the captured graphs' pool: ~310 MB for 128 rows of a 152k vocabulary, where
-# a 512-row step sampled at once would hold ~1.2 GB. Blocks are static slices, so the step's
-# shapes stay fixed; the extra launches are a few per block.
+# Rows sampled at once. The float32 temporaries over the vocabulary (~8 bytes x vocab per row:
+# the float cast of the logits, the probabilities) are the step's largest, and they live in the
+# captured graphs' pool: ~155 MB for 128 rows of a 152k vocabulary (_inverse_cdf adds ~17 MB),
+# where a 512-row step sampled at once would hold ~0.6 GB. Not raised when _inverse_cdf lost
+# its float64 (rows, vocab) tensors (8 more bytes x vocab per row, 16 at its peak): 256 rows
+# would hold ~345 MB, more than the ~310 MB that 128 rows held before, and so give back all
+# that the two-level CDF saves, for half the launches. Blocks are static slices, so the step's
+# shapes stay fixed; the extra launches are a few dozen per block (mostly _inverse_cdf's).
 SAMPLE_ROWS = 128
+# Columns per block of the two-level inverse CDF: the float64 scan runs over one block per row
+# (rows x CDF_BLOCK), after a float64 scan over the blocks' masses (rows x vocab / CDF_BLOCK).
+CDF_BLOCK = 1024
+# Blocks whose masses are summed per float64 cast: sum(dtype=float64) casts its whole input to
+# float64 first, so a single sum over (rows, V) would hold a float64 copy of it (155 MB at 128
+# rows of a 152k vocabulary). 16 blocks: a 16 MB copy at 128 rows, 10 casts for 152k columns.
+MASS_CHUNK_BLOCKS = 16
 
 
 def _row_blocks(rows: int, block: int) -> list[slice]:
@@ -127,16 +137,65 @@ def _row_blocks(rows: int, block: int) -> list[slice]:
     return [slice(start, min(start + block, rows)) for start in range(0, rows, block)]
 
 
-def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Index (r, 1) of each row's sample from its probabilities (r, n) and uniform (r,).
+def _block_masses(probs: torch.Tensor) -> torch.Tensor:
+    """Float64 masses (r, nb) of probs' (r, n) blocks of CDF_BLOCK columns; when n is not a
+    multiple of CDF_BLOCK, the last block is the n % CDF_BLOCK tail (no padded copy)."""
+    rows, n = probs.shape
+    full = n // CDF_BLOCK
+    blocks = probs[:, : full * CDF_BLOCK].reshape(rows, full, CDF_BLOCK)  # a view
+    # One float64 chunk, reused: the casts fill it in turn (fewer fresh pages on the CPU).
+    cast = probs.new_empty((rows, min(full, MASS_CHUNK_BLOCKS), CDF_BLOCK), dtype=torch.float64)
+    masses = []
+    for start in range(0, full, MASS_CHUNK_BLOCKS):
+        chunk = blocks[:, start : start + MASS_CHUNK_BLOCKS]  # (r, <= MASS_CHUNK_BLOCKS, block)
+        masses.append(cast[:, : chunk.shape[1]].copy_(chunk).sum(-1))
+    if n % CDF_BLOCK:
+        masses.append(probs[:, full * CDF_BLOCK :].to(torch.float64).sum(-1, keepdim=True))
+    return torch.cat(masses, dim=-1)
 
-    Eager (a float64 scan over the vocabulary is where the compiler stumbles): float64 keeps
-    the tail of a large vocabulary exact enough, and the first index whose CDF exceeds u is
-    taken, so a probability-0 token never is.
+
+def _first_exceeding(cdf: torch.Tensor, mass: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Index (r,) of the first column whose cdf (r, m) exceeds target (r, 1) among those of
+    positive mass (r, m); the last column of positive mass when none does (rounding can put
+    the target at or past the end); 0 when no column has mass.
+
+    What searchsorted(cdf, target, right=True) gives on a sorted CDF, where a mass-0 column
+    never wins (its CDF equals the one before it), but also on a scan whose rounding is not
+    monotone (a GPU's parallel scan) and past the end: the mask makes it so, not the CDF.
     """
-    cdf = probs.cumsum(-1, dtype=torch.float64)  # (r, n)
-    pick = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)
-    return pick.clamp_max(probs.shape[-1] - 1)
+    width = cdf.shape[-1]
+    columns = torch.arange(width, device=cdf.device)  # (m,)
+    positive = mass > 0
+    first = torch.where(positive & (cdf > target), columns, width).amin(-1)
+    last = torch.where(positive, columns, -1).amax(-1)
+    return torch.where(first < width, first, last).clamp_min(0)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Index (r, 1) of each row's sample from its probabilities (r, n) and uniform (r,): the
+    first index whose CDF exceeds u x the row's total, so a probability-0 token never is.
+
+    Two levels, in float64 (exact enough for the tail of a large vocabulary): the block of
+    CDF_BLOCK columns where the row's CDF crosses the target, from the blocks' masses; then the
+    token inside it, from the block's CDF offset by the mass before it. The same pick as one
+    float64 scan over the vocabulary up to rounding (~1e-16 of the mass), whose temporaries were
+    two float64 (r, n) tensors (the cast and the CDF); here the largest is the float64 chunk of
+    MASS_CHUNK_BLOCKS blocks, then (r, CDF_BLOCK) ones. Static shapes, no host synchronisation,
+    no data-dependent Python: a captured graph replays it, and it compiles with fullgraph (the
+    Sampler still calls it eagerly, as it did the one scan).
+    """
+    rows, n = probs.shape
+    masses = _block_masses(probs)  # (r, nb)
+    cdf = torch.cat([masses.new_zeros(rows, 1), masses.cumsum(-1)], dim=-1)  # (r, nb + 1)
+    target = uniform[:, None].to(torch.float64) * cdf[:, -1:]  # (r, 1)
+    block = _first_exceeding(cdf[:, 1:], masses, target)[:, None]  # (r, 1)
+    width = min(CDF_BLOCK, n)
+    columns = block * CDF_BLOCK + torch.arange(width, device=probs.device)  # (r, width)
+    # Columns past n (the tail block) count as probability 0.
+    inside = probs.gather(-1, columns.clamp_max(n - 1)).masked_fill(columns >= n, 0.0)
+    inside_cdf = cdf.gather(-1, block) + inside.to(torch.float64).cumsum(-1)  # (r, width)
+    pick = _first_exceeding(inside_cdf, inside, target)[:, None]
+    return block * CDF_BLOCK + pick
 
 
 # One compiled _prepare per process (torch.compile keys its cache by function, not by Sampler):
