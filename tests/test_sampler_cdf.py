@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rollserve.server.experience.generation import SamplingParams
 from rollserve.server.generation.sampler import (
     CDF_BLOCK,
     MASS_CHUNK_BLOCKS,
+    Sampler,
     _block_masses,
     _first_exceeding,
     _inverse_cdf,
+    _prepare,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -195,3 +198,13 @@ def test_compiled_with_fullgraph_gives_the_same_picks() -> None:
     compiled = torch.compile(_inverse_cdf, fullgraph=True)
     assert torch.equal(compiled(probs, uniform), _inverse_cdf(probs, uniform))
     assert torch.equal(compiled(probs, uniform)[:16], _one_scan(probs[:16], uniform[:16]))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_compiled_sampler_compiles_the_cdf_with_prepare(compiled: bool) -> None:
+    """Eager, the two-level CDF is dozens of small kernels per block of rows: where the Sampler
+    compiles _prepare (CUDA), it compiles _inverse_cdf too (construction only: no compile)."""
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    sampler = Sampler(params, 300, torch.device("cpu"), compiled=compiled)
+    for got, fn in ((sampler._prepared, _prepare), (sampler._inverse_cdf, _inverse_cdf)):
+        assert (getattr(got, "eager", None) is fn) if compiled else got is fn

@@ -29,8 +29,9 @@ DEFAULT_CPU_BYTES = 4 << 30
 
 
 # Rows of the decode step whose logits the budget keeps room for (float32 at most); the
-# sampler's temporaries come on top for SAMPLE_ROWS rows at a time (~16 bytes x vocab per row):
-# together, the captured graphs' private pool.
+# sampler's temporaries come on top for SAMPLE_ROWS rows at a time (~8 bytes x vocab per row:
+# the float cast and the probabilities; the two-level inverse CDF adds little): together, the
+# captured graphs' private pool.
 RESERVE_ROWS = 512
 # Scoring's lm_head chunk: its float32 block, at most this many bytes; the block's math runs in
 # place (scoring._block_log_probs), so its transient is the block, plus the model-dtype logits
@@ -45,7 +46,7 @@ def activation_reserve_bytes(vocab: int) -> int:
     lm_head chunks (scoring.py sizes them by SCORING_CHUNK_BYTES). A server's engine adds
     one term to it (registry.staging_reserve_bytes): one device staging copy of the weights
     of each model the server updates (weights/arena.py keeps it between updates)."""
-    return (4 * RESERVE_ROWS + 16 * SAMPLE_ROWS) * vocab + 3 * SCORING_CHUNK_BYTES
+    return (4 * RESERVE_ROWS + 8 * SAMPLE_ROWS) * vocab + 3 * SCORING_CHUNK_BYTES
 
 
 def default_capacity_tokens(

@@ -182,7 +182,7 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     two float64 (r, n) tensors (the cast and the CDF); here the largest is the float64 chunk of
     MASS_CHUNK_BLOCKS blocks, then (r, CDF_BLOCK) ones. Static shapes, no host synchronisation,
     no data-dependent Python: a captured graph replays it, and it compiles with fullgraph (the
-    Sampler still calls it eagerly, as it did the one scan).
+    Sampler compiles it where it compiles _prepare: on CUDA).
     """
     rows, n = probs.shape
     masses = _block_masses(probs)  # (r, nb)
@@ -198,15 +198,15 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return block * CDF_BLOCK + pick
 
 
-# One compiled _prepare per process (torch.compile keys its cache by function, not by Sampler):
-# a new Sampler never compiles again, only a new shape or structure does.
-_COMPILED_PREPARE: dict[bool, Callable[..., Any]] = {}
+# One compiled _prepare and _inverse_cdf per process (torch.compile keys its cache by function,
+# not by Sampler): a new Sampler never compiles again, only a new shape or structure does.
+_COMPILED: dict[tuple[Callable[..., Any], bool], Callable[..., Any]] = {}
 
 
-def _prepare_fn(compiled: bool) -> Callable[..., Any]:
-    if compiled not in _COMPILED_PREPARE:
-        _COMPILED_PREPARE[compiled] = maybe_compiled(_prepare, compiled)
-    return _COMPILED_PREPARE[compiled]
+def _compiled_fn(fn: Callable[..., Any], compiled: bool) -> Callable[..., Any]:
+    if (fn, compiled) not in _COMPILED:
+        _COMPILED[fn, compiled] = maybe_compiled(fn, compiled)
+    return _COMPILED[fn, compiled]
 
 
 class Sampler:
@@ -224,7 +224,10 @@ class Sampler:
         self.min_new_tokens = torch.zeros((), dtype=torch.long, device=device)
         # Compiled (CUDA): the float cast, softmax and log-sum-exp over (b, V) fuse into a
         # few passes over the logits instead of one pass per operation.
-        self._prepared = _prepare_fn(compiled)
+        self._prepared = _compiled_fn(_prepare, compiled)
+        # Compiled too: eager, the two-level CDF is ~60 small kernels per block of rows (its
+        # float64 casts are chunked to bound memory); Inductor folds the casts into the sums.
+        self._inverse_cdf = _compiled_fn(_inverse_cdf, compiled)
         self.load(params)
 
     def load(self, params: object) -> None:
@@ -262,7 +265,7 @@ class Sampler:
             token = first
         else:
             probs = _top_p(first, self.top_p) if self.filter_top_p else first
-            pick = _inverse_cdf(probs, uniform)  # (b, 1)
+            pick = self._inverse_cdf(probs, uniform)  # (b, 1)
             token = pick.squeeze(1) if ids is None else ids.gather(-1, pick).squeeze(1)
         chosen = logits.gather(-1, token[:, None]).squeeze(1).float()
         if self.use_temperature:
