@@ -118,7 +118,7 @@ def test_action_log_probs_through_the_fused_path_equal_the_eager_path(
         block_sizes.append(logits.shape[0])
         return compiled(logits, *rest)
 
-    monkeypatch.setattr(scoring, "_FUSED_BLOCK", [spied])
+    monkeypatch.setattr(scoring, "_fused_block", lambda: spied)
     lp, ent = action_log_probs(model, ids, mask, actions, **kwargs)
     assert compiled.compiled is not None  # no eager fallback
     assert 7 in block_sizes and min(block_sizes) < 7  # every block, the smaller last ones too

@@ -26,6 +26,7 @@ overrides the model's adopted settings; DEFAULT_SCORING_PATH decides for calls t
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from collections.abc import Callable
@@ -259,15 +260,13 @@ def _fused_block_log_probs(
 # on a float32 (4096, 32000) block, 2.5-4x on bfloat16, a busy 2-core CPU), but each new block
 # shape and vocabulary compiles for seconds on the CPU, where scoring serves tests and small runs.
 FUSED_BLOCK_DEVICES: frozenset[str] = frozenset({"cuda"})
-# The compiled _fused_block_log_probs, made on first use (one per process: torch.compile keys
-# its cache by function, so every model and request shares its graphs).
-_FUSED_BLOCK: list[Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = []
 
 
+@functools.cache
 def _fused_block() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
-    if not _FUSED_BLOCK:
-        _FUSED_BLOCK.append(maybe_compiled(_fused_block_log_probs, True))
-    return _FUSED_BLOCK[0]
+    """The compiled _fused_block_log_probs, made on first use: one per process (torch.compile
+    keys its cache by function, so every model and request shares its graphs)."""
+    return maybe_compiled(_fused_block_log_probs, True)
 
 
 def _fused_scorer(
