@@ -19,6 +19,7 @@ from rollserve.server.generation import (
     scoring_forward,
     scoring_path,
 )
+from rollserve.server.generation import model as generation_model
 
 PAD = 0
 VOCAB = 96
@@ -118,6 +119,23 @@ def test_actor_log_probs_and_entropy_equal_hf(models, samples: int) -> None:
         where = compared(model, mask, actions)
         for mine, hf in zip(ours, theirs, strict=True):
             torch.testing.assert_close(mine[where], hf[where], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("samples", [1, 3])
+def test_the_mlp_in_token_chunks_gives_the_same_numbers(
+    models, samples: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Chunks of 5 tokens cut rows (and a group's shared prompt) mid-way: the per-token MLP must
+    # not notice (the default, 4096, bounds a forward's largest temporaries).
+    model = models["causal_lm"]
+    sequences, mask, actions = rows(samples)
+    kw = dict(forward_batch_size=4, with_entropy=True, temperature=0.7, path="rollserve")
+    whole = action_log_probs(model, sequences, mask, actions, **kw)
+    monkeypatch.setattr(generation_model, "MLP_CHUNK_TOKENS", 5)
+    chunked = action_log_probs(model, sequences, mask, actions, **kw)
+    where = compared(model, mask, actions)
+    for mine, once in zip(chunked, whole, strict=True):
+        torch.testing.assert_close(mine[where], once[where], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("samples", [1, 3])

@@ -93,6 +93,15 @@ def _we(module: torch.nn.Module | None) -> tuple[torch.Tensor, float] | None:
     return None if module is None else (module.weight, module.variance_epsilon)
 
 
+# Tokens whose MLP runs at once in a full-sequence forward (prefill, scoring): its three
+# (tokens, intermediate) temporaries are the forward's largest, ~0.7 GB for scoring's forward
+# batch of 64 rows x 384 columns of a Qwen2-0.5B-shaped model (intermediate 4864, bfloat16),
+# which set the server's transient peak on the H100 (bench/RESULTS.md). The MLP is per token,
+# so chunks of tokens give the same numbers; 4096 bounds them at ~120 MB there, and a chunk
+# is still a large matmul.
+MLP_CHUNK_TOKENS = 4096
+
+
 class Forward:
     """Embedding -> decoder layers -> final norm -> lm_head, reading `family`'s modules.
 
@@ -121,6 +130,20 @@ class Forward:
             _wb(layer.up_proj), _wb(layer.down_proj),
         )  # fmt: skip
 
+    def _sequence_mlp(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """mlp_block over (b, s, ...) inputs, MLP_CHUNK_TOKENS tokens at a time."""
+        b, s, hidden = x.shape
+        tokens = b * s
+        if tokens <= MLP_CHUNK_TOKENS:
+            return self._layer_mlp(layer, x, attended, mlp_block)
+        flat_x, flat_attended = x.reshape(1, tokens, hidden), attended.reshape(1, tokens, -1)
+        out = torch.empty_like(flat_x)
+        for start in range(0, tokens, MLP_CHUNK_TOKENS):
+            chunk = slice(start, start + MLP_CHUNK_TOKENS)
+            out[:, chunk] = self._layer_mlp(layer, flat_x[:, chunk], flat_attended[:, chunk],
+                                            mlp_block)  # fmt: skip
+        return out.view(b, s, hidden)
+
     def prefill(
         self,
         ids: torch.Tensor,
@@ -142,7 +165,7 @@ class Forward:
             if write is not None:
                 write(index, k, v)
             out = prefill_attention(q, k, v, masks[layer.window], f.scaling)  # (b, H, s, D)
-            x = self._layer_mlp(layer, x, out.transpose(1, 2).reshape(*ids.shape, -1), mlp_block)
+            x = self._sequence_mlp(layer, x, out.transpose(1, 2).reshape(*ids.shape, -1))
         return rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
 
     def hidden_states(
@@ -198,7 +221,7 @@ class Forward:
             k = torch.cat([k_prompt[of_row], k], dim=2)  # (b, Hkv, s, D)
             v = torch.cat([v_prompt[of_row], v], dim=2)
             out = prefill_attention(q, k, v, masks[layer.window], f.scaling)  # (b, H, s - P, D)
-            x = self._layer_mlp(layer, x, out.transpose(1, 2).reshape(*x.shape[:2], -1), mlp_block)
+            x = self._sequence_mlp(layer, x, out.transpose(1, 2).reshape(*x.shape[:2], -1))
         tail = rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
         return torch.cat([head[of_row], tail], dim=1)
 
