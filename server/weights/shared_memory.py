@@ -197,16 +197,22 @@ class _RecentMapping:
     def locked(self) -> bool:
         return self._locked is not None
 
-    def page_locked(self, device: torch.device) -> np.ndarray | None:
-        """The current mapping as an array whose memory is page-locked for `device` (CUDA), so
-        copies from it go by DMA; registered on first use and kept with the mapping. None when
-        it cannot be (not CUDA, refused). Call inside `mapping` (whose lock is held)."""
+    def page_locked(self, device: torch.device, nbytes: int) -> np.ndarray | None:
+        """The mapping's first `nbytes` as an array whose memory is page-locked for `device`
+        (CUDA), so copies from it go by DMA; registered on first use and kept with the mapping
+        (registered again for a larger update). None when it cannot be (not CUDA, refused).
+        Call inside `mapping` (whose lock is held).
+
+        Only the update's own bytes are pinned, never the whole file: a client may size its
+        memfd as it likes (a sparse terabyte), while the update's size was checked against the
+        model with its head before this is called."""
         if self._locked is not None and self._locked[1] == device:
-            return self._locked[0]
+            if len(self._locked[0]) >= nbytes:
+                return self._locked[0][:nbytes]
         if self._mapping is None or self._lock_refused or device.type != "cuda":
             return None
         self._unlock()
-        array = np.frombuffer(self._mapping, dtype=np.uint8, count=self._size)
+        array = np.frombuffer(self._mapping, dtype=np.uint8, count=nbytes)
         if not register_host_range(array, device, read_only=True):
             self._lock_refused = True
             return None
@@ -311,7 +317,7 @@ def _page_locked_source(stager: UpdateStager, lane: Lane) -> torch.Tensor | None
     if device.type != "cuda":
         return None
     started_s = time.perf_counter()
-    array = _MAPPINGS.page_locked(device)
+    array = _MAPPINGS.page_locked(device, stager.options.total_bytes)
     stager.timings.add("page_lock", time.perf_counter() - started_s)
     return None if array is None else host_tensor(array)
 
