@@ -45,10 +45,12 @@ test-gpu: $(GPU_DEPS)
 
 # Generation on the GPU: HF generate against the engine on the same rows (bench/bench_gpu.py);
 # then UpdateWeights into a CUDA server per transport against the H2D and D2D copies
-# (bench/bench_gpu_weights.py; its own arguments in WEIGHTS_ARGS, e.g. "--quick").
+# (bench/bench_gpu_weights.py; its own arguments in WEIGHTS_ARGS, e.g. "--quick"); last, where a
+# decode step's and a scoring forward's time goes (bench/profile_gpu.py, PROFILE_ARGS).
 bench-gpu: $(GPU_DEPS)
 	$(GPU_PY) bench/bench_gpu.py $(ARGS)
 	$(GPU_PY) bench/bench_gpu_weights.py $(WEIGHTS_ARGS)
+	$(GPU_PY) bench/profile_gpu.py $(PROFILE_ARGS)
 
 # `ruff format` clean over the whole tree, and the lint rules of pyproject.toml.
 lint: $(BIN)/.installed
