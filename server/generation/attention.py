@@ -6,7 +6,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["decode_attention", "prefill_attention", "prefill_mask"]
+__all__ = ["additive_mask", "decode_attention", "prefill_attention", "prefill_mask"]
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the additive one SDPA turns it into (0 where allowed, -inf elsewhere),
+    made once per forward or step: given a bool mask, SDPA converts it in every layer (two
+    kernels and a mask-sized tensor per layer and step)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
 
 
 def prefill_mask(valid: torch.Tensor, window: int | None, first_query: int = 0) -> torch.Tensor:

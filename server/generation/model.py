@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import decode_attention, prefill_attention, prefill_mask
+from .attention import additive_mask, decode_attention, prefill_attention, prefill_mask
 from .compiling import maybe_compiled
 from .families import Family, Layer
 from .rotary import RopeTable, apply_rope
@@ -159,7 +159,10 @@ class Forward:
         f = self.family
         x = F.embedding(ids, f.embed.weight)
         cos, sin = self.rope.at(positions)  # (b, s, D)
-        masks = {w: prefill_mask(valid, w) for w in {layer.window for layer in f.layers}}
+        masks = {
+            w: additive_mask(prefill_mask(valid, w), x.dtype)
+            for w in {layer.window for layer in f.layers}
+        }
         for index, layer in enumerate(f.layers):
             q, k, v = self._layer_inputs(layer, x, cos, sin, attention_inputs)
             if write is not None:
@@ -215,7 +218,9 @@ class Forward:
         x = F.embedding(ids[:, width:], f.embed.weight)  # (b, s - P, hidden)
         cos, sin = self.rope.at(positions[:, width:])
         windows = {layer.window for layer in f.layers}
-        masks = {w: prefill_mask(valid, w, first_query=width) for w in windows}
+        masks = {
+            w: additive_mask(prefill_mask(valid, w, first_query=width), x.dtype) for w in windows
+        }
         for (k_prompt, v_prompt), layer in zip(prompt_kv, f.layers, strict=True):
             q, k, v = self._layer_inputs(layer, x, cos, sin, attention_inputs)
             k = torch.cat([k_prompt[of_row], k], dim=2)  # (b, Hkv, s, D)
@@ -243,10 +248,11 @@ class Forward:
         b = tokens.shape[0]
         x = F.embedding(tokens, f.embed.weight)[:, None]  # (b, 1, hidden)
         cos, sin = self.rope.at(positions[:, None])  # (b, 1, D)
-        masks = {None: valid}
+        allowed = {None: valid}
         columns = torch.arange(valid.shape[1], device=valid.device)
         for window in {layer.window for layer in f.layers} - {None}:
-            masks[window] = valid & (columns > column - window)[None]
+            allowed[window] = valid & (columns > column - window)[None]
+        masks = {window: additive_mask(mask, x.dtype) for window, mask in allowed.items()}
         for (k_cache, v_cache), layer in zip(caches, f.layers, strict=True):
             q, k, v = self._layer_inputs(layer, x, cos, sin, self._inputs)
             k_cache.index_copy_(2, column, k)
