@@ -760,6 +760,34 @@ def test_device_bytes_are_copied_device_to_device_and_lora_applies(gpu_actor_dir
     assert pointers(model) == where
 
 
+@pytest.mark.gpu
+def test_pinned_host_bytes_may_be_reused_as_soon_as_feed_tensor_returns(
+    gpu_actor_dir: Path,
+) -> None:
+    # The contract of UpdateStager.feed_tensor for host bytes: copied before it returns, even
+    # from page-locked memory (only the shm plane's registered mapping, held until the update
+    # finishes, is copied by DMA later: held_host). One pinned buffer, overwritten per piece.
+    model = LlamaForCausalLM.from_pretrained(gpu_actor_dir).to("cuda", torch.bfloat16)
+    source = {k: v.float() for k, v in tiny_weights_like(model).items()}
+    requests = list(update_weights_requests(source, target="actor", version=1, mode="full"))
+    blob = torch.frombuffer(
+        bytearray(b"".join(r.chunk.data for r in requests[1:])), dtype=torch.uint8
+    )
+    piece = 1 << 16
+    reused = torch.empty(piece, dtype=torch.uint8).pin_memory()
+    arena = staging_arena(model)
+    with arena.lease():
+        stager = UpdateStager(requests[0].header, model, None, arena=arena)
+        for offset in range(0, len(blob), piece):
+            size = min(piece, len(blob) - offset)
+            reused[:size].copy_(blob[offset : offset + size])
+            stager.feed_tensor(offset, reused[:size])
+            reused.fill_(0xFF)  # the next piece's bytes would land here
+        staged = stager.finish()
+        staged.apply(model)
+    assert_bits_equal(model.state_dict(), {k: v.to(torch.bfloat16) for k, v in source.items()})
+
+
 def tiny_weights_like(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(41)
     return {k: torch.randn(v.shape, generator=generator).to(v.dtype).cuda()

@@ -289,20 +289,21 @@ class DevicePipeline:
         self._arrived(fill.start, fill.filled)
         return launched_s
 
-    def copies_directly(self, source: torch.Tensor) -> bool:
+    def copies_directly(self, source: torch.Tensor, held_host: bool = False) -> bool:
         """Whether `tensor_bytes` copies `source` into the arena without the ring: a device
-        tensor, or page-locked host memory (a registered shared-memory mapping, page_lock.py)
-        bound for a CUDA arena, which the DMA engine reads as it is."""
+        tensor, or, with `held_host`, page-locked host memory (a registered shared-memory
+        mapping, page_lock.py in client/protocol) bound for a CUDA arena, which the DMA engine
+        reads as it is."""
         if source.device.type != "cpu":
             return True
-        return self._stream is not None and source.is_pinned()
+        return held_host and self._stream is not None and source.is_pinned()
 
-    def tensor_bytes(self, position: int, source: torch.Tensor) -> None:
+    def tensor_bytes(self, position: int, source: torch.Tensor, held_host: bool = False) -> None:
         """Data-section bytes from a 1-D uint8 tensor: host tensors go through the ring (reusable
-        at once); device tensors, and page-locked host tensors into a CUDA arena
-        (`copies_directly`), are copied straight into the arena and must stay unchanged until
-        `synchronize` (they are kept alive until their copy completed)."""
-        if not self.copies_directly(source):
+        at once); device tensors, and page-locked host tensors the caller holds unchanged
+        (`held_host`, `copies_directly`), are copied straight into the arena and must stay
+        unchanged until `synchronize` (they are kept alive until their copy completed)."""
+        if not self.copies_directly(source, held_host):
             self.host_bytes(position, source.numpy())
             return
         self.flush(position)  # the lane goes on without the ring: its slot's bytes go first

@@ -355,7 +355,7 @@ def _dma_feed(lane: Lane, source: torch.Tensor) -> Callable[[int, np.ndarray], N
     """A lane's feed that hands over the page-locked bytes of each piece instead of the piece."""
 
     def feed(offset: int, piece: np.ndarray) -> None:
-        lane.feed_tensor(offset, source[offset : offset + len(piece)])
+        lane.feed_tensor(offset, source[offset : offset + len(piece)], held_host=True)
 
     return feed
 

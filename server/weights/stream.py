@@ -166,11 +166,12 @@ class _Data:
             position += take
             index += 1
 
-    def route_tensor(self, position: int, source: torch.Tensor) -> None:
+    def route_tensor(self, position: int, source: torch.Tensor, held_host: bool = False) -> None:
         """`route` for bytes in a 1-D uint8 tensor on any device: device to device into a device
-        arena; a host arena takes a host copy of device bytes."""
+        arena (page-locked host bytes too, with `held_host`: pipeline.py); a host arena takes a
+        host copy of device bytes."""
         if self.pipeline is not None:
-            self.pipeline.tensor_bytes(position, source)
+            self.pipeline.tensor_bytes(position, source, held_host)
         else:
             self.route(position, source.cpu().numpy())
 
@@ -316,12 +317,15 @@ class Lane:
             data_state.pipeline.flush(position + len(source))  # its last slot: copy it now
         self._cursor.advance(position + len(source))
 
-    def feed_tensor(self, offset: int, data: torch.Tensor) -> None:
+    def feed_tensor(self, offset: int, data: torch.Tensor, *, held_host: bool = False) -> None:
         """Take the next bytes of this lane as a 1-D contiguous uint8 tensor on any device (no
         crc32); the same contract as `feed`. Device bytes bound for a device arena are copied
-        device to device; see SafetensorsStager.feed_tensor for when `data` may be reused."""
+        device to device; see SafetensorsStager.feed_tensor for when `data` may be reused.
+        held_host: host bytes in page-locked memory that the caller keeps unchanged until the
+        update finishes (the shared-memory plane's registered mapping): a CUDA arena copies
+        them by DMA, without the ring; otherwise host bytes are copied before this returns."""
         _check_byte_tensor(data)
-        if data.device.type == "cpu" and not self._copied_directly(data):
+        if data.device.type == "cpu" and not (held_host and self._copied_directly(data)):
             self.feed(offset, data.numpy())
             return
         while self._cursor is None and len(data):  # the head is parsed on the host
@@ -339,14 +343,14 @@ class Lane:
         assert self._cursor is not None
         data_state = self._stager.data
         position = offset - data_state.data_start
-        data_state.route_tensor(position, data)
+        data_state.route_tensor(position, data, held_host)
         self._cursor.advance(position + size)
 
     def _copied_directly(self, data: torch.Tensor) -> bool:
-        """Host bytes past the head that the device arena copies as they are (page-locked
+        """Held host bytes past the head that the device arena copies as they are (page-locked
         memory, pipeline.py `copies_directly`) rather than through `feed`'s ring."""
         pipeline = self._stager.data.pipeline if self._cursor is not None else None
-        return pipeline is not None and pipeline.copies_directly(data)
+        return pipeline is not None and pipeline.copies_directly(data, held_host=True)
 
     def _check_next(self, offset: int, size: int) -> None:
         if offset != self.position:
