@@ -10,6 +10,7 @@ from rollserve.client.protocol.errors import FailedPrecondition, InvalidArgument
 from rollserve.server.experience.scoring import (
     action_log_probs,
     critic_values,
+    forward_batches,
     last_real_index,
     position_ids_from_mask,
     reward_scores,
@@ -339,3 +340,44 @@ def test_a_model_that_scales_its_logits_is_scored_through_its_own_logits(
     ref_lp, ref_ent = naive_reference(model, ids, mask, actions)
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+
+
+def test_forward_batches_sort_by_prompt_length_and_trim_shared_left_padding() -> None:
+    ids, mask, actions = layout()  # prompts of 5, 2, 4, 1, 3 tokens: first real column 0 3 1 4 2
+    plan = forward_batches(ids, mask, 2, actions + 1)
+    assert plan.order is not None and plan.order.tolist() == [0, 2, 4, 1, 3]
+    # Batches of rows (0, 2), (4, 1), (3): their longest prompts start at columns 0, 2, 4.
+    widths = [batch_ids.shape[1] for batch_ids, _ in plan.batches]
+    assert widths == [ids.shape[1], ids.shape[1] - 2, ids.shape[1] - 4]
+    for (batch_ids, batch_mask), rows in zip(plan.batches, ([0, 2], [4, 1], [3]), strict=True):
+        assert torch.equal(batch_ids, ids[rows, -batch_ids.shape[1] :])
+        assert torch.equal(batch_mask, mask[rows, -batch_ids.shape[1] :])
+    assert torch.equal(plan.restore(ids[plan.order]), ids)
+    # A batch of rows whose prompts are all empty keeps the action columns and the one before.
+    empty = forward_batches(ids, torch.cat([torch.zeros_like(mask[:, :5]), mask[:, 5:]], 1), 5, 8)
+    assert empty.order is None and empty.batches[0][0].shape[1] == 8
+    # One batch, already in order: no sort; a group's rows (same prompt) stay together.
+    assert forward_batches(ids, mask, 5, actions + 1).order is None
+    grouped = forward_batches(ids[[1, 1, 0, 0]], mask[[1, 1, 0, 0]], 2, actions + 1)
+    assert grouped.order is not None and grouped.order.tolist() == [2, 3, 0, 1]
+
+
+@pytest.mark.parametrize("path", ["hf", "rollserve"])
+def test_sorted_and_trimmed_forward_batches_score_like_one_batch(
+    actor, critic, reward, path: str
+) -> None:
+    ids, mask, actions = layout()
+    whole = dict(forward_batch_size=len(ROWS), path=path)
+    small = dict(forward_batch_size=2, path=path)
+    for got, want in zip(
+        action_log_probs(actor, ids, mask, actions, with_entropy=True, **small),
+        action_log_probs(actor, ids, mask, actions, with_entropy=True, **whole),
+        strict=True,
+    ):
+        torch.testing.assert_close(
+            got, want
+        )  # the right pads' columns too: no left trim reaches them
+    values = critic_values(critic, ids, mask, actions, **small)
+    torch.testing.assert_close(values, critic_values(critic, ids, mask, actions, **whole))
+    scores = reward_scores(reward, ids, mask, **small)
+    torch.testing.assert_close(scores, reward_scores(reward, ids, mask, **whole))

@@ -40,8 +40,10 @@ from ..generation.compiling import maybe_compiled
 
 __all__ = [
     "DEFAULT_POSITIONS_PER_CHUNK",
+    "ForwardBatches",
     "LmHeadPlan",
     "default_positions_per_chunk",
+    "forward_batches",
     "lm_head_plan",
     "position_ids_from_mask",
     "action_log_probs",
@@ -103,6 +105,54 @@ def _check_layout(
         )
     if batch_size < 1:
         raise InvalidArgument(f"forward_batch_size must be >= 1, got {batch_size}")
+
+
+@dataclass(frozen=True)
+class ForwardBatches:
+    """The rows of a scoring call in forward batches (forward_batch_size rows at most), each
+    without the leading columns that are padding in all of its rows.
+
+    Rows go longest left-padded content first (a stable sort on the first real column: a GRPO
+    group's rows share their prompt, so they stay together), so a batch holds rows of similar
+    prompt length and trims more. Trimming is exact: no real query attends to a left pad
+    (their masks and position ids, from cumsum(mask), are unchanged), and the trim never
+    reaches the last `keep_last` columns (the action columns and the one before them).
+    `restore` puts per-row results back in the caller's row order."""
+
+    batches: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (ids, mask) of each batch
+    order: torch.Tensor | None  # sorted position -> caller's row; None: the caller's order
+
+    def restore(self, results: torch.Tensor) -> torch.Tensor:
+        """(B, ...) results in the batches' order -> in the caller's row order."""
+        if self.order is None:
+            return results
+        restored = torch.empty_like(results)
+        restored[self.order] = results
+        return restored
+
+
+def forward_batches(
+    sequences: torch.Tensor, attention_mask: torch.Tensor, batch_size: int, keep_last: int
+) -> ForwardBatches:
+    """ForwardBatches of (B, S) rows: sorted when there is more than one batch, each batch
+    trimmed of its all-padding leading columns, up to S - keep_last."""
+    rows, width = sequences.shape
+    real = attention_mask != 0
+    first_real = torch.where(real.any(-1), real.int().argmax(-1), width)  # (B,) no sync
+    order = None
+    if rows > batch_size:
+        order = torch.sort(first_real, stable=True).indices
+        if bool((order == torch.arange(rows, device=order.device)).all()):
+            order = None  # already in order: no gather, no scatter
+        else:
+            sequences, attention_mask = sequences[order], attention_mask[order]
+            first_real = first_real[order]
+    batches = []
+    for start in range(0, rows, batch_size):
+        stop = start + batch_size
+        trim = min(int(first_real[start:stop].min()), width - keep_last)
+        batches.append((sequences[start:stop, trim:], attention_mask[start:stop, trim:]))
+    return ForwardBatches(tuple(batches), order)
 
 
 def _logits_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -346,9 +396,8 @@ def action_log_probs(
         raise InvalidArgument(f"positions_per_chunk must be >= 1, got {positions_per_chunk}")
     log_probs, entropies = [], []
     with torch.inference_mode():
-        for start in range(0, sequences.shape[0], forward_batch_size):
-            ids = sequences[start : start + forward_batch_size]  # (b, S)
-            mask = attention_mask[start : start + forward_batch_size]
+        plan = forward_batches(sequences, attention_mask, forward_batch_size, num_actions + 1)
+        for ids, mask in plan.batches:  # (b, S') each
             logits_of = _action_logits(model, ids, mask, num_actions, path)
             lp, ent = _chunked_log_probs(
                 logits_of, ids[:, -num_actions:], temperature, with_entropy, positions_per_chunk
@@ -356,8 +405,8 @@ def action_log_probs(
             del logits_of  # free this micro-batch's hidden states or logits before the next
             log_probs.append(lp)
             entropies.append(ent)
-    entropy = torch.cat(entropies) if with_entropy else None
-    return torch.cat(log_probs), entropy
+        entropy = plan.restore(torch.cat(entropies)) if with_entropy else None
+        return plan.restore(torch.cat(log_probs)), entropy
 
 
 def critic_values(
@@ -380,23 +429,22 @@ def critic_values(
     forward, head = _engine_body_and_head(critic, path, "ForTokenClassification")
     values = []
     with torch.inference_mode():
-        for start in range(0, sequences.shape[0], forward_batch_size):
-            mask = attention_mask[start : start + forward_batch_size]
-            ids = sequences[start : start + forward_batch_size]
+        plan = forward_batches(sequences, attention_mask, forward_batch_size, num_actions + 1)
+        for ids, mask in plan.batches:
             if forward is not None:
                 keep = slice(-num_actions - 1, -1)
                 hidden = _engine_hidden(forward, ids, mask, keep, num_actions)
                 values.append(_single_label(head(hidden), expected_ndim=3))
                 continue
             out = critic(
-                input_ids=sequences[start : start + forward_batch_size],
+                input_ids=ids,
                 attention_mask=mask,
                 position_ids=position_ids_from_mask(mask),
                 use_cache=False,
             )
             per_token = _single_label(out.logits, expected_ndim=3)  # (b, S)
             values.append(per_token[:, -num_actions - 1 : -1])
-    return torch.cat(values)
+        return plan.restore(torch.cat(values))
 
 
 def _engine_body_and_head(
@@ -459,9 +507,8 @@ def reward_scores(
     forward, _ = _engine_body_and_head(reward_model, path, "ForSequenceClassification")
     scores = []
     with torch.inference_mode():
-        for start in range(0, sequences.shape[0], forward_batch_size):
-            mask = attention_mask[start : start + forward_batch_size]
-            ids = sequences[start : start + forward_batch_size]
+        plan = forward_batches(sequences, attention_mask, forward_batch_size, 1)
+        for ids, mask in plan.batches:
             if forward is not None:
                 hidden = _engine_hidden(forward, ids, mask, slice(None))  # (b, S, H)
             else:
@@ -474,7 +521,7 @@ def reward_scores(
             rows = torch.arange(hidden.shape[0], device=hidden.device)
             last = hidden[rows, last_real_index(mask)]  # (b, H)
             scores.append(_single_label(head(last), expected_ndim=2))
-    return torch.cat(scores)
+        return plan.restore(torch.cat(scores))
 
 
 def _reward_scores_per_row(
