@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import importlib.util
 import json
 import os
@@ -18,7 +19,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import grpc
 import pytest
 import torch
 from helpers_server import ServerProcess
+from helpers_wait import wait_until as wait_until_within
 from prometheus_client import generate_latest
 from rollserve.client import AsyncRolloutClient, FailedPrecondition, RolloutClient
 from rollserve.client.calls import SubscribedBatch
@@ -59,6 +60,7 @@ TEMPLATE = {
     "rewards": [{"source": "exact_match"}],
 }
 WAIT_S = 60.0
+_wait_until = functools.partial(wait_until_within, within_s=WAIT_S)
 
 
 def _write_jsonl(path: Path, items: list[dict]) -> Path:
@@ -123,14 +125,6 @@ def serving(models: ModelSet, files: dict[str, Path] | None, **config: object):
 def _progress(target: str) -> pb.RolloutProgress:
     with grpc.insecure_channel(target) as channel:
         return rollout_pb2_grpc.RolloutStub(channel).Health(pb.HealthRequest(), timeout=10).rollout
-
-
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline_s = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline_s:
-            raise AssertionError(f"still not true after {WAIT_S} s: {what}")
-        time.sleep(0.05)
 
 
 def _groups(prompt_ids: list[int]) -> list[int]:

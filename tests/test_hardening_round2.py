@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -47,6 +47,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers_server import ServerProcess, free_port, rss_bytes, start_server_process
+from helpers_wait import became_true
 from helpers_weights import state_hash, update_weights_requests
 from rollserve.client import RolloutClient
 from rollserve.client.protocol.errors import ResourceExhausted, RolloutError
@@ -281,17 +282,6 @@ def _groups(server: RolloutServer) -> WeightsGroups:
     return server.updates.planes.groups
 
 
-def _until(condition: Callable[[], bool], within_s: float) -> bool:
-    """Whether `condition` became true within `within_s` (checked every 10 ms)."""
-    deadline = time.monotonic() + within_s
-    tick = threading.Event()
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        tick.wait(0.01)
-    return True
-
-
 def test_init_weights_group_waits_at_most_the_cap_and_few_at_once(
     server: RolloutServer, channel: grpc.Channel
 ) -> None:
@@ -305,7 +295,7 @@ def test_init_weights_group_waits_at_most_the_cap_and_few_at_once(
         )
         for i in range(16)
     ]
-    assert _until(lambda: _groups(server).joining == MAX_JOINING, GROUP_CAP_S)
+    assert became_true(lambda: _groups(server).joining == MAX_JOINING, GROUP_CAP_S)
     _assert_probes_answer(channel)
     codes = []
     for call in calls:
@@ -317,7 +307,7 @@ def test_init_weights_group_waits_at_most_the_cap_and_few_at_once(
     assert len(waited) == MAX_JOINING, codes
     assert set(waited) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
     assert GROUP_CAP_S * 0.9 <= elapsed < GROUP_CAP_S + 3.0
-    assert _until(lambda: _groups(server).joining == 0, 1.0)
+    assert became_true(lambda: _groups(server).joining == 0, 1.0)
     _assert_probes_answer(channel)
 
 
@@ -331,12 +321,12 @@ def test_a_caller_that_leaves_frees_its_join_at_once(
         )
         for i in range(MAX_JOINING)
     ]
-    assert _until(lambda: _groups(server).joining == MAX_JOINING, GROUP_CAP_S)
+    assert became_true(lambda: _groups(server).joining == MAX_JOINING, GROUP_CAP_S)
     left = time.monotonic()
     for call in calls:
         call.cancel()
     # Well before the cap: the handlers returned and the joins stopped trying.
-    assert _until(lambda: _groups(server).joining == 0, GROUP_CAP_S / 2)
+    assert became_true(lambda: _groups(server).joining == 0, GROUP_CAP_S / 2)
     assert time.monotonic() - left < GROUP_CAP_S / 2
     _assert_probes_answer(channel)
 
@@ -365,9 +355,9 @@ def test_parts_waiting_for_an_unknown_leader_are_bounded(
         for i in range(16)
     ]
     try:
-        assert _until(lambda: parallel.waiting == MAX_WAITING_PARTS, CALL_S)
+        assert became_true(lambda: parallel.waiting == MAX_WAITING_PARTS, CALL_S)
         refused = 16 - MAX_WAITING_PARTS
-        assert _until(lambda: sum(call.done() for call in calls) == refused, CALL_S)
+        assert became_true(lambda: sum(call.done() for call in calls) == refused, CALL_S)
         done = [call for call in calls if call.done()]
         assert {call.code() for call in done} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
         _assert_probes_answer(channel)
@@ -418,9 +408,9 @@ def test_a_waiting_part_whose_caller_leaves_frees_its_place_at_once(models: Mode
         parallel = server.updates.planes.parallel
         call = _stub(channel).UpdateWeights.future(part(), timeout=long_wait_s)
         try:
-            assert _until(lambda: parallel.waiting == 1, CALL_S)
+            assert became_true(lambda: parallel.waiting == 1, CALL_S)
             call.cancel()
-            assert _until(lambda: parallel.waiting == 0, long_wait_s / 6)  # not the whole wait
+            assert became_true(lambda: parallel.waiting == 0, long_wait_s / 6)  # not the whole wait
         finally:
             release.set()
         _assert_probes_answer(channel)
@@ -478,7 +468,7 @@ def test_a_part_that_waited_for_its_part_0_stages_the_message_it_read_ahead(
         encoded.append(list(update.messages(header, begin, end)))
     call = update_weights_callable(channel)
     second = call.future(iter(encoded[1]), metadata=ADMIN, timeout=30.0)
-    assert _until(lambda: parallel.waiting == 1, CALL_S)
+    assert became_true(lambda: parallel.waiting == 1, CALL_S)
     first = call.future(iter(encoded[0]), metadata=ADMIN, timeout=30.0)
     assert first.result().version == second.result().version == version + 1
     assert torch.equal(module.get_submodule(Q0).weight, weights[Q0 + ".weight"])
@@ -583,7 +573,7 @@ def test_a_weights_group_that_cannot_be_formed_fails_at_once_and_frees_its_store
         assert not _join_threads()
         with pytest.raises(ConnectionRefusedError):  # the store's port is closed
             socket.create_connection(("127.0.0.1", master_port), timeout=CALL_S).close()
-        assert _until(lambda: _groups(server).joining == 0, CALL_S)
+        assert became_true(lambda: _groups(server).joining == 0, CALL_S)
         # The next attempt works.
         version = _version_of(admin)
         with WeightsGroup([admin], timeout_s=60.0) as group:
@@ -632,7 +622,7 @@ def test_readers_that_never_read_neither_starve_probes_nor_hold_threads(
                 for channel in stuck
             ]
             # Every slot is held by a handler waiting for its reader to take a message.
-            assert _until(lambda: deadlines.armed == workers, 30.0), deadlines.armed
+            assert became_true(lambda: deadlines.armed == workers, 30.0), deadlines.armed
             assert slots.held == workers
             with grpc.insecure_channel(target) as channel:
                 _assert_probes_answer(channel)
@@ -644,7 +634,7 @@ def test_readers_that_never_read_neither_starve_probes_nor_hold_threads(
                 assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert "--max-workers" in info.value.details()
                 # After the send timeout the streams end and their threads are free.
-                assert _until(lambda: slots.held == 0, SEND_S + 5.0), slots.held
+                assert became_true(lambda: slots.held == 0, SEND_S + 5.0), slots.held
                 for call in calls:
                     with pytest.raises(grpc.RpcError) as info:
                         list(call)
@@ -706,7 +696,7 @@ def test_a_subscriber_that_never_reads_does_not_stop_the_rollout(
                 iter([pb.SubscribeRequest(subscriber_id="stuck")]), timeout=60.0
             )
             # First in the ring, dealt a batch, and its handler blocked sending it.
-            assert _until(lambda: deadlines.armed == 1, 30.0)
+            assert became_true(lambda: deadlines.armed == 1, 30.0)
             started = time.monotonic()
             with RolloutClient(target, timeout_s=30.0) as client:
                 batches = list(client.subscribe("reader", max_batches=3))
@@ -716,7 +706,7 @@ def test_a_subscriber_that_never_reads_does_not_stop_the_rollout(
             assert took_s < SUBSCRIBE_SEND_S, took_s
             assert deadlines.expired == 0 and rollout.stats().subscribers == 1
             # Then it loses its subscription.
-            assert _until(lambda: rollout.stats().subscribers == 0, SUBSCRIBE_SEND_S + 5.0)
+            assert became_true(lambda: rollout.stats().subscribers == 0, SUBSCRIBE_SEND_S + 5.0)
             with pytest.raises(grpc.RpcError) as info:
                 list(stuck)
             assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
@@ -778,7 +768,7 @@ def test_a_trainer_that_pushes_after_each_batch_reads_fresh_batches_and_nothing_
                 taken = version + 1
                 # One batch made ahead (the one taken next), the window handed over: then the
                 # loop waits.
-                assert _until(lambda: rollout.stats().queued == 1, CALL_S)
+                assert became_true(lambda: rollout.stats().queued == 1, CALL_S)
                 stats = rollout.stats()
                 assert stats.made <= taken + window + QUEUE, stats
                 assert stats.delivered <= taken + window - 1, stats
@@ -800,7 +790,7 @@ def test_a_batch_that_went_stale_in_the_queue_is_dropped_at_hand_over(
         with RolloutClient(target, timeout_s=60.0) as client:
             stream = client.subscribe("slow", timeout_s=60.0)
             assert int(next(stream).experience.policy_version.max()) == 0
-            assert _until(lambda: rollout.stats().queued == 1, CALL_S)  # made by version 0
+            assert became_true(lambda: rollout.stats().queued == 1, CALL_S)  # made by version 0
             client.update_weights(weights, version=1)
             client.update_weights(weights, version=2)  # the queued batch is 2 versions behind
             batch = next(stream)
@@ -845,7 +835,7 @@ def test_bad_subscribe_requests_are_invalid_argument(
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
         assert message in info.value.details()
         assert server.rollout is not None
-        assert _until(lambda: server.rollout.stats().subscribers == 0, CALL_S)
+        assert became_true(lambda: server.rollout.stats().subscribers == 0, CALL_S)
 
 
 def test_a_client_from_before_windows_still_subscribes(models: ModelSet, tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import signal
-import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -21,12 +21,14 @@ import safetensors.torch
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers_server import ServerProcess, free_port, start_server_process
+from helpers_wait import wait_until as wait_until_within
 from prometheus_client.parser import text_string_to_metric_families
 from rollserve.client.protocol.errors import InvalidArgument
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
 WAIT_S = 60.0  # bound on any wait; never reached when things work
+wait_for = functools.partial(wait_until_within, within_s=WAIT_S)
 MAKE = {"service": "rollserve.v1.Rollout", "method": "MakeExperience"}
 
 
@@ -55,13 +57,6 @@ def metric(metrics_port: int, name: str, **labels: str) -> float:
             if sample.name == name and sample.labels == labels:
                 return sample.value
     return 0.0
-
-
-def wait_for(condition, what: str) -> None:
-    deadline_s = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline_s, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 # ---- one server with tight limits and a queue of one ----------------------------------------

@@ -14,6 +14,7 @@ serves and holds, until the grace period has ended.
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import grpc
 import pytest
 import torch
 from helpers_server import ServerProcess, free_port, start_server_process
+from helpers_wait import wait_until as wait_until_within
 from rollserve.client.protocol.wire import update_weights_callable
 from rollserve.client.weights.update_file import update_weights_messages
 from rollserve.server.config import ServerConfig
@@ -39,6 +41,7 @@ from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
 WAIT_S = 60.0  # bound on every wait; never reached when things work
+wait_until = functools.partial(wait_until_within, within_s=WAIT_S)
 GRACE_S = 2.0
 CLEAR_STATUSES = {grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}
 
@@ -59,13 +62,6 @@ def start(actor_dir: Path, *flags: str) -> tuple[ServerProcess, str]:
         "--shutdown-grace-s", str(GRACE_S), *flags,
     )  # fmt: skip
     return proc, f"127.0.0.1:{port}"
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline_s = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline_s, f"still not true after {WAIT_S} s: {what}"
-        time.sleep(0.02)
 
 
 class HeldRewards:

@@ -5,24 +5,13 @@ started end once idle, back to none."""
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
+from helpers_wait import became_true
 from rollserve.server.serving.thread_pool import ShrinkingThreadPool
 
 WAIT_S = 10.0
 IDLE_S = 0.2
-
-
-def _until(condition: Callable[[], bool], within_s: float = WAIT_S) -> bool:
-    deadline = time.monotonic() + within_s
-    tick = threading.Event()
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        tick.wait(0.01)
-    return True
 
 
 def test_work_runs_and_its_result_or_error_comes_back() -> None:
@@ -49,7 +38,7 @@ def test_a_burst_uses_at_most_max_workers_threads_and_they_end_once_idle() -> No
     release.set()
     idents = {future.result(WAIT_S) for future in futures}
     assert len(idents) == 4  # the waiting work ran on threads that came free
-    assert _until(lambda: pool.threads == 0)  # all idle for idle_s: gone
+    assert became_true(lambda: pool.threads == 0, WAIT_S)  # all idle for idle_s: gone
     assert not [t for t in threading.enumerate() if t.name.startswith("burst_")]
     assert pool.submit(lambda: "again").result(WAIT_S) == "again"  # a new thread when needed
 
@@ -66,8 +55,9 @@ def test_shutdown_ends_idle_threads_now_and_later_work_still_runs() -> None:
     busy = pool.submit(release.wait, WAIT_S)
     assert pool.submit(lambda: 1).result(WAIT_S) == 1  # a second thread, idle now
     pool.shutdown(wait=False)
-    assert _until(lambda: pool.threads == 1)  # the idle one ended at once, not after idle_s
+    # The idle one ended at once, not after idle_s.
+    assert became_true(lambda: pool.threads == 1, WAIT_S)
     release.set()
     assert busy.result(WAIT_S) is True
-    assert _until(lambda: pool.threads == 0)  # the busy one once its work was done
+    assert became_true(lambda: pool.threads == 0, WAIT_S)  # the busy one once its work was done
     assert pool.submit(lambda: 2).result(WAIT_S) == 2  # work gRPC had already taken runs
