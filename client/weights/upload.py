@@ -36,7 +36,6 @@ import grpc
 import torch
 
 from ...v1 import rollout_pb2 as pb
-from ..protocol.cuda_ipc import cuda_ipc_host_id
 from ..protocol.errors import FailedPrecondition
 from ..protocol.requests import Progress
 from ..protocol.shared_memory import shm_host_id
@@ -89,8 +88,9 @@ class Uploads:
         # Held from writing the memfd to the server's reply: the server reads it during the call,
         # so a second update from this client (another thread) must not overwrite it meanwhile.
         self._shm_lock = threading.Lock()
-        self._server_shares_host: bool | None = None
-        self._server_takes_cuda_ipc: bool | None = None  # offered and on this host
+        # Per same-host transport (SHM, CUDA_IPC): whether the server offers it and shares this
+        # host (Health, asked once), or False once it failed in a way that means it cannot work.
+        self._server_takes: dict[str, bool] = {}
         self._cuda_ipc_exports = CudaIpcExports()  # each storage exported once (cuda_ipc.py)
 
     def send(
@@ -110,14 +110,14 @@ class Uploads:
             except grpc.RpcError as error:
                 if transport == CUDA_IPC or not _unreachable(error, _CUDA_IPC_UNREACHABLE):
                     raise
-                self._server_takes_cuda_ipc = False
+                self._server_takes[CUDA_IPC] = False
                 _LOG.warning(
                     "CUDA IPC failed (%s); sending this update another way", error.details()
                 )
             except _CannotExport as error:
                 if transport == CUDA_IPC:
                     raise error.__cause__ from None  # type: ignore[misc]
-                self._server_takes_cuda_ipc = False  # this process's allocator cannot share
+                self._server_takes[CUDA_IPC] = False  # this process's allocator cannot share
                 _LOG.warning(
                     "CUDA IPC export failed (%s); sending this update another way", error.__cause__
                 )
@@ -127,7 +127,7 @@ class Uploads:
             except grpc.RpcError as error:
                 if transport == SHM or not _unreachable(error, _SHM_UNREACHABLE):
                     raise
-                self._server_shares_host = False
+                self._server_takes[SHM] = False
                 _LOG.warning(
                     "shared memory failed (%s); sending this update over gRPC", error.details()
                 )
@@ -154,24 +154,27 @@ class Uploads:
         # Per-chunk CRC-32 and an explicit stream count are requests for the gRPC stream.
         if update.crc32 or streams is not None:
             return False
-        if self._server_shares_host is None:
-            self._server_shares_host = self._shares_host(timeout_s=10.0)
-        return self._server_shares_host
+        return self._takes_same_host(SHM, timeout_s=10.0)
 
-    def _shares_host(self, timeout_s: float) -> bool:
+    def _takes_same_host(self, transport: str, timeout_s: float) -> bool:
+        """Whether the server offers `transport` (SHM or CUDA_IPC) and shares this host (same
+        boot and PID namespace: Health.shm_host_id); asked once, then remembered."""
+        if transport not in self._server_takes:
+            self._server_takes[transport] = self._offers_on_this_host(transport, timeout_s)
+        return self._server_takes[transport]
+
+    def _offers_on_this_host(self, transport: str, timeout_s: float) -> bool:
         try:
             health = self._health(timeout_s)
         except grpc.RpcError:
             return False  # the update itself will report why the server is unreachable
-        local = shm_host_id()
-        return SHM in health.weight_transports and bool(local) and health.shm_host_id == local
+        local = shm_host_id()  # cuda_ipc_host_id() is the same identity
+        return transport in health.weight_transports and bool(local) and health.shm_host_id == local
 
     def _send_shm(
         self, update: UpdateFile, options: CallOptions, progress: Progress | None
     ) -> pb.UpdateWeightsResponse:
-        if self._server_shares_host is None:
-            self._server_shares_host = self._shares_host(options.timeout_s)
-        if not self._server_shares_host:
+        if not self._takes_same_host(SHM, options.timeout_s):
             raise FailedPrecondition(
                 "transport 'shm' needs the client on the server's host, in its PID namespace, "
                 "and a server that accepts it (Health.shm_host_id differs or 'shm' is not in "
@@ -210,25 +213,13 @@ class Uploads:
         # Tensors not all on CUDA (no torch.cuda call then), or a request for the gRPC stream.
         if not all_on_cuda(update.state_dict) or update.crc32 or streams is not None:
             return False
-        if self._server_takes_cuda_ipc is None:
-            self._server_takes_cuda_ipc = self._takes_cuda_ipc(timeout_s=10.0)
-        return self._server_takes_cuda_ipc
-
-    def _takes_cuda_ipc(self, timeout_s: float) -> bool:
-        try:
-            health = self._health(timeout_s)
-        except grpc.RpcError:
-            return False  # the update itself will report why the server is unreachable
-        local = cuda_ipc_host_id()
-        return CUDA_IPC in health.weight_transports and bool(local) and health.shm_host_id == local
+        return self._takes_same_host(CUDA_IPC, timeout_s=10.0)
 
     def _send_cuda_ipc(
         self, update: UpdateFile, options: CallOptions, progress: Progress | None
     ) -> pb.UpdateWeightsResponse:
         check_on_cuda(update.state_dict)  # before asking the server anything
-        if self._server_takes_cuda_ipc is None:
-            self._server_takes_cuda_ipc = self._takes_cuda_ipc(options.timeout_s)
-        if not self._server_takes_cuda_ipc:
+        if not self._takes_same_host(CUDA_IPC, options.timeout_s):
             raise FailedPrecondition(
                 "transport 'cuda_ipc' needs the client on the server's host, in its PID "
                 "namespace, and a server on a CUDA device that accepts it (Health.shm_host_id "
