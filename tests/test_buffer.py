@@ -9,7 +9,12 @@ import pytest
 import torch
 from rollserve.client.buffer import ExperienceBuffer
 from rollserve.client.protocol.errors import InvalidArgument
-from rollserve.client.protocol.experience import Experience, split_experience_batch
+from rollserve.client.protocol.experience import (
+    EXPERIENCE_ACTION_FIELDS,
+    EXPERIENCE_SEQUENCE_FIELDS,
+    Experience,
+    split_experience_batch,
+)
 
 PAD = 0
 
@@ -232,18 +237,8 @@ def test_rejects_bad_arguments() -> None:
 # (docs/reference/experience_math.md section 6, "Buffer layouts")
 # ---------------------------------------------------------------------------------------------
 
-ACTION_FIELDS = (
-    "action_mask",
-    "action_log_probs",
-    "base_action_log_probs",
-    "values",
-    "kl",
-    "advantages",
-    "returns",
-    "action_entropy",
-    "rollout_log_probs",
-)
-TOKEN_FIELDS = ("sequences", "attention_mask")
+ACTION_FIELDS = EXPERIENCE_ACTION_FIELDS  # every (B, A) field, optional ones included
+TOKEN_FIELDS = EXPERIENCE_SEQUENCE_FIELDS  # every (B, S) field
 
 
 def ragged_experience(rows: list[tuple[int, list[int]]], *, version: int, seed: int) -> Experience:
