@@ -59,7 +59,7 @@ from rollserve.server.models import ModelSet, load_models
 from rollserve.server.serving.app import RolloutServer
 from rollserve.server.serving.exit_codes import STOP_BOUND_S, ExitCode
 from rollserve.server.weights.arena import StagingArena
-from rollserve.server.weights.distributed import MAX_JOINING, WeightsGroups
+from rollserve.server.weights.distributed import MAX_ABANDONED, MAX_JOINING, WeightsGroups
 from rollserve.server.weights.parallel import MAX_WAITING_PARTS
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
@@ -331,6 +331,64 @@ def test_a_caller_that_leaves_frees_its_join_at_once(
     _assert_probes_answer(channel)
 
 
+class _SilentMaster:
+    """A port that accepts connections and never answers: torch's store client, once
+    connected, waits on it for ever (whatever its timeout), until the port closes."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def accepted(self) -> int:
+        return len(self._accepted)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self._accepted.append(self._listener.accept()[0])
+            except OSError:
+                return  # closed
+
+    def close(self) -> None:
+        self._listener.close()
+        self._thread.join(CALL_S)
+        for connection in self._accepted:
+            connection.close()
+
+
+def test_joins_stuck_in_torch_after_their_caller_left_free_their_slots_and_are_bounded(
+    server: RolloutServer, channel: grpc.Channel
+) -> None:
+    groups = _groups(server)
+    master = _SilentMaster()
+    try:
+        for i in range(MAX_ABANDONED):
+            call = _stub(channel).InitWeightsGroup.future(
+                _join_request(f"silent-{i}", master.port), metadata=ADMIN, timeout=60.0
+            )
+            # The master probe, then the store's client: stuck in torch's C++ from here on.
+            reached = 2 * (i + 1)
+            assert became_true(lambda n=reached: master.accepted >= n, CALL_S), master.accepted
+            call.cancel()
+            assert became_true(lambda: groups.joining == 0, CALL_S)  # its slot is free at once
+            assert groups.abandoned == i + 1
+        _assert_probes_answer(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            _stub(channel).InitWeightsGroup(
+                _join_request("one-more", master.port), metadata=ADMIN, timeout=CALL_S
+            )
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
+        assert "abandoned" in (info.value.details() or "")
+    finally:
+        master.close()  # the store clients fail, see their callers left, and end
+    # c10d retries a failed connection once after a backoff of up to a few seconds.
+    assert became_true(lambda: groups.abandoned == 0, 4 * CALL_S), groups.abandoned
+
+
 # ---- item 3: parallel parts ----------------------------------------------------------------------
 
 
@@ -492,10 +550,13 @@ def test_sigterm_ends_the_process_while_a_rendezvous_is_stuck() -> None:
                 accepted, _ = mute.accept()  # the rendezvous reached the trainer's port
                 with accepted:
                     stopped = time.monotonic()
-                    # In flight when the grace ended: cancelled (exit 3), its handler freed.
+                    # In flight when the grace ended: cancelled, its handler freed; the
+                    # rendezvous thread, stuck in c10d, is work left behind (exit 4, os._exit:
+                    # a thread that leaves torch while the interpreter finalizes aborts it).
                     code = proc.terminate_and_wait(timeout_s=grace_s + 10.0)
                     took_s = time.monotonic() - stopped
-                    assert code == ExitCode.CANCELLED, (code, took_s, proc.log_text()[-3000:])
+                    assert code == ExitCode.ABANDONED, (code, took_s, proc.log_text()[-3000:])
+                    assert "weights-group rendezvous in torch" in proc.log_text()
                     # The promise (grace + STOP_BOUND_S), and 2 s for the interpreter's exit on
                     # a loaded machine.
                     assert took_s < grace_s + STOP_BOUND_S + 2.0, (took_s, proc.log_text()[-3000:])
@@ -580,6 +641,8 @@ def test_a_weights_group_that_cannot_be_formed_fails_at_once_and_frees_its_store
             weights = _q0_update(models, 0.999)
             (result,) = group.update_weights(weights, version=version + 1, mode="partial")
         assert result.version == version + 1
+        # The first group's join on the server (its caller cancelled) leaves torch soon after.
+        assert became_true(lambda: _groups(server).abandoned == 0, 4 * CALL_S)
 
 
 # ---- issue item 1: readers that never read -------------------------------------------------------

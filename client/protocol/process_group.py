@@ -57,9 +57,9 @@ def new_process_groups(
     lanes: int = 1,
     store: dist.Store | None = None,
 ) -> tuple[dist.ProcessGroup, ...]:
-    """Join (rank > 0) or host (rank 0, pass the master `store`) a group as `lanes` process
-    groups over one rendezvous (lane 0 is the group "{group}", lane k "{group}/lane{k}");
-    blocks until every rank joined all of them."""
+    """Join (rank > 0) or host (rank 0) a group as `lanes` process groups over one rendezvous
+    (lane 0 is the group "{group}", lane k "{group}/lane{k}"); blocks until every rank joined
+    all of them. `store`: the master store (rank 0) or a client of it already connected."""
     if not 1 <= lanes <= MAX_LANES:
         raise ValueError(f"lanes must be 1 to {MAX_LANES}, got {lanes}")
     if backend not in BACKENDS:

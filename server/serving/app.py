@@ -290,19 +290,21 @@ class RolloutServer:
             # the grace too.
             self.runtime.close(timeout_s=max(deadline_s - time.monotonic(), 0.0))
             engine_stopped = self.runtime.engine.stopped
+        updates_ended = True
         if self.updates is not None:
-            self.updates.close()
+            updates_ended = self.updates.close(wait_s=max(deadline_s - time.monotonic(), 0.0))
         if self._metrics_http is not None:
             self._metrics_http.close()
         if self.pool is not None:
             self.pool.shutdown(wait=False)  # idle handler threads end before the process does
-        if not (returned and engine_stopped):
+        if not (returned and engine_stopped and updates_ended):
             _LOG.warning(
                 "stopped, leaving behind what did not end within %.1f s of the grace: %s",
                 STOP_BOUND_S,
                 ", ".join(
                     ([f"{in_flight.count} call handlers"] if not returned else [])
                     + (["the engine's job in progress"] if not engine_stopped else [])
+                    + (["weights-group rendezvous in torch"] if not updates_ended else [])
                 ),
             )
             return ExitCode.ABANDONED

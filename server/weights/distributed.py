@@ -3,7 +3,9 @@
 InitWeightsGroup joins this server to a trainer's process group (client/process_group.py), on
 a thread of its own (_Join): its wait is capped by --max-group-timeout-s whatever timeout_s the
 caller asks for, at most MAX_JOINING run at once, and a caller that leaves frees its handler
-thread at once (the address it names is admin-chosen and may never answer). An
+thread and its slot at once (the address it names is admin-chosen and may never answer; torch's
+store client can wait on a silent listener for ever, so at most MAX_ABANDONED such threads are
+left to end in their own time). An
 UpdateWeights stream naming a DistributedSource carries the header and the file's head (the JSON
 header) as chunks; the server checks the version and the head against its model, then every
 rank votes (an all-reduce MAX of 0 = ready, 1 = refused) so that nobody starts a broadcast a
@@ -30,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import grpc
 import torch
@@ -62,6 +65,7 @@ from .timings import UpdateTimings
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_MAX_GROUP_TIMEOUT_S",
+    "MAX_ABANDONED",
     "MAX_JOINING",
     "WeightsGroup",
     "WeightsGroups",
@@ -80,7 +84,15 @@ _READY, _REFUSED = 0, 1
 # and at most MAX_JOINING run at once, each on its own daemon thread (see _Join).
 DEFAULT_MAX_GROUP_TIMEOUT_S = 120.0
 MAX_JOINING = 2
+# Rendezvous threads whose caller left (or whose wait ran out) but that are still inside torch's
+# blocking C++: they hold no slot of MAX_JOINING, but past this many InitWeightsGroup is refused.
+MAX_ABANDONED = 8
 _MASTER_RETRY_S = 0.2  # between connection attempts to a master that does not listen yet
+# One attempt of the store's client: c10d's constructor retries a refused connection with
+# backoff sleeps nothing can interrupt until its timeout, so each attempt gets this long and
+# the caller leaving is checked between attempts (measured: 0.9 s for an attempt of 0.3 s
+# toward a closed port, 1.7 s for 1 s).
+_STORE_ATTEMPT_S = 1.0
 _JOIN_MARGIN_S = 5.0  # a rendezvous may overrun its timeout by a little (c10d's last retry)
 
 
@@ -110,7 +122,8 @@ class WeightsGroups:
         self._groups: dict[str, WeightsGroup] = {}
         self._lock = threading.Lock()
         self._joining = threading.BoundedSemaphore(MAX_JOINING)  # rendezvous in flight
-        self._joins: set[_Join] = set()
+        self._joins: set[_Join] = set()  # hold a slot of _joining
+        self._abandoned: set[_Join] = set()  # left by their callers, still in torch
         self._closed = False
 
     def init(
@@ -138,6 +151,12 @@ class WeightsGroups:
             with self._lock:
                 if self._closed:
                     raise Unavailable("the server is stopping")
+                if len(self._abandoned) >= MAX_ABANDONED:
+                    raise ResourceExhausted(
+                        f"InitWeightsGroup: {len(self._abandoned)} abandoned rendezvous are "
+                        "still waiting in torch.distributed for peers that do not answer; "
+                        "retry once those peers close their connections"
+                    )
                 if name in self._groups:
                     raise FailedPrecondition(
                         f"group: {name!r} exists; DestroyWeightsGroup it first"
@@ -150,7 +169,7 @@ class WeightsGroups:
         with self._lock:
             self._joins.add(join)
         try:
-            threading.Thread(target=join.run, name=f"weights-group-{name}", daemon=True).start()
+            join.thread.start()
         except RuntimeError:  # no thread to be had
             self._settle(join, None)
             raise ResourceExhausted("InitWeightsGroup: no thread for the rendezvous") from None
@@ -163,22 +182,41 @@ class WeightsGroups:
 
     @property
     def joining(self) -> int:
-        """Rendezvous in flight (at most MAX_JOINING)."""
+        """Rendezvous a caller waits for (at most MAX_JOINING)."""
         with self._lock:
             return len(self._joins)
 
+    @property
+    def abandoned(self) -> int:
+        """Rendezvous threads whose caller left, still in torch (at most MAX_ABANDONED)."""
+        with self._lock:
+            return len(self._abandoned)
+
+    def _abandon(self, join: _Join) -> None:
+        """Nobody waits for join any more: free its slot now; its thread ends in its own time
+        (its name stays reserved until then, and a group it forms is shut down)."""
+        with self._lock:
+            if join not in self._joins:
+                return  # settled first
+            self._joins.discard(join)
+            self._abandoned.add(join)
+        self._joining.release()
+
     def _settle(self, join: _Join, group: WeightsGroup | None) -> bool:
-        """The end of a join: keep its group (unless closed), or free its reserved name; free
-        the join's slot. Whether the group was kept."""
+        """The end of a join's thread: keep its group (unless closed or abandoned), or free its
+        reserved name; free the join's slot unless _abandon did. Whether the group was kept."""
         name = join.name
         with self._lock:
+            holds_slot = join in self._joins
             self._joins.discard(join)
+            self._abandoned.discard(join)
             kept = group is not None and not self._closed
             if kept:
                 self._groups[name] = group  # type: ignore[assignment]
             elif self._groups.get(name, False) is None:
                 del self._groups[name]  # the reservation (close may have cleared it)
-        self._joining.release()
+        if holds_slot:
+            self._joining.release()
         return kept
 
     def destroy(self, name: str) -> None:
@@ -189,17 +227,29 @@ class WeightsGroups:
             del self._groups[name]
         _shutdown(group)
 
-    def close(self) -> None:
-        """Leave every group; joins in flight are given up (a group they form is shut down)."""
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Leave every group; joins in flight are given up (a group they form is shut down).
+        Waits up to wait_s for their threads to leave torch; whether they all did (one still
+        inside when the interpreter finalizes aborts the process: the caller then leaves by
+        os._exit, as for any work left behind)."""
         with self._lock:
             self._closed = True
             groups = [g for g in self._groups.values() if g is not None]
             self._groups.clear()
-            joins = list(self._joins)
+            joins = list(self._joins | self._abandoned)
         for join in joins:
             join.abandon()
         for group in groups:
             _shutdown(group)
+        deadline = time.monotonic() + wait_s
+        for join in joins:
+            join.thread.join(max(deadline - time.monotonic(), 0.0))
+        running = sum(join.thread.is_alive() for join in joins)
+        if running:
+            _LOG.warning(
+                "%d weights-group rendezvous are still waiting in torch.distributed", running
+            )
+        return not running
 
     def get(self, name: str) -> WeightsGroup:
         with self._lock:
@@ -251,6 +301,9 @@ class _Join:
         self._left = threading.Event()  # the caller left: stop trying
         self._wake = threading.Event()  # the rendezvous ended or the caller left
         self._result: WeightsGroup | RolloutError | None = None
+        self.thread = threading.Thread(
+            target=self.run, name=f"weights-group-{self.name}", daemon=True
+        )
 
     def run(self) -> None:
         """The join thread: rendezvous, then keep the group unless the caller left."""
@@ -266,9 +319,12 @@ class _Join:
     def abandon(self) -> None:
         """The caller left (gRPC's callback thread, or the handler after its bound)."""
         with self._lock:
-            if self._result is None:
+            left = self._result is None
+            if left:
                 self._left.set()
         self._wake.set()
+        if left:
+            self._groups._abandon(self)
 
     def wait(self) -> WeightsGroup:
         """The joined group, or the error to answer with."""
@@ -277,6 +333,8 @@ class _Join:
             result = self._result
             if result is None:
                 self._left.set()  # run() drops the group should it still form
+        if result is None:
+            self._groups._abandon(self)
         if isinstance(result, WeightsGroup):
             return result
         if isinstance(result, RolloutError):
@@ -292,6 +350,7 @@ class _Join:
         request = self._request
         try:
             self._wait_for_master()
+            store = self._connect_store()
             process_groups = new_process_groups(
                 group=request.group,
                 master_address=request.master_address,
@@ -301,6 +360,7 @@ class _Join:
                 backend=self._backend,
                 timeout_s=max(self._deadline - time.monotonic(), 0.001),
                 lanes=self._lanes,
+                store=store,
             )
         except RolloutError as error:
             return error
@@ -337,6 +397,31 @@ class _Join:
                 pass
             if self._left.wait(min(_MASTER_RETRY_S, max(remaining, 0.0))):
                 raise Cancelled("InitWeightsGroup: the caller left")
+
+    def _connect_store(self) -> dist.TCPStore:
+        """The master's store, as its client: attempts of at most _STORE_ATTEMPT_S, so a
+        master that closes while we connect (its trainer gave the group up) ends the join soon
+        after its caller leaves, not at the timeout; then the store waits up to the deadline."""
+        request = self._request
+        while True:
+            remaining = self._deadline - time.monotonic()
+            if remaining <= 0:
+                raise Unavailable(
+                    f"group {request.group!r}: rendezvous failed: the store at "
+                    f"{request.master_address}:{request.master_port} did not answer within "
+                    f"{self._timeout_s:g} s (timeout_s, capped by --max-group-timeout-s)"
+                )
+            try:
+                store = dist.TCPStore(
+                    request.master_address, request.master_port, request.world_size,
+                    is_master=False, timeout=timedelta(seconds=min(remaining, _STORE_ATTEMPT_S)),
+                )  # fmt: skip
+            except RuntimeError:  # c10d's DistNetworkError and kin: retried to the deadline
+                if self._left.wait(min(_MASTER_RETRY_S, max(remaining, 0.0))):
+                    raise Cancelled("InitWeightsGroup: the caller left") from None
+                continue
+            store.set_timeout(timedelta(seconds=max(self._deadline - time.monotonic(), 0.001)))
+            return store
 
 
 class _NotFound(RolloutError):

@@ -216,7 +216,9 @@ class Planes:
             return _Broadcast(self.groups, header.distributed)
         return _Chunks()
 
-    def close(self) -> None:
-        """Leave every weights group and unmap cached shared-memory files (server stop)."""
-        self.groups.close()
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Leave every weights group and unmap cached shared-memory files (server stop);
+        whether every rendezvous thread ended within wait_s (WeightsGroups.close)."""
+        ended = self.groups.close(wait_s)
         release_mappings()
+        return ended

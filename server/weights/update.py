@@ -127,8 +127,9 @@ class WeightUpdates:
         except Exception:  # metrics must never fail an update that was applied
             _LOG.exception("observing an update's phases failed")
 
-    def close(self) -> None:
-        self.planes.close()
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Server stop: see Planes.close; whether nothing was left running."""
+        return self.planes.close(wait_s)
 
     def _stage_and_swap(
         self,
