@@ -243,7 +243,8 @@ class WeightsGroups:
             _shutdown(group)
         deadline = time.monotonic() + wait_s
         for join in joins:
-            join.thread.join(max(deadline - time.monotonic(), 0.0))
+            if join.thread.is_alive():  # (not yet started: init's own race with a stop)
+                join.thread.join(max(deadline - time.monotonic(), 0.0))
         running = sum(join.thread.is_alive() for join in joins)
         if running:
             _LOG.warning(
@@ -404,6 +405,8 @@ class _Join:
         after its caller leaves, not at the timeout; then the store waits up to the deadline."""
         request = self._request
         while True:
+            if self._left.is_set():
+                raise Cancelled("InitWeightsGroup: the caller left")
             remaining = self._deadline - time.monotonic()
             if remaining <= 0:
                 raise Unavailable(
