@@ -42,7 +42,8 @@ _MEANINGS = {
     ),
     ExitCode.ABANDONED: (
         f"stopped without waiting for work that had not ended {STOP_BOUND_S:g} s after the "
-        "grace (a handler stuck on a peer, the engine inside a batch)"
+        "grace (a handler stuck on a peer, the engine inside a batch, a weights-group "
+        "rendezvous inside torch)"
     ),
 }
 
