@@ -278,8 +278,8 @@ class _Join:
     an hour, even after the caller left, and a stuck non-daemon handler thread kept the process
     alive after SIGTERM). Here the handler waits on an event that the rendezvous or the caller
     leaving sets, and returns at once when the caller leaves. The thread first connects to the
-    master itself, retrying every _MASTER_RETRY_S until the timeout, so a join toward a port
-    nobody listens on ends as soon as its caller leaves; past that, it ends by the timeout.
+    master's store itself, retrying every _MASTER_RETRY_S until the timeout, so a join toward a
+    port nobody listens on ends as soon as its caller leaves; past that, it ends by the timeout.
     A group that forms after its caller left is shut down, not kept.
     """
 
@@ -350,7 +350,6 @@ class _Join:
     def _rendezvous(self) -> WeightsGroup | RolloutError:
         request = self._request
         try:
-            self._wait_for_master()
             store = self._connect_store()
             process_groups = new_process_groups(
                 group=request.group,
@@ -378,53 +377,38 @@ class _Join:
             request.world_size,
         )  # fmt: skip
 
-    def _wait_for_master(self) -> None:
-        """Until the master accepts a connection (closed at once; the store makes its own):
-        Cancelled when the caller leaves, Unavailable at the deadline."""
-        address = (self._request.master_address.strip("[]"), self._request.master_port)
-        while True:
+    def _connect_store(self) -> dist.TCPStore:
+        """The master's store, as its client, retried every _MASTER_RETRY_S until the deadline
+        (Unavailable) or the caller leaving (Cancelled). An attempt first checks that the master
+        accepts a connection (a plain socket, closed at once: quick and quiet while the trainer
+        has not opened its store yet), then gives torch's client at most _STORE_ATTEMPT_S, so a
+        master that closes while we connect (its trainer gave the group up) ends the join soon
+        after its caller leaves, not at the timeout. The store then waits up to the deadline."""
+        request = self._request
+        address = (request.master_address.strip("[]"), request.master_port)
+        accepted = False  # the master accepted a connection once: its store failed to answer
+        while not self._left.is_set():
             remaining = self._deadline - time.monotonic()
             if remaining <= 0:
+                what = "the store did not answer" if accepted else "nothing accepted connections"
                 raise Unavailable(
-                    f"group {self._request.group!r}: rendezvous failed: nothing accepted "
-                    "connections at "
-                    f"{self._request.master_address}:{self._request.master_port} within "
+                    f"group {request.group!r}: rendezvous failed: {what} at "
+                    f"{request.master_address}:{request.master_port} within "
                     f"{self._timeout_s:g} s (timeout_s, capped by --max-group-timeout-s)"
                 )
             try:
                 with socket.create_connection(address, timeout=min(remaining, 1.0)):
-                    return
-            except OSError:
-                pass
-            if self._left.wait(min(_MASTER_RETRY_S, max(remaining, 0.0))):
-                raise Cancelled("InitWeightsGroup: the caller left")
-
-    def _connect_store(self) -> dist.TCPStore:
-        """The master's store, as its client: attempts of at most _STORE_ATTEMPT_S, so a
-        master that closes while we connect (its trainer gave the group up) ends the join soon
-        after its caller leaves, not at the timeout; then the store waits up to the deadline."""
-        request = self._request
-        while True:
-            if self._left.is_set():
-                raise Cancelled("InitWeightsGroup: the caller left")
-            remaining = self._deadline - time.monotonic()
-            if remaining <= 0:
-                raise Unavailable(
-                    f"group {request.group!r}: rendezvous failed: the store at "
-                    f"{request.master_address}:{request.master_port} did not answer within "
-                    f"{self._timeout_s:g} s (timeout_s, capped by --max-group-timeout-s)"
-                )
-            try:
+                    accepted = True
                 store = dist.TCPStore(
                     request.master_address, request.master_port, request.world_size,
                     is_master=False, timeout=timedelta(seconds=min(remaining, _STORE_ATTEMPT_S)),
                 )  # fmt: skip
-            except RuntimeError:  # c10d's DistNetworkError and kin: retried to the deadline
-                if self._left.wait(min(_MASTER_RETRY_S, max(remaining, 0.0))):
-                    raise Cancelled("InitWeightsGroup: the caller left") from None
+            except (OSError, RuntimeError):  # refused, or c10d's DistNetworkError and kin
+                self._left.wait(min(_MASTER_RETRY_S, remaining))
                 continue
             store.set_timeout(timedelta(seconds=max(self._deadline - time.monotonic(), 0.001)))
             return store
+        raise Cancelled("InitWeightsGroup: the caller left")
 
 
 class _NotFound(RolloutError):
