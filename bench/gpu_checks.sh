@@ -26,13 +26,15 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 step() {  # step NAME SECONDS COMMAND...: run with a time bound, log to $OUT/NAME.log
     local name=$1 limit=$2
     shift 2
+    case " ${SKIP_STEPS:-} " in *" $name "*) echo "=== $name skipped (SKIP_STEPS)"; return;; esac
     echo "=== $name (at most ${limit}s) $(date -u +%T)"
     timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "=== $name rc=$? $(date -u +%T)"
     tail -n "${TAIL_LINES:-25}" "$OUT/$name.log"
 }
 
-# TEST_GPU_FILES, PROFILE_ARGS, WEIGHTS_ARGS and BENCH_GPU_ARGS narrow a rerun (e.g. BENCH_GPU_ARGS="--skip generation").
+# TEST_GPU_FILES, PROFILE_ARGS, WEIGHTS_ARGS and BENCH_GPU_ARGS narrow a rerun (e.g. BENCH_GPU_ARGS="--skip generation");
+# SKIP_STEPS="bench-gpu profile" leaves whole steps out (a lease split into two shorter calls).
 # shellcheck disable=SC2086
 step test-gpu "${TEST_GPU_S:-150}" python3 -m pytest -v -m gpu --durations=10 -p no:cacheprovider ${TEST_GPU_FILES:-tests}
 profile=${PROFILE_GPU_S:-60}  # profile_gpu.py starts no part after its budget, 10 s before the bound
