@@ -238,4 +238,8 @@ def test_a_cuda_server_logs_device_phases_with_one_check_per_group(
     assert lane_count(phases, "check_launch") == tensors  # every tensor reached its group
     # The tiny model's tensors lie back to back in one dtype: one reduction checks them all.
     assert lane_count(phases, "check_group") == 1
-    assert lane_count(phases, "host_copy") >= 1 and " ring_wait " in phases
+    if transport == "shm":  # the page-locked mapping is copied to the device, no host copy
+        assert lane_count(phases, "page_lock") == 1 and lane_count(phases, "copy_launch") >= 1
+        assert " host_copy " not in phases
+    else:  # bytes from the socket go through the pinned ring
+        assert lane_count(phases, "host_copy") >= 1 and " ring_wait " in phases
