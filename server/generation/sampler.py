@@ -9,6 +9,11 @@ every step (and a captured CUDA graph replays it). So are temperature, top-p and
 min_new_tokens: a captured graph reads them, and only the settings that change the kernels
 (sampler_structure) key the graphs. Random numbers come in as one uniform per row, drawn up
 front (inverse-CDF sampling), so same seed -> same tokens.
+
+Two paths of the same sampling: with top-k or top-p the candidates' float32 probabilities are
+formed (_prepare) and inverted (_inverse_cdf); with every token a candidate (the plain
+structure, what RL rollouts use) the inverse CDF runs over block masses computed straight from
+the logits (_plain_masses, _plain_pick), and no (b, V) float32 tensor is written.
 """
 
 from __future__ import annotations
@@ -64,6 +69,21 @@ def sampler_structure(params: object, vocab: int) -> tuple:
     )
 
 
+def _banned(
+    scores: torch.Tensor,
+    ids: torch.Tensor | None,
+    step: torch.Tensor,
+    min_new_tokens: torch.Tensor,
+    single: torch.Tensor | None,
+) -> torch.Tensor:
+    """scores (b, n) with the single-token stops banned before min_new_tokens: -inf there. ids
+    (b, n): the token ids of the columns (None: the columns are the vocabulary in order)."""
+    if single is None:
+        return scores
+    stops = single[None] if ids is None else single[ids]
+    return scores.masked_fill(stops & (step < min_new_tokens), float("-inf"))
+
+
 def _prepare(
     logits: torch.Tensor,
     step: torch.Tensor,
@@ -86,10 +106,7 @@ def _prepare(
     raw = logits.float()
     scaled = raw if greedy else raw / temperature
     lse = torch.logsumexp(scaled if use_temperature else raw, dim=-1)
-    scores = scaled
-    if single is not None:
-        banned = single[None] & (step < min_new_tokens)  # (1, V)
-        scores = scores.masked_fill(banned, float("-inf"))
+    scores = _banned(scaled, None, step, min_new_tokens, single)
     if greedy:
         return scores.argmax(dim=-1), None, lse
     ids = None
@@ -184,18 +201,108 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     no data-dependent Python: a captured graph replays it, and it compiles with fullgraph (the
     Sampler compiles it where it compiles _prepare: on CUDA).
     """
-    rows, n = probs.shape
-    masses = _block_masses(probs)  # (r, nb)
-    cdf = torch.cat([masses.new_zeros(rows, 1), masses.cumsum(-1)], dim=-1)  # (r, nb + 1)
-    target = uniform[:, None].to(torch.float64) * cdf[:, -1:]  # (r, 1)
-    block = _first_exceeding(cdf[:, 1:], masses, target)[:, None]  # (r, 1)
-    width = min(CDF_BLOCK, n)
-    columns = block * CDF_BLOCK + torch.arange(width, device=probs.device)  # (r, width)
+    n = probs.shape[1]
+    block, target, before = _choose_block(_block_masses(probs), uniform)
+    columns = _block_columns(block, n)
     # Columns past n (the tail block) count as probability 0.
     inside = probs.gather(-1, columns.clamp_max(n - 1)).masked_fill(columns >= n, 0.0)
-    inside_cdf = cdf.gather(-1, block) + inside.to(torch.float64).cumsum(-1)  # (r, width)
-    pick = _first_exceeding(inside_cdf, inside, target)[:, None]
-    return block * CDF_BLOCK + pick
+    return _pick_in_block(block, inside, before, target)
+
+
+def _choose_block(
+    masses: torch.Tensor, uniform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first level of the inverse CDF: from the blocks' masses (r, nb) (any scale) and the
+    uniforms (r,), the block (r, 1) where each row's CDF crosses its target, the target (r, 1)
+    (u x the row's total) and the mass before that block (r, 1), in float64."""
+    masses = masses.to(torch.float64)
+    cdf = torch.cat([masses.new_zeros(masses.shape[0], 1), masses.cumsum(-1)], dim=-1)
+    target = uniform[:, None].to(torch.float64) * cdf[:, -1:]  # (r, 1)
+    block = _first_exceeding(cdf[:, 1:], masses, target)[:, None]  # (r, 1)
+    return block, target, cdf.gather(-1, block)
+
+
+def _block_columns(block: torch.Tensor, n: int) -> torch.Tensor:
+    """Column ids (r, min(CDF_BLOCK, n)) of each row's block (r, 1); the tail block's run past
+    n - 1 (the caller treats those as probability 0)."""
+    return block * CDF_BLOCK + torch.arange(min(CDF_BLOCK, n), device=block.device)
+
+
+def _pick_in_block(
+    block: torch.Tensor, inside: torch.Tensor, before: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    """The second level: the index (r, 1) of the column of the chosen block whose CDF (the
+    mass before the block plus a float64 scan of its masses inside (r, width), on the scale
+    of _choose_block's masses) first exceeds the target."""
+    inside_cdf = before + inside.to(torch.float64).cumsum(-1)  # (r, width)
+    return block * CDF_BLOCK + _first_exceeding(inside_cdf, inside, target)[:, None]
+
+
+def _block_sums(weights: torch.Tensor) -> torch.Tensor:
+    """Float64 sums (r, nb) of weights' (r, n) CDF_BLOCK-column blocks (the tail block last).
+
+    Traced by torch.compile: one reduction per part that casts as it reads (Inductor fuses the
+    weights' arithmetic into it, so they are never written). Eager: _block_masses, whose
+    float64 casts are chunked (ATen's sum(dtype=float64) casts its whole input first)."""
+    if not torch.compiler.is_compiling():
+        return _block_masses(weights)
+    rows, n = weights.shape
+    blocks = -(-n // CDF_BLOCK)
+    # Padded with zeros to whole blocks: one reduction is the weights' only reader (a second
+    # one over the tail would make Inductor write them out for both).
+    padded = torch.nn.functional.pad(weights, (0, blocks * CDF_BLOCK - n))
+    return padded.view(rows, blocks, CDF_BLOCK).sum(-1, dtype=torch.float64)
+
+
+def _plain_masses(
+    logits: torch.Tensor,
+    step: torch.Tensor,
+    temperature: torch.Tensor,
+    min_new_tokens: torch.Tensor,
+    single: torch.Tensor | None,
+    use_temperature: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plain structure (no top-k, no top-p: every token is a candidate, the RL default),
+    first pass: the float64 masses (b, nb) of the CDF blocks of exp(score - top), top (b, 1)
+    the row's largest score, and the log-sum-exp (b,) of the log-prob distribution, where
+    score = logits / temperature with the min_new_tokens ban (as _prepare's).
+
+    Nothing of (b, V) is kept: compiled, these are reductions over the model-dtype logits,
+    where _prepare + _inverse_cdf write float32 probabilities and read them back several
+    times (on an H100, 0.94 ms of a 4.5 ms decode step at 512 rows of a 152k vocabulary; a
+    read of the bf16 logits takes ~0.05 ms). The weights exp(score - top) are float32, as
+    _prepare's probabilities; their sums are float64, so the pick is one float64 scan's over
+    those weights (a float32 sum of a block would move a CDF boundary by ~1e-7 of its mass).
+    """
+    raw = logits.float()
+    scaled = raw / temperature
+    lse = torch.logsumexp(scaled if use_temperature else raw, dim=-1)
+    scores = _banned(scaled, None, step, min_new_tokens, single)
+    top = scores.amax(-1, keepdim=True)
+    return _block_sums(torch.exp(scores - top)), top, lse
+
+
+def _plain_pick(
+    logits: torch.Tensor,
+    masses: torch.Tensor,
+    top: torch.Tensor,
+    uniform: torch.Tensor,
+    step: torch.Tensor,
+    temperature: torch.Tensor,
+    min_new_tokens: torch.Tensor,
+    single: torch.Tensor | None,
+) -> torch.Tensor:
+    """The plain structure, second pass: the index (b, 1) of each row's sample, the inverse
+    CDF of _inverse_cdf over _plain_masses' blocks, the chosen block's weights recomputed
+    from its CDF_BLOCK logits by the same arithmetic (exp(score - top))."""
+    n = logits.shape[1]
+    block, target, before = _choose_block(masses, uniform)
+    columns = _block_columns(block, n)
+    ids = columns.clamp_max(n - 1)
+    scores = _banned(logits.gather(-1, ids).float() / temperature, ids, step, min_new_tokens,
+                     single)  # fmt: skip
+    inside = torch.exp(scores - top).masked_fill(columns >= n, 0.0)
+    return _pick_in_block(block, inside, before, target)
 
 
 # One compiled _prepare and _inverse_cdf per process (torch.compile keys its cache by function,
@@ -228,6 +335,11 @@ class Sampler:
         # Compiled too: eager, the two-level CDF is ~60 small kernels per block of rows (its
         # float64 casts are chunked to bound memory); Inductor folds the casts into the sums.
         self._inverse_cdf = _compiled_fn(_inverse_cdf, compiled)
+        # Every token a candidate (no top-k, no top-p): sampled from block masses, no (b, V)
+        # probabilities (_plain_masses).
+        self.plain = not self.greedy and not self.top_k and not self.filter_top_p
+        self._plain_masses = _compiled_fn(_plain_masses, compiled)
+        self._plain_pick = _compiled_fn(_plain_pick, compiled)
         self.load(params)
 
     def load(self, params: object) -> None:
@@ -257,8 +369,16 @@ class Sampler:
     def _sample_rows(
         self, logits: torch.Tensor, uniform: torch.Tensor, step: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        single = self.stops.single
+        if self.plain:
+            masses, top, lse = self._plain_masses(
+                logits, step, self.temperature, self.min_new_tokens, single, self.use_temperature
+            )
+            pick = self._plain_pick(logits, masses, top, uniform, step, self.temperature,
+                                    self.min_new_tokens, single)  # fmt: skip
+            return self._chosen(logits, pick.squeeze(1), lse)
         first, ids, lse = self._prepared(
-            logits, step, self.temperature, self.min_new_tokens, self.stops.single,
+            logits, step, self.temperature, self.min_new_tokens, single,
             self.greedy, self.top_k, self.filter_top_p, self.use_temperature,
         )  # fmt: skip
         if self.greedy:
@@ -267,6 +387,13 @@ class Sampler:
             probs = _top_p(first, self.top_p) if self.filter_top_p else first
             pick = self._inverse_cdf(probs, uniform)  # (b, 1)
             token = pick.squeeze(1) if ids is None else ids.gather(-1, pick).squeeze(1)
+        return self._chosen(logits, token, lse)
+
+    def _chosen(
+        self, logits: torch.Tensor, token: torch.Tensor, lse: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token (b,) and its log-prob: its logit (over the temperature under
+        logprobs_use_temperature) minus the log-sum-exp of that distribution."""
         chosen = logits.gather(-1, token[:, None]).squeeze(1).float()
         if self.use_temperature:
             chosen = chosen / self.temperature
