@@ -15,7 +15,10 @@ bench_generation.py, no download; --quick: its tiny Llama). Parts, in order, eac
    the eager step (compiled layers, no graph), of Forward.decode alone (eager and as a graph
    captured here); the bytes the step must move (the floor: weights read, live KV at the
    width, logits written and read; beside it a float32 (rows, vocab) written and read, what a
-   sampler that materialises probabilities adds) and the GB/s the floor implies.
+   sampler that materialises probabilities adds) and the GB/s the floor implies. Then the
+   decode attention variants (attention.py: pick_decode_attention) at each of those widths on
+   layer 0's cache as the request left it, in ms per call, with the GB/s of their KV reads,
+   the fastest here and the engine's choice (timed by its warm-up at the widest width).
 3. Sampler alone: Sampler.sample of the workspace on random (rows, vocab) logits, eager and as
    a graph, and its share of the graph step.
    Decode kernels: torch.profiler over a few eager steps (and graph replays at the widest
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import math
 import re
 import statistics
 import sys
@@ -60,6 +64,10 @@ from rollserve.server.experience.scoring import (  # noqa: E402
     position_ids_from_mask,
 )
 from rollserve.server.generation import Engine, engine_for, scoring_forward  # noqa: E402
+from rollserve.server.generation.attention import (  # noqa: E402
+    additive_mask,
+    pick_decode_attention,
+)
 from rollserve.server.generation.runner import attention_width, batch_bucket  # noqa: E402
 
 GB = 1e9
@@ -379,7 +387,8 @@ def start_decode(model: torch.nn.Module, case: Case, device: torch.device) -> De
         f"engine: warm-up of bucket {batch_bucket(case.rows, ws.rows)} in {warm_s:.1f} s; "
         f"layout {ws.rows} rows x {ws.width} columns, KV capacity {engine.capacity_tokens} "
         f"tokens, compiled {engine.compiled}, CUDA graphs {engine.use_graphs} "
-        f"({len(ws.graphs)} captured); attention widths (first step) {widths}\n",
+        f"({len(ws.graphs)} captured); attention widths (first step) {widths}; decode "
+        f"attention {engine.decode_attention} {_variant_ms(engine.decode_attention_ms)}\n",
         flush=True,
     )
     return Decode(engine, ws, rows, widths, ws.positions[:rows].clone())
@@ -421,6 +430,47 @@ def decode_timings(
          "+ f32 probs GB"],
         rows,
     )  # fmt: skip
+
+
+def attention_variants(decode: Decode, reps: int, figures: dict[str, float]) -> None:
+    """pick_decode_attention per width on layer 0's K/V views of the workspace (the request's
+    prefilled cache and its valid columns as the mask, random q): ms per call of each variant
+    (on CUDA inside a CUDA graph, as the engine replays it), the GB/s of its K and V reads."""
+    engine, ws, b = decode.engine, decode.ws, decode.rows
+    family = engine.family
+    g = torch.Generator(device=engine.device).manual_seed(2)
+    q = torch.randn((b, family.num_heads, family.head_dim), generator=g, device=engine.device)
+    q = q.to(engine.dtype)
+    rows, names = [], []
+    for attend in decode.measured_widths:
+        k, v = ws.k[0, :b, :, :attend], ws.v[0, :b, :, :attend]
+        mask = additive_mask(ws.valid[:b, :attend], engine.dtype)
+        fastest, timings = pick_decode_attention(q, k, v, mask, family.scaling, reps)
+        names = list(timings)
+        kv_gb = 2 * k.numel() * k.element_size() / GB
+        figures.update({f"attention_ms@{attend}:{n}": ms for n, ms in timings.items()})
+        rows.append([str(attend)] + [_variant_cell(ms, kv_gb) for ms in timings.values()]
+                    + [fastest, engine.decode_attention])  # fmt: skip
+    print_table(
+        ["width"] + [f"{n} ms (KV GB/s)" for n in names] + ["fastest here", "engine's choice"],
+        rows,
+    )
+    print(f"(engine's warm-up timings, top bucket at the widest width: "
+          f"{_variant_ms(engine.decode_attention_ms)})\n", flush=True)  # fmt: skip
+
+
+def _variant_cell(ms: float, kv_gb: float) -> str:
+    return "failed" if math.isnan(ms) else f"{ms:.4f} ({kv_gb / (ms / 1e3):.0f})"
+
+
+def _variant_ms(timings: dict[str, float]) -> str:
+    """A warm-up's timings in a line; "(not timed)" when it timed none (CPU, forced)."""
+    if not timings:
+        return "(not timed)"
+    return ", ".join(
+        f"{name} failed" if math.isnan(ms) else f"{name} {ms:.4f} ms"
+        for name, ms in timings.items()
+    )
 
 
 def _ms(value: float | None) -> str:
@@ -585,6 +635,13 @@ def print_summary(figures: dict[str, float], copy_gbs: float | None) -> None:
                 f", sampler {sampler_ms:.3f} ms, rest {step_ms - forward_ms - sampler_ms:.3f} ms"
             )
         print(line)
+    attention: dict[str, dict[str, float]] = {}
+    for key, ms in figures.items():
+        if key.startswith("attention_ms@"):
+            width, name = key.removeprefix("attention_ms@").split(":")
+            attention.setdefault(width, {})[name] = ms
+    for width, timings in sorted(attention.items(), key=lambda item: int(item[0])):
+        print(f"width {width}: decode attention per call {_variant_ms(timings)}")
     if "scoring_whole_ms" in figures:
         whole, body = figures["scoring_whole_ms"], figures["scoring_body_ms"]
         print(f"scoring one forward batch: {whole:.2f} ms, body {body:.2f} ms ({body / whole:.0%})")
@@ -651,6 +708,8 @@ def profile_all(args: argparse.Namespace, model: torch.nn.Module, parts: Parts) 
     decode = parts.run("the decode warm-up", lambda: start_decode(model, cases.decode, device))
     if decode is not None:
         parts.run("the decode timings", lambda: decode_timings(model, decode, timer, figures))
+        parts.run("the decode attention variants",
+                  lambda: attention_variants(decode, args.reps, figures))  # fmt: skip
     header(SAMPLER, "medians in ms")
     if decode is not None:
         parts.run("the sampler", lambda: sampler_timings(decode, timer, figures))

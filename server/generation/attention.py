@@ -1,12 +1,44 @@
 """Grouped-query attention for prefill (prompt against itself) and decode (one token against
-the static KV cache), by scaled_dot_product_attention with boolean masks."""
+the static KV cache), by scaled_dot_product_attention with additive masks.
+
+Decode attention comes in a few exact variants (DECODE_ATTENTION: the same math, other kernels)
+because which one is fastest depends on the device, torch and the shape: on an H100 SDPA's own
+choice (cuDNN) read the KV cache at ~60% of the copy ceiling (bench/RESULTS.md). The engine
+times them on its device at warm-up (pick_decode_attention) and runs the fastest.
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["additive_mask", "decode_attention", "prefill_attention", "prefill_mask"]
+__all__ = [
+    "DECODE_ATTENTION",
+    "DEFAULT_DECODE_ATTENTION",
+    "DecodeAttention",
+    "additive_mask",
+    "decode_attention",
+    "decode_attention_matmul",
+    "decode_attention_variant",
+    "pick_decode_attention",
+    "prefill_attention",
+    "prefill_mask",
+]
+
+_log = logging.getLogger("rollserve.generation")
+
+# q (b, H, D), k/v (b, Hkv, w, D), additive mask (b, w), scale -> (b, H, D).
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -53,7 +85,8 @@ def prefill_attention(
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """One query per row: q (b, H, D), cache k/v (b, Hkv, w, D), mask (b, w) -> (b, H, D).
+    """One query per row: q (b, H, D), cache k/v (b, Hkv, w, D), mask (b, w) -> (b, H, D);
+    the "sdpa" variant (SDPA picks its backend).
 
     The query heads of a KV head become that head's "query positions" (b, Hkv, G, D), so
     the cache is read once per KV head and never repeated.
@@ -63,3 +96,169 @@ def decode_attention(
     grouped = q.view(b, kv_heads, heads // kv_heads, dim)
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask[:, None, None], scale=scale)
     return out.reshape(b, heads, dim)
+
+
+def _sdpa_with(backend: SDPBackend) -> DecodeAttention:
+    """decode_attention with SDPA held to one backend (it raises where the backend does not
+    take these inputs: no fallback, so a variant's name is the kernel it runs)."""
+
+    def attend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        # sdpa_kernel sets process-wide flags while inside (not per thread): the context spans
+        # this one call, so no other SDPA call (prefill, scoring) ever runs under it. It only
+        # steers the choice at call time: a CUDA graph captured here replays the kernel chosen.
+        with sdpa_kernel(backend):
+            return decode_attention(q, k, v, mask, scale)
+
+    return attend
+
+
+def decode_attention_matmul(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """decode_attention by two batched matmuls per KV head, as HF's eager attention computes
+    it (scores in the model dtype, softmax in float32, cast back): the G query heads of a KV
+    head are the rows of one (G, D) @ (D, w) product, so K and V are read once, never
+    repeated. The cache views' (b, Hkv) dimensions merge without a copy."""
+    b, heads, dim = q.shape
+    grouped = q.view(b, k.shape[1], heads // k.shape[1], dim)
+    scores = torch.matmul(grouped, k.transpose(2, 3)).mul_(scale).add_(mask[:, None, None])
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v).reshape(b, heads, dim)
+
+
+DEFAULT_DECODE_ATTENTION = "sdpa"
+# Name -> variant; all take q (b, H, D), k/v (b, Hkv, w, D) (strided views of the cache), an
+# additive mask (b, w) of the model dtype (0 / -inf) and the scale, and return (b, H, D). Each
+# is capturable in a CUDA graph and never synchronises with the host. Only SDPA backends that
+# take an arbitrary additive mask are here (flash takes none); the CUDA ones raise on the CPU.
+DECODE_ATTENTION: dict[str, DecodeAttention] = {
+    DEFAULT_DECODE_ATTENTION: decode_attention,  # SDPA picks its backend
+    "sdpa_efficient": _sdpa_with(SDPBackend.EFFICIENT_ATTENTION),
+    "sdpa_cudnn": _sdpa_with(SDPBackend.CUDNN_ATTENTION),
+    "matmul": decode_attention_matmul,
+}
+
+
+def decode_attention_variant(name: str) -> DecodeAttention:
+    """The variant called `name`; ValueError naming the known ones otherwise."""
+    try:
+        return DECODE_ATTENTION[name]
+    except KeyError:
+        known = ", ".join(DECODE_ATTENTION)
+        raise ValueError(f"unknown decode attention variant {name!r} (known: {known})") from None
+
+
+# Calls of a variant per timed CUDA graph: a call is tens of microseconds on an H100, of the
+# order of a graph launch's overhead, which a replay of several calls amortises.
+_GRAPH_CALLS = 8
+# A variant other than the default must beat it by this fraction to be chosen: a near tie
+# keeps the default, so noise does not flip the choice (and the rounding of every rollout)
+# from one server start to the next.
+PICK_MARGIN = 0.03
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """How far variants may differ: a few roundings of the dtype (scores rounded to bfloat16
+    in "matmul", as HF's eager attention does, against SDPA's float32 scores)."""
+    return max(4 * torch.finfo(dtype).eps, 1e-5)
+
+
+def _agrees(out: torch.Tensor, reference: torch.Tensor) -> bool:
+    if out.shape != reference.shape or out.dtype != reference.dtype:
+        return False
+    tol = _tolerance(reference.dtype)
+    return bool(torch.allclose(out.float(), reference.float(), rtol=tol, atol=tol))
+
+
+def _cpu_ms(call: Callable[[], object], warmup: int, repeats: int) -> float:
+    """Median wall-clock ms of one call."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _cuda_ms(call: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median device ms of one call as the engine runs it: inside a CUDA graph (after warm-up
+    calls on a side stream, as the engine's capture does), _GRAPH_CALLS calls per replay, timed
+    by CUDA events between back-to-back replays (no launch gap, no host in the measure). A
+    variant that cannot be captured raises here: the engine could not use it either."""
+    current, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            call()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(_GRAPH_CALLS):
+            call()
+    graph.replay()  # the first replay uploads the graph
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+    events[0].record()
+    for event in events[1:]:
+        graph.replay()
+        event.record()
+    torch.cuda.synchronize(device)
+    spans = [start.elapsed_time(end) for start, end in zip(events, events[1:], strict=False)]
+    return statistics.median(spans) / _GRAPH_CALLS
+
+
+def pick_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    repeats: int = 20,
+    *,
+    warmup: int = 2,
+    variants: Mapping[str, DecodeAttention] = DECODE_ATTENTION,
+) -> tuple[str, dict[str, float]]:
+    """Time every variant on these tensors; returns the fastest one's name and each variant's
+    ms (NaN: it raised, or its output disagreed with the default's; both logged).
+
+    On CUDA a variant's time is the median over `repeats` replays of a graph of its calls
+    (_cuda_ms; this synchronises: run it at warm-up only), elsewhere the median wall clock
+    of `repeats` calls after `warmup`. The default ("sdpa", what the forward ran before the
+    variants) is the reference every output is checked against and the choice unless another
+    is PICK_MARGIN faster; it must be among `variants` and must run.
+    """
+    reference = variants[DEFAULT_DECODE_ATTENTION](q, k, v, mask, scale)
+    timings: dict[str, float] = {}
+    for name, variant in variants.items():
+        timings[name] = math.nan
+        call = functools.partial(variant, q, k, v, mask, scale)
+        try:
+            if not _agrees(call(), reference):
+                _log.warning("decode attention %s disagrees with %s: not used", name,
+                             DEFAULT_DECODE_ATTENTION)  # fmt: skip
+                continue
+            if q.device.type == "cuda":
+                timings[name] = _cuda_ms(call, q.device, warmup, repeats)
+            else:
+                timings[name] = _cpu_ms(call, warmup, repeats)
+        except Exception as error:  # noqa: BLE001 - a variant that cannot run is not a choice
+            first = str(error).splitlines()[0] if str(error) else ""
+            # Expected off CUDA (the CUDA backends), worth a look on it.
+            level = logging.WARNING if q.is_cuda else logging.INFO
+            _log.log(level, "decode attention %s failed (%s: %s)", name, type(error).__name__,
+                     first)  # fmt: skip
+    return _fastest(timings), timings
+
+
+def _fastest(timings: dict[str, float]) -> str:
+    measured = {name: ms for name, ms in timings.items() if not math.isnan(ms)}
+    if not measured:
+        return DEFAULT_DECODE_ATTENTION
+    best = min(measured, key=measured.__getitem__)
+    default = measured.get(DEFAULT_DECODE_ATTENTION)
+    if default is not None and measured[best] > default * (1 - PICK_MARGIN):
+        return DEFAULT_DECODE_ATTENTION
+    return best

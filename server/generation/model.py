@@ -22,7 +22,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .attention import additive_mask, decode_attention, prefill_attention, prefill_mask
+from .attention import (
+    DEFAULT_DECODE_ATTENTION,
+    additive_mask,
+    decode_attention_variant,
+    prefill_attention,
+    prefill_mask,
+)
 from .compiling import maybe_compiled
 from .families import Family, Layer
 from .rotary import RopeTable, apply_rope
@@ -106,6 +112,8 @@ class Forward:
     """Embedding -> decoder layers -> final norm -> lm_head, reading `family`'s modules.
 
     compiled: run the decode step's per-layer functions through torch.compile (CUDA only).
+    decode_attention_variant: which of attention.py's DECODE_ATTENTION decode runs (the engine
+    picks it at warm-up, before it captures graphs: a captured graph keeps the one it saw).
     """
 
     def __init__(self, family: Family, rope: RopeTable, *, compiled: bool = False) -> None:
@@ -113,6 +121,18 @@ class Forward:
         self.rope = rope
         self._inputs = maybe_compiled(attention_inputs, compiled)
         self._mlp = maybe_compiled(mlp_block, compiled)
+        self.decode_attention_variant = DEFAULT_DECODE_ATTENTION
+
+    @property
+    def decode_attention_variant(self) -> str:
+        """The name decode's attention runs; setting a name not in DECODE_ATTENTION raises
+        ValueError."""
+        return self._decode_attention_name
+
+    @decode_attention_variant.setter
+    def decode_attention_variant(self, name: str) -> None:
+        self._decode_attention = decode_attention_variant(name)
+        self._decode_attention_name = name
 
     def _layer_inputs(
         self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn: Callable
@@ -257,7 +277,9 @@ class Forward:
             q, k, v = self._layer_inputs(layer, x, cos, sin, self._inputs)
             k_cache.index_copy_(2, column, k)
             v_cache.index_copy_(2, column, v)
-            out = decode_attention(q[:, :, 0], k_cache, v_cache, masks[layer.window], f.scaling)
+            out = self._decode_attention(
+                q[:, :, 0], k_cache, v_cache, masks[layer.window], f.scaling
+            )
             x = self._layer_mlp(layer, x, out.reshape(b, 1, -1), self._mlp)
         return self.logits(rms_norm(f.norm.weight, f.norm.variance_epsilon, x[:, 0]))
 

@@ -12,11 +12,14 @@ structure only: temperature, top-p and min_new_tokens are device tensors the ste
 graphs read the model's parameter storages, so a weight update that swaps a storage (rather
 than copying into it) must drop them: generate() checks the parameters' addresses and calls
 invalidate() itself when they changed. memory() reports what the engine holds on the device.
+On CUDA the first warm-up also times the decode attention variants (attention.py) on the device
+and keeps the fastest (decode_attention, decode_attention_ms), before any graph is captured.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attention import pick_decode_attention
 from .families import Family
 from .kv_cache import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -48,6 +52,9 @@ PREFILL_TOKENS = 8192  # prompt tokens per prefill forward (rows are chunked to 
 MAX_WORKSPACES = 4  # layouts x sampling structures kept with their graphs
 WARM_UP_BUDGET_S = 60.0  # the warm-up starts no new batch bucket after this (it delays SERVING)
 _COMPILE_ENV = "ROLLSERVE_ENGINE_COMPILE"
+# A decode attention variant's name (attention.py's DECODE_ATTENTION): the engine runs it and
+# times none (reruns of a measured choice, tests on the CPU, where nothing is timed).
+DECODE_ATTENTION_ENV = "ROLLSERVE_DECODE_ATTENTION"
 _log = logging.getLogger("rollserve.generation")
 
 
@@ -198,6 +205,13 @@ class Engine:
         self.compiled = compiled
         rope = RopeTable(family.rotary, family.max_positions, self.dtype)
         self.forward = Forward(family, rope, compiled=compiled)
+        forced = os.environ.get(DECODE_ATTENTION_ENV, "").strip()
+        if forced:
+            self.forward.decode_attention_variant = forced  # ValueError for an unknown name
+        # Each variant's ms as the warm-up timed them (NaN: failed or disagreed; empty: none
+        # timed, off CUDA or forced). Settled: forced, or picked once (graphs keep it).
+        self.decode_attention_ms: dict[str, float] = {}
+        self._attention_settled = bool(forced)
         layers = len(family.layers)
         probe = KVCache(layers, family.num_kv_heads, family.head_dim, self.dtype, self.device, 1)
         # kv_cache_tokens None or 0: derived from the memory budget (kv_cache.py), less
@@ -248,6 +262,11 @@ class Engine:
     @property
     def capacity_tokens(self) -> int:
         return self.cache.capacity_tokens
+
+    @property
+    def decode_attention(self) -> str:
+        """The decode attention variant the steps run (attention.py's DECODE_ATTENTION)."""
+        return self.forward.decode_attention_variant
 
     def memory(self) -> EngineMemory:
         """What the engine and its model hold on the device now, and the device's peaks: the
@@ -348,6 +367,10 @@ class Engine:
             for step in range(1, steps):
                 attend = attention_width(prompt_width + step, ws.width)
                 first_step.setdefault(attend, step)
+            if self.device.type == "cuda" and not self._attention_settled and first_step:
+                if self._pick_decode_attention(ws, top, max(first_step)):
+                    self.invalidate()  # graphs captured with the old variant
+                    ws = self.workspace(rows, prompt_width, params, pad_token_id)
             covered = []
             for b in buckets:
                 if covered and time.perf_counter() - start > budget_s:
@@ -366,11 +389,43 @@ class Engine:
                 torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         _log.info(
-            "engine warm-up in %.2f s: batch buckets %s%s x attention widths %s, %d graphs",
+            "engine warm-up in %.2f s: batch buckets %s%s x attention widths %s, %d graphs, "
+            "decode attention %s",
             seconds, covered, f" (not {buckets[len(covered):]}: over {budget_s:.0f} s)"
             if len(covered) < len(buckets) else "", sorted(first_step), len(ws.graphs),
+            self.decode_attention,
         )  # fmt: skip
         return seconds
+
+    def _pick_decode_attention(self, ws: _Workspace, b: int, width: int) -> bool:
+        """Time the decode attention variants on the widest step the warm-up runs (bucket b,
+        `width` columns) and run the fastest from now on. The K/V are layer 0's cache views of
+        the workspace, so the strides are the real ones (filled with random numbers for the
+        check of the outputs, zeros again after); q is random, no column is masked. Returns
+        whether graphs captured with another variant exist (the caller drops them)."""
+        f = self.family
+        g = torch.Generator(device=self.device).manual_seed(0)
+        q = torch.randn((b, f.num_heads, f.head_dim), generator=g, dtype=self.dtype,
+                        device=self.device)  # fmt: skip
+        k, v = ws.k[0, :b, :, :width], ws.v[0, :b, :, :width]
+        mask = torch.zeros((b, width), dtype=self.dtype, device=self.device)
+        k.normal_(generator=g)
+        v.normal_(generator=g)
+        try:
+            name, timings = pick_decode_attention(q, k, v, mask, f.scaling)
+        finally:
+            k.zero_()  # as the cache was allocated (kv_cache.py)
+            v.zero_()
+        stale = name != self.decode_attention and any(w.graphs for w in self._workspaces.values())
+        self.forward.decode_attention_variant = name
+        self.decode_attention_ms = timings
+        self._attention_settled = True
+        _log.info(
+            "decode attention (%d rows x %d columns): %s -> %s", b, width,
+            ", ".join(f"{n} failed" if math.isnan(ms) else f"{n} {ms:.3f} ms"
+                      for n, ms in timings.items()), name,
+        )  # fmt: skip
+        return stale
 
     def workspace(
         self, batch: int, prompt_width: int, params: object, pad_token_id: int
