@@ -1,4 +1,5 @@
-"""torch.compile for the decode step's pure functions, with the eager function as fallback.
+"""torch.compile for the engine's pure functions (the decode step's, and the full-sequence
+layer's of prefill and scoring), with the eager function as fallback.
 
 Compilation happens on a function's first call for a shape (the eager warm-up run before a
 CUDA graph is captured). A compiler failure there (an Inductor bug for some shape) must not
@@ -8,14 +9,16 @@ fail the request: the function falls back to eager for good, and says so in the 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["maybe_compiled"]
+__all__ = ["COMPILE_ENV", "compiles_by_default", "maybe_compiled"]
 
 _log = logging.getLogger("rollserve.generation")
+COMPILE_ENV = "ROLLSERVE_ENGINE_COMPILE"  # "0": run the engine's functions eagerly
 # Compiled versions kept per function before dynamo silently runs it eagerly. A function here
 # compiles once per (sampling structure, batch-size class: the first size, dynamic, 1), so
 # dynamo's default of 8 would turn the sampler eager after a few kinds of requests.
@@ -33,10 +36,12 @@ def _raise_recompile_limit() -> None:
 class _Compiled:
     """A torch.compile'd function that turns into the eager one after a compiler failure."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], dynamic: bool | None = None) -> None:
         self.eager = fn
         _raise_recompile_limit()
-        self.compiled: Callable[..., Any] | None = torch.compile(fn, fullgraph=True)
+        self.compiled: Callable[..., Any] | None = torch.compile(
+            fn, fullgraph=True, dynamic=dynamic
+        )
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled is not None:
@@ -52,6 +57,17 @@ class _Compiled:
         return self.eager(*args)
 
 
-def maybe_compiled(fn: Callable[..., Any], enabled: bool) -> Callable[..., Any]:
-    """fn compiled when enabled (falling back to fn on a compiler failure), else fn."""
-    return _Compiled(fn) if enabled else fn
+def maybe_compiled(
+    fn: Callable[..., Any], enabled: bool, dynamic: bool | None = None
+) -> Callable[..., Any]:
+    """fn compiled when enabled (falling back to fn on a compiler failure), else fn. dynamic:
+    torch.compile's (True: one code for every size of the inputs' dimensions, except sizes
+    0 and 1, which dynamo specialises)."""
+    return _Compiled(fn, dynamic) if enabled else fn
+
+
+def compiles_by_default(device: torch.device) -> bool:
+    """Whether the engine's forward compiles its functions on `device` unless told: on CUDA
+    (there they are bound by small kernels; elsewhere compile time outweighs the gain),
+    unless ROLLSERVE_ENGINE_COMPILE=0."""
+    return device.type == "cuda" and os.environ.get(COMPILE_ENV, "1") != "0"

@@ -111,7 +111,8 @@ MLP_CHUNK_TOKENS = 4096
 class Forward:
     """Embedding -> decoder layers -> final norm -> lm_head, reading `family`'s modules.
 
-    compiled: run the decode step's per-layer functions through torch.compile (CUDA only).
+    compiled: run the per-layer functions through torch.compile (the engine: on CUDA), the
+    decode step's for its static shapes, the full-sequence forward's for any token count.
     decode_attention_variant: which of attention.py's DECODE_ATTENTION decode runs (the engine
     picks it at warm-up, before it captures graphs: a captured graph keeps the one it saw).
     """
@@ -121,6 +122,12 @@ class Forward:
         self.rope = rope
         self._inputs = maybe_compiled(attention_inputs, compiled)
         self._mlp = maybe_compiled(mlp_block, compiled)
+        # The full-sequence forward's (prefill, scoring) on one row of all its tokens, so the
+        # compiled code varies in one size (the token count) and is built once, by the
+        # warm-up's scoring batch: eager, its RMSNorms, RoPE, SwiGLU and residuals are ~40 %
+        # of a scoring forward batch's time on an H100 (bench/RESULTS.md, 16:31 profile).
+        self._token_inputs = maybe_compiled(attention_inputs, compiled, dynamic=True)
+        self._token_mlp = maybe_compiled(mlp_block, compiled, dynamic=True)
         self.decode_attention_variant = DEFAULT_DECODE_ATTENTION
 
     @property
@@ -150,18 +157,34 @@ class Forward:
             _wb(layer.up_proj), _wb(layer.down_proj),
         )  # fmt: skip
 
+    def _sequence_inputs(
+        self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """attention_inputs over (b, s) tokens as one row of b * s (every step of it is per
+        token): q (b, H, s, D), k and v (b, Hkv, s, D), views of the (1, heads, b * s, D)."""
+        b, s, hidden = x.shape
+        q, k, v = self._layer_inputs(
+            layer, x.reshape(1, b * s, hidden), cos.reshape(1, b * s, -1),
+            sin.reshape(1, b * s, -1), self._token_inputs,
+        )  # fmt: skip
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.view(t.shape[1], b, s, t.shape[-1]).transpose(0, 1)
+
+        return rows(q), rows(k), rows(v)
+
     def _sequence_mlp(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """mlp_block over (b, s, ...) inputs, MLP_CHUNK_TOKENS tokens at a time."""
+        """mlp_block over (b, s, ...) inputs as one row of tokens, MLP_CHUNK_TOKENS at a time."""
         b, s, hidden = x.shape
         tokens = b * s
-        if tokens <= MLP_CHUNK_TOKENS:
-            return self._layer_mlp(layer, x, attended, mlp_block)
         flat_x, flat_attended = x.reshape(1, tokens, hidden), attended.reshape(1, tokens, -1)
+        if tokens <= MLP_CHUNK_TOKENS:
+            return self._layer_mlp(layer, flat_x, flat_attended, self._token_mlp).view(b, s, hidden)
         out = torch.empty_like(flat_x)
         for start in range(0, tokens, MLP_CHUNK_TOKENS):
             chunk = slice(start, start + MLP_CHUNK_TOKENS)
             out[:, chunk] = self._layer_mlp(layer, flat_x[:, chunk], flat_attended[:, chunk],
-                                            mlp_block)  # fmt: skip
+                                            self._token_mlp)  # fmt: skip
         return out.view(b, s, hidden)
 
     def prefill(
@@ -184,7 +207,7 @@ class Forward:
             for w in {layer.window for layer in f.layers}
         }
         for index, layer in enumerate(f.layers):
-            q, k, v = self._layer_inputs(layer, x, cos, sin, attention_inputs)
+            q, k, v = self._sequence_inputs(layer, x, cos, sin)
             if write is not None:
                 write(index, k, v)
             out = prefill_attention(q, k, v, masks[layer.window], f.scaling)  # (b, H, s, D)
@@ -242,7 +265,7 @@ class Forward:
             w: additive_mask(prefill_mask(valid, w, first_query=width), x.dtype) for w in windows
         }
         for (k_prompt, v_prompt), layer in zip(prompt_kv, f.layers, strict=True):
-            q, k, v = self._layer_inputs(layer, x, cos, sin, attention_inputs)
+            q, k, v = self._sequence_inputs(layer, x, cos, sin)
             k = torch.cat([k_prompt[of_row], k], dim=2)  # (b, Hkv, s, D)
             v = torch.cat([v_prompt[of_row], v], dim=2)
             out = prefill_attention(q, k, v, masks[layer.window], f.scaling)  # (b, H, s - P, D)

@@ -26,6 +26,7 @@ import torch
 
 from ..config import ServerConfig
 from ..config.values import GENERATION_PATHS
+from .compiling import compiles_by_default
 from .families import body_unsupported_reason, read_body, read_family, unsupported_reason
 from .model import Forward
 from .rotary import RopeTable
@@ -153,7 +154,10 @@ def scoring_forward(
         # A causal LM of the engine's list is read with its lm_head, any other with its body.
         family = read_family(model) or read_body(model)
         assert family is not None  # scoring_path checked it
-        forward = Forward(family, RopeTable(family.rotary, family.max_positions, weight.dtype))
+        rope = RopeTable(family.rotary, family.max_positions, weight.dtype)
+        # Compiled as an engine's (on CUDA): the parameters are arguments, so the compiled code
+        # of the actor's forward serves a reference of the same shapes too.
+        forward = Forward(family, rope, compiled=compiles_by_default(weight.device))
         _SCORING[model] = forward
         _log.info("scoring path of %s: rollserve", type(model).__name__)
     return forward

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import pick_decode_attention
+from .compiling import compiles_by_default
 from .families import Family
 from .kv_cache import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -51,7 +52,6 @@ WIDTH_QUANTUM = 128  # layouts are this many columns wide; attention reads block
 PREFILL_TOKENS = 8192  # prompt tokens per prefill forward (rows are chunked to fit)
 MAX_WORKSPACES = 4  # layouts x sampling structures kept with their graphs
 WARM_UP_BUDGET_S = 60.0  # the warm-up starts no new batch bucket after this (it delays SERVING)
-_COMPILE_ENV = "ROLLSERVE_ENGINE_COMPILE"
 # A decode attention variant's name (attention.py's DECODE_ATTENTION): the engine runs it and
 # times none (reruns of a measured choice, tests on the CPU, where nothing is timed).
 DECODE_ATTENTION_ENV = "ROLLSERVE_DECODE_ATTENTION"
@@ -201,7 +201,7 @@ class Engine:
         weight = family.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         if compiled is None:  # default: on CUDA, unless ROLLSERVE_ENGINE_COMPILE=0
-            compiled = self.device.type == "cuda" and os.environ.get(_COMPILE_ENV, "1") != "0"
+            compiled = compiles_by_default(self.device)
         self.compiled = compiled
         rope = RopeTable(family.rotary, family.max_positions, self.dtype)
         self.forward = Forward(family, rope, compiled=compiled)

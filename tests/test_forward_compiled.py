@@ -1,0 +1,82 @@
+"""The engine's full-sequence forward (prefill, scoring) compiled, on the CPU (Inductor).
+
+On CUDA the engine compiles its layer functions for any token count (model.Forward's
+_token_inputs / _token_mlp, dynamic shapes): the warm-up's scoring batch builds them once and
+every later forward batch, whatever its rows and columns, reuses that code. Here the same
+compiled path runs on the CPU: it gives the eager forward's hidden states over padded rows with
+and without shared prompts, and three shapes of rows build no new graph after the first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from rollserve.server.experience.scoring import position_ids_from_mask
+from rollserve.server.generation.families import read_family
+from rollserve.server.generation.model import Forward
+from rollserve.server.generation.rotary import RopeTable
+
+VOCAB = 80
+
+
+def _model(name: str, directory: Path) -> torch.nn.Module:
+    import transformers as tf
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    config = tf.Qwen3Config(**common, head_dim=8) if name == "qwen3" else tf.Qwen2Config(**common)
+    torch.manual_seed(0)
+    built = tf.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # random biases and norm weights, so that reading them matters
+        for param_name, tensor in built.named_parameters():
+            if param_name.endswith("bias") or "norm" in param_name:
+                tensor.add_(torch.randn_like(tensor) * 0.2)
+    built.save_pretrained(directory)
+    return tf.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def _rows(rows: int, prompt: int, response: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Left-padded prompts (each shared by 2 rows) then right-padded responses."""
+    width = prompt + response
+    ids = torch.randint(1, VOCAB, (rows, width), generator=g)
+    ids[1::2, :prompt] = ids[0::2, :prompt]
+    mask = torch.ones(rows, width, dtype=torch.long)
+    for row in range(rows):
+        mask[row, : (row // 2) % prompt] = 0  # left pads of the prompt (same for a pair)
+        mask[row, width - row % response :] = 0  # right pads of the response
+    ids = ids.masked_fill(mask == 0, 0)
+    return ids, mask, position_ids_from_mask(mask)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_compiled_sequence_forward_equals_eager_and_compiles_once(
+    name: str, tmp_path: Path
+) -> None:
+    model = _model(name, tmp_path)
+    family = read_family(model)
+    assert family is not None
+    rope = RopeTable(family.rotary, family.max_positions, torch.float32)
+    eager, compiled = Forward(family, rope), Forward(family, rope, compiled=True)
+    torch._dynamo.reset()  # compiled code is cached per function: build it for this model
+    counters = torch._dynamo.utils.counters["stats"]
+    g = torch.Generator().manual_seed(1)
+    graphs_before, graphs_after_first = counters["unique_graphs"], None
+    with torch.inference_mode():
+        for rows, prompt, response in ((4, 6, 5), (6, 9, 3), (2, 5, 11)):
+            ids, mask, positions = _rows(rows, prompt, response, g)
+            for shared in (0, prompt):  # the plain forward, then each prompt run once
+                want = eager.hidden_states(ids, mask, positions, shared)
+                got = compiled.hidden_states(ids, mask, positions, shared)
+                if graphs_after_first is None:  # the first call built the code of every size
+                    graphs_after_first = counters["unique_graphs"]
+                real = mask.bool()
+                assert torch.allclose(got[real], want[real], atol=1e-5, rtol=1e-4)
+    assert compiled._token_inputs.compiled is not None  # no fallback to eager
+    assert compiled._token_mlp.compiled is not None
+    assert graphs_after_first >= graphs_before + 2  # both functions compiled
+    assert counters["unique_graphs"] == graphs_after_first  # the later shapes built nothing
