@@ -518,3 +518,22 @@ def test_value_checks_take_large_finite_values_and_refuse_nan_and_infinity(dtype
         values[4095] = bad
         with pytest.raises(InvalidArgument, match="NaN or infinite"):
             check_values("bad", values, rule)
+
+
+def test_copy_all_is_copy_into_each_destination_with_casts() -> None:
+    """staging.copy_all (a device arena's apply: one multi-tensor copy) writes every pair as
+    destination.copy_(source) would: same-dtype pairs, casts, a strided destination, and
+    never rebinds a destination's storage."""
+    from rollserve.server.weights.staging import copy_all
+
+    g = torch.Generator().manual_seed(0)
+    wide = torch.zeros(6, 8)
+    destinations = [torch.zeros(5, 3), torch.zeros(7, dtype=torch.bfloat16), wide[:, ::2]]
+    sources = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g), torch.randn(6, 4)]
+    addresses = [d.data_ptr() for d in destinations]
+    copy_all(list(zip(destinations, sources, strict=True)))
+    assert torch.equal(destinations[0], sources[0])
+    assert torch.equal(destinations[1], sources[1].to(torch.bfloat16))
+    assert torch.equal(wide[:, ::2], sources[2]) and not wide[:, 1::2].any()
+    assert [d.data_ptr() for d in destinations] == addresses
+    copy_all([])  # nothing to copy
