@@ -33,7 +33,7 @@ from .compiling import maybe_compiled
 from .families import Family, Layer
 from .rotary import RopeTable, apply_rope
 
-__all__ = ["Forward", "attention_inputs", "mlp_block", "rms_norm"]
+__all__ = ["Forward", "attention_inputs", "mlp_block", "rms_norm", "token_inputs"]
 
 # Receives (layer index, k, v), each (b, Hkv, s, D), during prefill.
 KVWriter = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -45,6 +45,35 @@ def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
+
+
+def token_inputs(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm: tuple[torch.Tensor, float],
+    q: tuple[torch.Tensor, torch.Tensor | None],
+    k: tuple[torch.Tensor, torch.Tensor | None],
+    v: tuple[torch.Tensor, torch.Tensor | None],
+    q_norm: tuple[torch.Tensor, float] | None,
+    k_norm: tuple[torch.Tensor, float] | None,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Residual stream x (b, s, hidden) -> q (b, s, H, D), k and v (b, s, Hkv, D), RoPE'd, in
+    the projections' token-major layout.
+
+    norm, q_norm, k_norm: (weight, eps); q, k, v: (weight, bias) of the projections.
+    """
+    b, s, _ = x.shape
+    h = rms_norm(*norm, x)
+    q_out = F.linear(h, *q).view(b, s, -1, head_dim)
+    k_out = F.linear(h, *k).view(b, s, -1, head_dim)
+    v_out = F.linear(h, *v).view(b, s, -1, head_dim)
+    if q_norm is not None:
+        q_out = rms_norm(*q_norm, q_out)
+    if k_norm is not None:
+        k_out = rms_norm(*k_norm, k_out)
+    return apply_rope(q_out, cos, sin), apply_rope(k_out, cos, sin), v_out
 
 
 def attention_inputs(
@@ -59,21 +88,9 @@ def attention_inputs(
     k_norm: tuple[torch.Tensor, float] | None,
     head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Residual stream x (b, s, hidden) -> q (b, H, s, D), k and v (b, Hkv, s, D), RoPE'd.
-
-    norm, q_norm, k_norm: (weight, eps); q, k, v: (weight, bias) of the projections.
-    """
-    b, s, _ = x.shape
-    h = rms_norm(*norm, x)
-    q_out = F.linear(h, *q).view(b, s, -1, head_dim)
-    k_out = F.linear(h, *k).view(b, s, -1, head_dim)
-    v_out = F.linear(h, *v).view(b, s, -1, head_dim)
-    if q_norm is not None:
-        q_out = rms_norm(*q_norm, q_out)
-    if k_norm is not None:
-        k_out = rms_norm(*k_norm, k_out)
-    q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
-    return apply_rope(q_out, cos, sin), apply_rope(k_out, cos, sin), v_out.transpose(1, 2)
+    """token_inputs heads-first: q (b, H, s, D), k and v (b, Hkv, s, D) (the decode step's)."""
+    q_out, k_out, v_out = token_inputs(x, cos, sin, norm, q, k, v, q_norm, k_norm, head_dim)
+    return q_out.transpose(1, 2), k_out.transpose(1, 2), v_out.transpose(1, 2)
 
 
 def mlp_block(
@@ -126,7 +143,7 @@ class Forward:
         # compiled code varies in one size (the token count) and is built once, by the
         # warm-up's scoring batch: eager, its RMSNorms, RoPE, SwiGLU and residuals are ~40 %
         # of a scoring forward batch's time on an H100 (bench/RESULTS.md, 16:31 profile).
-        self._token_inputs = maybe_compiled(attention_inputs, compiled, dynamic=True)
+        self._token_inputs = maybe_compiled(token_inputs, compiled, dynamic=True)
         self._token_mlp = maybe_compiled(mlp_block, compiled, dynamic=True)
         self.decode_attention_variant = DEFAULT_DECODE_ATTENTION
 
@@ -160,18 +177,19 @@ class Forward:
     def _sequence_inputs(
         self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """attention_inputs over (b, s) tokens as one row of b * s (every step of it is per
-        token): q (b, H, s, D), k and v (b, Hkv, s, D), views of the (1, heads, b * s, D)."""
+        """token_inputs over (b, s) tokens as one row of b * s (every step of it is per
+        token): q (b, H, s, D), k and v (b, Hkv, s, D), heads-first views of the token-major
+        (1, b * s, heads, D)."""
         b, s, hidden = x.shape
         q, k, v = self._layer_inputs(
             layer, x.reshape(1, b * s, hidden), cos.reshape(1, b * s, -1),
             sin.reshape(1, b * s, -1), self._token_inputs,
         )  # fmt: skip
 
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            return t.view(t.shape[1], b, s, t.shape[-1]).transpose(0, 1)
+        def heads_first(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, *t.shape[2:]).transpose(1, 2)
 
-        return rows(q), rows(k), rows(v)
+        return heads_first(q), heads_first(k), heads_first(v)
 
     def _sequence_mlp(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """mlp_block over (b, s, ...) inputs as one row of tokens, MLP_CHUNK_TOKENS at a time."""

@@ -36,6 +36,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (b, heads, s, D) rotated by cos/sin (b, s, D), as HF's apply_rotary_pos_emb."""
-    cos, sin = cos[:, None], sin[:, None]
+    """x (b, s, heads, D) rotated by cos/sin (b, s, D), as HF's apply_rotary_pos_emb, on the
+    projections' token-major layout: compiled, the output stays token-major (rotating the
+    heads-first view wrote transposed: 5 ms of a scoring forward batch on an H100)."""
+    cos, sin = cos[:, :, None], sin[:, :, None]
     return x * cos + _rotate_half(x) * sin
