@@ -14,6 +14,7 @@ import torch
 from rollserve.server.experience.generation import SamplingParams
 from rollserve.server.generation.sampler import (
     CDF_BLOCK,
+    SAMPLE_ROWS,
     Sampler,
     _plain_masses,
     _plain_pick,
@@ -160,3 +161,22 @@ def test_plain_path_compiles_with_fullgraph_and_picks_the_same() -> None:
                         single)  # fmt: skip
     assert torch.equal(pick, eager)
     assert not torch.isin(pick, torch.tensor([3, vocab - 1])).any()
+
+
+def test_the_compiled_plain_path_samples_every_row_at_once() -> None:
+    """Compiled, the plain path has no (rows, V) temporaries, so it samples all rows in one
+    call (its reductions then fill the device); the others keep SAMPLE_ROWS blocks. A row's
+    numbers do not depend on its block: any split gives the same tokens and log-probs."""
+    vocab = 2 * CDF_BLOCK + 5
+    plain, top_k = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=3)
+    cpu = torch.device("cpu")
+    assert Sampler(plain, vocab, cpu, compiled=True).rows_at_once >= 1 << 30
+    assert Sampler(top_k, vocab, cpu, compiled=True).rows_at_once == SAMPLE_ROWS
+    assert Sampler(plain, vocab, cpu).rows_at_once == SAMPLE_ROWS  # eager: bounded blocks
+    g = torch.Generator().manual_seed(5)
+    logits, uniform = _logits("usual", 40, vocab, g), _uniforms(40, g)
+    sampler = Sampler(plain, vocab, cpu)
+    whole = sampler.sample(logits, uniform, STEP_0)
+    sampler.rows_at_once = 7  # blocks of 7 rows, the last one of 5
+    split = sampler.sample(logits, uniform, STEP_0)
+    assert torch.equal(whole[0], split[0]) and torch.equal(whole[1], split[1])
