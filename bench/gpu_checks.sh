@@ -30,6 +30,14 @@ step() {  # step NAME SECONDS COMMAND...: run with a time bound, log to $OUT/NAM
     echo "=== $name (at most ${limit}s) $(date -u +%T)"
     timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "=== $name rc=$? $(date -u +%T)"
+    # What a step killed at its bound may leave running (servers the tests started in their
+    # own sessions, compile workers) would take the next step's CPU and skew its host times.
+    local left
+    left=$(pgrep -f 'rollserve|compile_worker|pytest' | grep -vx "$$" | tr '\n' ' ')
+    if [ -n "$left" ]; then
+        echo "=== $name left processes behind: $left(killed)"
+        kill -9 $left 2>/dev/null
+    fi
     tail -n "${TAIL_LINES:-25}" "$OUT/$name.log"
 }
 
