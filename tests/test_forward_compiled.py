@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from rollserve.server.experience.scoring import position_ids_from_mask
+from rollserve.server.generation import model as generation_model
 from rollserve.server.generation.families import read_family
 from rollserve.server.generation.model import Forward
 from rollserve.server.generation.rotary import RopeTable
@@ -55,7 +56,7 @@ def _rows(rows: int, prompt: int, response: int, g: torch.Generator) -> tuple[to
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
 def test_compiled_sequence_forward_equals_eager_and_compiles_once(
-    name: str, tmp_path: Path
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = _model(name, tmp_path)
     family = read_family(model)
@@ -76,6 +77,18 @@ def test_compiled_sequence_forward_equals_eager_and_compiles_once(
                     graphs_after_first = counters["unique_graphs"]
                 real = mask.bool()
                 assert torch.allclose(got[real], want[real], atol=1e-5, rtol=1e-4)
+        # A single token (dynamo specialises a size of 1) and MLP chunks with a remainder.
+        one = torch.tensor([[7]])
+        ones = torch.ones_like(one)
+        want, got = (
+            f.hidden_states(one, ones, position_ids_from_mask(ones)) for f in (eager, compiled)
+        )
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+        monkeypatch.setattr(generation_model, "MLP_CHUNK_TOKENS", 16)
+        ids, mask, positions = _rows(4, 6, 5, g)  # 44 tokens: chunks of 14, 15 and 15
+        want, got = (f.hidden_states(ids, mask, positions) for f in (eager, compiled))
+        real = mask.bool()
+        assert torch.allclose(got[real], want[real], atol=1e-5, rtol=1e-4)
     assert compiled._token_inputs.compiled is not None  # no fallback to eager
     assert compiled._token_mlp.compiled is not None
     assert graphs_after_first >= graphs_before + 2  # both functions compiled

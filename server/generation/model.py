@@ -102,7 +102,8 @@ def mlp_block(
     up: tuple[torch.Tensor, torch.Tensor | None],
     down: tuple[torch.Tensor, torch.Tensor | None],
 ) -> torch.Tensor:
-    """x + o_proj(attended), then + the SwiGLU MLP of its norm; attended (b, s, H * D)."""
+    """x + o_proj(attended), then + the SwiGLU MLP of its norm; x (..., hidden), attended
+    (..., H * D): per token, for any leading dimensions."""
     x = x + F.linear(attended, *o)
     h = rms_norm(*norm, x)
     return x + F.linear(F.silu(F.linear(h, *gate)) * F.linear(h, *up), *down)
@@ -123,6 +124,19 @@ def _we(module: torch.nn.Module | None) -> tuple[torch.Tensor, float] | None:
 # so chunks of tokens give the same numbers; 4096 bounds them at ~120 MB there, and a chunk
 # is still a large matmul.
 MLP_CHUNK_TOKENS = 4096
+
+
+def _token_row(t: torch.Tensor) -> torch.Tensor:
+    """t (b, s, ...) as one row of its b * s tokens (1, b * s, ...), a single token twice."""
+    return _two_or_more(t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:]), dim=1)
+
+
+def _two_or_more(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """t with a size-1 `dim` repeated to 2 (the caller keeps the first result): compiled with
+    dynamic shapes, a size of 1 is specialised, and would compile again on the request path."""
+    if t.shape[dim] != 1:
+        return t
+    return t.repeat(*(2 if d == dim else 1 for d in range(t.dim())))
 
 
 class Forward:
@@ -182,12 +196,11 @@ class Forward:
         (1, b * s, heads, D)."""
         b, s, hidden = x.shape
         q, k, v = self._layer_inputs(
-            layer, x.reshape(1, b * s, hidden), cos.reshape(1, b * s, -1),
-            sin.reshape(1, b * s, -1), self._token_inputs,
-        )  # fmt: skip
+            layer, _token_row(x), _token_row(cos), _token_row(sin), self._token_inputs
+        )
 
         def heads_first(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, s, *t.shape[2:]).transpose(1, 2)
+            return t[:, : b * s].view(b, s, *t.shape[2:]).transpose(1, 2)
 
         return heads_first(q), heads_first(k), heads_first(v)
 
@@ -195,14 +208,21 @@ class Forward:
         """mlp_block over (b, s, ...) inputs as one row of tokens, MLP_CHUNK_TOKENS at a time."""
         b, s, hidden = x.shape
         tokens = b * s
-        flat_x, flat_attended = x.reshape(1, tokens, hidden), attended.reshape(1, tokens, -1)
+        # (tokens, features) matrices: a chunk is then a slice of rows, with the strides of a
+        # whole matrix (a chunk of a (1, tokens, ...) row has another outer stride: a recompile).
+        flat_x, flat_attended = x.reshape(tokens, hidden), attended.reshape(tokens, -1)
         if tokens <= MLP_CHUNK_TOKENS:
-            return self._layer_mlp(layer, flat_x, flat_attended, self._token_mlp).view(b, s, hidden)
+            out = self._layer_mlp(layer, _two_or_more(flat_x, 0), _two_or_more(flat_attended, 0),
+                                  self._token_mlp)  # fmt: skip
+            return out[:tokens].view(b, s, hidden)
         out = torch.empty_like(flat_x)
-        for start in range(0, tokens, MLP_CHUNK_TOKENS):
-            chunk = slice(start, start + MLP_CHUNK_TOKENS)
-            out[:, chunk] = self._layer_mlp(layer, flat_x[:, chunk], flat_attended[:, chunk],
-                                            self._token_mlp)  # fmt: skip
+        # Equal chunks (sizes differ by at most one), so none is a single token.
+        chunks = -(-tokens // MLP_CHUNK_TOKENS)
+        bounds = [tokens * i // chunks for i in range(chunks + 1)]
+        for start, end in zip(bounds, bounds[1:], strict=False):
+            out[start:end] = self._layer_mlp(
+                layer, flat_x[start:end], flat_attended[start:end], self._token_mlp
+            )
         return out.view(b, s, hidden)
 
     def prefill(
