@@ -451,6 +451,7 @@ def measure(
     try:
         if first:
             lane.first_s, lane.first_phases = one_call()
+        graphs_before = compiled_graphs()
         for _ in range(reps):
             if lane.steady_s and time.monotonic() - started > args.lane_budget_s:
                 break
@@ -458,9 +459,20 @@ def measure(
             if not lane.steady_s or seconds < min(lane.steady_s):
                 lane.phases = phases
             lane.steady_s.append(seconds)
+        # Steady calls that still compile are not steady (in this process only: a server
+        # process's own compiles show in its log).
+        compiled = compiled_graphs() - graphs_before
+        if compiled:
+            lane.note = f"{lane.note}; " if lane.note else ""
+            lane.note += f"dynamo compiled {compiled} graph(s) during the steady calls"
     except Exception as error:  # noqa: BLE001 - one failing lane must not end the run
         lane.error = failure(error)
     return lane
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def lane_row(lane: Lane, case: Case) -> list[str]:
@@ -521,10 +533,10 @@ def in_process_lanes(
 
         common = dict(args=args, budget=budget, device=device)
         lane = measure("in-process", on_this_thread, reps=args.reps, **common)
-        lane.note = (
+        lane.note = "; ".join(filter(None, (
             f"server start to SERVING {start_s:.1f} s; peak alloc/reserved {memory(device)} "
-            "(this process: the generation lanes' model and engine included)"
-        )
+            "(this process: the generation lanes' model and engine included)", lane.note,
+        )))  # fmt: skip
         lanes.append(print_lane(lane, case))
         lane = measure("engine thread", on_engine_thread, reps=1, first=False, **common)
         lanes.append(print_lane(lane, case))
@@ -658,10 +670,11 @@ def grpc_lane(
                     device=args.device,
                 )
             figures.memory_after = scrape_memory(metrics_port)
-            figures.lane.note = (
+            figures.lane.note = "; ".join(filter(None, (
                 f"server process: launch to SERVING {figures.start_s:.1f} s, path "
-                f"{figures.generation_path}, KV {figures.kv_cache_tokens:,} tokens"
-            )
+                f"{figures.generation_path}, KV {figures.kv_cache_tokens:,} tokens",
+                figures.lane.note,
+            )))  # fmt: skip
     except Exception as error:  # noqa: BLE001 - the run goes on to print what it has
         figures.lane.error = failure(error)
     print_lane(figures.lane, case)
