@@ -93,3 +93,31 @@ def test_compiled_sequence_forward_equals_eager_and_compiles_once(
     assert compiled._token_mlp.compiled is not None
     assert graphs_after_first >= graphs_before + 2  # both functions compiled
     assert counters["unique_graphs"] == graphs_after_first  # the later shapes built nothing
+
+
+def test_compiled_decode_steps_generate_what_eager_ones_do(tmp_path: Path) -> None:
+    """The decode step's compiled layer functions (the CUDA default, here Inductor on the
+    CPU): token-major outputs written to the cache as heads-first views; greedy tokens equal
+    the eager engine's, log-probs to rounding."""
+    from rollserve.server.experience.generation import SamplingParams
+    from rollserve.server.generation.runner import Engine
+
+    model = _model("qwen2", tmp_path)
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (3, 6), generator=g)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :2] = False  # a left-padded row
+    ids = ids.masked_fill(~mask, 0)
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    results = []
+    for compiled in (False, True):
+        engine = Engine(model, read_family(model), kv_cache_tokens=1 << 12, compiled=compiled)
+        results.append(engine.generate(ids, mask, params, pad_token_id=0,
+                                       generator=torch.Generator()))  # fmt: skip
+    assert engine.forward._inputs.compiled is not None  # compiled, no fallback to eager
+    assert engine.forward._mlp.compiled is not None
+    eager, compiled = results
+    assert compiled.response_mask.all()
+    assert torch.equal(compiled.response, eager.response)
+    torch.testing.assert_close(compiled.log_probs, eager.log_probs, atol=1e-5, rtol=1e-4)

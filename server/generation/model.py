@@ -7,12 +7,14 @@ both sides (scoring's layout), for the teacher-forced scoring of every model on 
 All follow the HF modules' arithmetic step for step (RMSNorm in float32, RoPE in the model
 dtype), so logits agree with the HF forward to rounding.
 
-A layer is two pure functions of tensors around the attention: `attention_inputs` (norm,
+A layer is two pure functions of tensors around the attention: `token_inputs` (norm,
 q/k/v projections, q/k norms, RoPE) and `mlp_block` (output projection, residual, norm,
-SwiGLU, residual). On CUDA the decode step may run them compiled (torch.compile fuses their
-element-wise work into a few kernels; a decode step is otherwise bound by ~45 small kernels
-per layer); the cache writes and the attention stay outside, so the compiler never sees a
-mutation of the cache.
+SwiGLU, residual). On CUDA they run compiled (torch.compile fuses their element-wise work into
+a few kernels; a decode step is otherwise bound by ~45 small kernels per layer, a scoring
+forward by its element-wise passes): for the decode step's static shapes, and for the
+full-sequence forward (prefill, scoring) over one row of all its tokens with dynamic shapes.
+The cache writes and the attention stay outside, so the compiler never sees a mutation of the
+cache.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from .compiling import maybe_compiled
 from .families import Family, Layer
 from .rotary import RopeTable, apply_rope
 
-__all__ = ["Forward", "attention_inputs", "mlp_block", "rms_norm", "token_inputs"]
+__all__ = ["Forward", "mlp_block", "rms_norm", "token_inputs"]
 
 # Receives (layer index, k, v), each (b, Hkv, s, D), during prefill.
 KVWriter = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -74,23 +76,6 @@ def token_inputs(
     if k_norm is not None:
         k_out = rms_norm(*k_norm, k_out)
     return apply_rope(q_out, cos, sin), apply_rope(k_out, cos, sin), v_out
-
-
-def attention_inputs(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    norm: tuple[torch.Tensor, float],
-    q: tuple[torch.Tensor, torch.Tensor | None],
-    k: tuple[torch.Tensor, torch.Tensor | None],
-    v: tuple[torch.Tensor, torch.Tensor | None],
-    q_norm: tuple[torch.Tensor, float] | None,
-    k_norm: tuple[torch.Tensor, float] | None,
-    head_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """token_inputs heads-first: q (b, H, s, D), k and v (b, Hkv, s, D) (the decode step's)."""
-    q_out, k_out, v_out = token_inputs(x, cos, sin, norm, q, k, v, q_norm, k_norm, head_dim)
-    return q_out.transpose(1, 2), k_out.transpose(1, 2), v_out.transpose(1, 2)
 
 
 def mlp_block(
@@ -151,7 +136,7 @@ class Forward:
     def __init__(self, family: Family, rope: RopeTable, *, compiled: bool = False) -> None:
         self.family = family
         self.rope = rope
-        self._inputs = maybe_compiled(attention_inputs, compiled)
+        self._inputs = maybe_compiled(token_inputs, compiled)
         self._mlp = maybe_compiled(mlp_block, compiled)
         # The full-sequence forward's (prefill, scoring) on one row of all its tokens, so the
         # compiled code varies in one size (the token count) and is built once, by the
@@ -335,12 +320,10 @@ class Forward:
             allowed[window] = valid & (columns > column - window)[None]
         masks = {window: additive_mask(mask, x.dtype) for window, mask in allowed.items()}
         for (k_cache, v_cache), layer in zip(caches, f.layers, strict=True):
-            q, k, v = self._layer_inputs(layer, x, cos, sin, self._inputs)
-            k_cache.index_copy_(2, column, k)
-            v_cache.index_copy_(2, column, v)
-            out = self._decode_attention(
-                q[:, :, 0], k_cache, v_cache, masks[layer.window], f.scaling
-            )
+            q, k, v = self._layer_inputs(layer, x, cos, sin, self._inputs)  # (b, 1, heads, D)
+            k_cache.index_copy_(2, column, k.transpose(1, 2))
+            v_cache.index_copy_(2, column, v.transpose(1, 2))
+            out = self._decode_attention(q[:, 0], k_cache, v_cache, masks[layer.window], f.scaling)
             x = self._layer_mlp(layer, x, out.reshape(b, 1, -1), self._mlp)
         return self.logits(rms_norm(f.norm.weight, f.norm.variance_epsilon, x[:, 0]))
 
