@@ -20,6 +20,7 @@ cache.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,17 @@ def mlp_block(
     return x + F.linear(F.silu(F.linear(h, *gate)) * F.linear(h, *up), *down)
 
 
+# The decode step's token_inputs and mlp_block, under code objects of their own: torch.compile
+# keeps compiled code and the sizes it has seen per code object, so the step's static shapes
+# do not share them with the full-sequence forward's dynamic ones.
+def decode_inputs(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return token_inputs(*args)
+
+
+def decode_mlp(*args: Any) -> torch.Tensor:
+    return mlp_block(*args)
+
+
 def _wb(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     return module.weight, module.bias
 
@@ -136,8 +148,8 @@ class Forward:
     def __init__(self, family: Family, rope: RopeTable, *, compiled: bool = False) -> None:
         self.family = family
         self.rope = rope
-        self._inputs = maybe_compiled(token_inputs, compiled)
-        self._mlp = maybe_compiled(mlp_block, compiled)
+        self._inputs = maybe_compiled(decode_inputs, compiled)
+        self._mlp = maybe_compiled(decode_mlp, compiled)
         # The full-sequence forward's (prefill, scoring) on one row of all its tokens, so the
         # compiled code varies in one size (the token count) and is built once, by the
         # warm-up's scoring batch: eager, its RMSNorms, RoPE, SwiGLU and residuals are ~40 %
