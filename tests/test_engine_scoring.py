@@ -8,6 +8,7 @@ responses), on path "rollserve" (the engine's forward) and path "hf" (the HF mod
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -228,7 +229,10 @@ def test_an_unsupported_body_scores_on_hf(tmp_path: Path) -> None:
 
 
 def test_a_maker_on_the_engine_path_warms_up_and_scores_there(
-    tiny_actor_dir: Path, tiny_critic_dir: Path, tiny_reward_dir: Path
+    tiny_actor_dir: Path,
+    tiny_critic_dir: Path,
+    tiny_reward_dir: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A server's maker with --generation-path rollserve: warm_up builds the actor's engine
     (every bucket up to generate_batch_size); a request's actor, reference and critic scores
@@ -254,7 +258,11 @@ def test_a_maker_on_the_engine_path_warms_up_and_scores_there(
         models, RewardRegistry.from_specs([]), defaults,
         generation=GenerationSettings(path="rollserve"),
     )  # fmt: skip
-    assert maker.warm_up() > 0
+    with caplog.at_level(logging.INFO, logger="rollserve.experience"):
+        assert maker.warm_up() > 0
+    # The memory figures once at start (on the CPU: the engine's own sizes, device figures 0).
+    assert "engine memory after the warm-up (GiB; graphs: a count): weights 0.00" in caplog.text
+    assert ", kv_cache " in caplog.text and ", peak_allocated 0.00" in caplog.text
     (warmed,) = built_engine(models.actor.module)._workspaces.values()
     assert {b for b, _ in warmed.shapes} == {8, 4, 2, 1}
     calls: list[str] = []

@@ -33,6 +33,7 @@ for the same seed.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -65,6 +66,8 @@ __all__ = ["WARM_UP_PROMPT_TOKENS", "NaiveExperienceMaker"]
 
 # Prompt tokens of the start-up warm-up's dummy rows (a typical RL prompt length).
 WARM_UP_PROMPT_TOKENS = 128
+
+_log = logging.getLogger("rollserve.experience")
 
 
 class NaiveExperienceMaker:
@@ -128,6 +131,12 @@ class NaiveExperienceMaker:
             sampling, defaults.generate_batch_size, width, pad_token_id=self.pad_token_id
         )
         self._warm_up_scoring(width + sampling.max_new_tokens, sampling.max_new_tokens)
+        # The figures the memory target is read from, once at start (off CUDA: the sizes only).
+        figures = engine.memory().as_info()
+        _log.info(
+            "engine memory after the warm-up (GiB; graphs: a count): %s",
+            ", ".join(f"{name} {value:.2f}" for name, value in figures.items()),
+        )
         return time.perf_counter() - start
 
     def _warm_up_scoring(self, width: int, actions: int) -> None:
