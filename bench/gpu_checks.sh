@@ -9,7 +9,14 @@
 #     bash bench/gpu_checks.sh            # one H100: at most ~10 minutes
 #
 # The steps' bounds add up to 540 s (TEST_GPU_S 150, PROFILE_GPU_S 60, BENCH_WEIGHTS_S 90,
-# BENCH_GPU_S 220 + 20) plus the install (~20 s): under the device's 600 s command limit.
+# BENCH_GPU_S 220 + 20) plus the install (~20 s): under the device's 600 s command limit. The
+# whole gpu suite outgrew 150 s (49 tests stopped at the 31st at 170 s on an H100, 16:55 UTC
+# 2026-11-26: more of it compiles), so a 15-minute lease is better spent as two calls (each
+# start costs ~30 s of it):
+#
+#     SKIP_STEPS="profile bench-weights bench-gpu" TEST_GPU_S=300 bash bench/gpu_checks.sh
+#     SKIP_STEPS=test-gpu PROFILE_GPU_S=100 WEIGHTS_ARGS=--no-cpu-reference BENCH_WEIGHTS_S=45 \
+#         BENCH_GPU_S=220 bash bench/gpu_checks.sh
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
