@@ -62,7 +62,9 @@ def test_compiled_sequence_forward_equals_eager_and_compiles_once(
     family = read_family(model)
     assert family is not None
     rope = RopeTable(family.rotary, family.max_positions, torch.float32)
-    eager, compiled = Forward(family, rope), Forward(family, rope, compiled=True)
+    # Compiled as on CUDA: with the projections fused (fused.py), against the plain eager forward.
+    eager, compiled = Forward(family, rope), Forward(family, rope, compiled=True, fused=True)
+    assert compiled.fused_projections == 2 * len(family.layers)
     torch._dynamo.reset()  # compiled code is cached per function: build it for this model
     counters = torch._dynamo.utils.counters["stats"]
     g = torch.Generator().manual_seed(1)
@@ -96,9 +98,9 @@ def test_compiled_sequence_forward_equals_eager_and_compiles_once(
 
 
 def test_compiled_decode_steps_generate_what_eager_ones_do(tmp_path: Path) -> None:
-    """The decode step's compiled layer functions (the CUDA default, here Inductor on the
-    CPU): token-major outputs written to the cache as heads-first views; greedy tokens equal
-    the eager engine's, log-probs to rounding."""
+    """The decode step's compiled layer functions over fused projections (the CUDA default,
+    here Inductor on the CPU): token-major outputs written to the cache as heads-first views;
+    greedy tokens equal the eager engine's, log-probs to rounding."""
     from rollserve.server.experience.generation import SamplingParams
     from rollserve.server.generation.runner import Engine
 
@@ -112,7 +114,8 @@ def test_compiled_decode_steps_generate_what_eager_ones_do(tmp_path: Path) -> No
     params = SamplingParams(max_new_tokens=5, temperature=0.0)
     results = []
     for compiled in (False, True):
-        engine = Engine(model, read_family(model), kv_cache_tokens=1 << 12, compiled=compiled)
+        engine = Engine(model, read_family(model), kv_cache_tokens=1 << 12, compiled=compiled,
+                        fused=compiled)  # fmt: skip
         results.append(engine.generate(ids, mask, params, pad_token_id=0,
                                        generator=torch.Generator()))  # fmt: skip
     assert engine.forward._inputs.compiled is not None  # compiled, no fallback to eager

@@ -34,12 +34,15 @@ from .attention import (
 )
 from .compiling import maybe_compiled
 from .families import Family, Layer
+from .fused import FusedProjection, fuse
 from .rotary import RopeTable, apply_rope
 
-__all__ = ["Forward", "mlp_block", "rms_norm", "token_inputs"]
+__all__ = ["Forward", "mlp_block", "project", "rms_norm", "token_inputs"]
 
 # Receives (layer index, k, v), each (b, Hkv, s, D), during prefill.
 KVWriter = Callable[[int, torch.Tensor, torch.Tensor], None]
+# (weight, bias) of a projection, as F.linear takes them.
+Linear = tuple[torch.Tensor, torch.Tensor | None]
 
 
 def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
@@ -50,14 +53,24 @@ def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def project(
+    h: torch.Tensor, linears: tuple[Linear, ...], sizes: tuple[int, ...]
+) -> tuple[torch.Tensor, ...]:
+    """The outputs of projections with `sizes` output features over h: one F.linear per
+    (weight, bias) in `linears`, or, when it holds one for all of them (fused.py), one F.linear
+    split into their column blocks (views)."""
+    if len(linears) == len(sizes):
+        return tuple(F.linear(h, *linear) for linear in linears)
+    return F.linear(h, *linears[0]).split(sizes, dim=-1)
+
+
 def token_inputs(
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     norm: tuple[torch.Tensor, float],
-    q: tuple[torch.Tensor, torch.Tensor | None],
-    k: tuple[torch.Tensor, torch.Tensor | None],
-    v: tuple[torch.Tensor, torch.Tensor | None],
+    qkv: tuple[Linear, ...],
+    qkv_sizes: tuple[int, int, int],
     q_norm: tuple[torch.Tensor, float] | None,
     k_norm: tuple[torch.Tensor, float] | None,
     head_dim: int,
@@ -65,13 +78,12 @@ def token_inputs(
     """Residual stream x (b, s, hidden) -> q (b, s, H, D), k and v (b, s, Hkv, D), RoPE'd, in
     the projections' token-major layout.
 
-    norm, q_norm, k_norm: (weight, eps); q, k, v: (weight, bias) of the projections.
+    norm, q_norm, k_norm: (weight, eps); qkv: the q, k and v projections' (weight, bias), or
+    one for all three (`project`), of qkv_sizes output features.
     """
     b, s, _ = x.shape
     h = rms_norm(*norm, x)
-    q_out = F.linear(h, *q).view(b, s, -1, head_dim)
-    k_out = F.linear(h, *k).view(b, s, -1, head_dim)
-    v_out = F.linear(h, *v).view(b, s, -1, head_dim)
+    q_out, k_out, v_out = (t.view(b, s, -1, head_dim) for t in project(h, qkv, qkv_sizes))
     if q_norm is not None:
         q_out = rms_norm(*q_norm, q_out)
     if k_norm is not None:
@@ -82,17 +94,18 @@ def token_inputs(
 def mlp_block(
     x: torch.Tensor,
     attended: torch.Tensor,
-    o: tuple[torch.Tensor, torch.Tensor | None],
+    o: Linear,
     norm: tuple[torch.Tensor, float],
-    gate: tuple[torch.Tensor, torch.Tensor | None],
-    up: tuple[torch.Tensor, torch.Tensor | None],
-    down: tuple[torch.Tensor, torch.Tensor | None],
+    gate_up: tuple[Linear, ...],
+    gate_up_sizes: tuple[int, int],
+    down: Linear,
 ) -> torch.Tensor:
     """x + o_proj(attended), then + the SwiGLU MLP of its norm; x (..., hidden), attended
-    (..., H * D): per token, for any leading dimensions."""
+    (..., H * D): per token, for any leading dimensions. gate_up: the gate and up projections,
+    or one for both (`project`)."""
     x = x + F.linear(attended, *o)
-    h = rms_norm(*norm, x)
-    return x + F.linear(F.silu(F.linear(h, *gate)) * F.linear(h, *up), *down)
+    gate, up = project(rms_norm(*norm, x), gate_up, gate_up_sizes)
+    return x + F.linear(F.silu(gate) * up, *down)
 
 
 # The decode step's token_inputs and mlp_block, under code objects of their own: torch.compile
@@ -106,7 +119,7 @@ def decode_mlp(*args: Any) -> torch.Tensor:
     return mlp_block(*args)
 
 
-def _wb(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _wb(module: torch.nn.Linear) -> Linear:
     return module.weight, module.bias
 
 
@@ -141,13 +154,26 @@ class Forward:
 
     compiled: run the per-layer functions through torch.compile (the engine: on CUDA), the
     decode step's for its static shapes, the full-sequence forward's for any token count.
+    fused: run each layer's q/k/v and gate/up projections as one GEMM each, over fused weights
+    whose blocks the modules' parameters become (fused.py; the engine: on CUDA).
     decode_attention_variant: which of attention.py's DECODE_ATTENTION decode runs (the engine
     picks it at warm-up, before it captures graphs: a captured graph keeps the one it saw).
     """
 
-    def __init__(self, family: Family, rope: RopeTable, *, compiled: bool = False) -> None:
+    def __init__(
+        self, family: Family, rope: RopeTable, *, compiled: bool = False, fused: bool = False
+    ) -> None:
         self.family = family
         self.rope = rope
+        # id(layer) -> its q/k/v and gate/up projections as one GEMM each (fused.py), where
+        # they can be one; the modules' parameters become views of the fused weights.
+        self._fused: dict[int, tuple[FusedProjection | None, FusedProjection | None]] = {}
+        if fused:
+            for layer in family.layers:
+                self._fused[id(layer)] = (
+                    fuse((layer.q_proj, layer.k_proj, layer.v_proj)),
+                    fuse((layer.gate_proj, layer.up_proj)),
+                )
         self._inputs = maybe_compiled(decode_inputs, compiled)
         self._mlp = maybe_compiled(decode_mlp, compiled)
         # The full-sequence forward's (prefill, scoring) on one row of all its tokens, so the
@@ -169,20 +195,46 @@ class Forward:
         self._decode_attention = decode_attention_variant(name)
         self._decode_attention_name = name
 
+    @property
+    def fused_projections(self) -> int:
+        """How many projection groups (a layer's q/k/v, its gate/up) run as one GEMM."""
+        return sum(f is not None for pair in self._fused.values() for f in pair)
+
+    def refresh_fused(self) -> bool:
+        """Make every fused projection whose module parameters were rebound (a CPU adoption)
+        write through again (fused.py); call before a batch. Whether one had to change."""
+        changed = False
+        for pair in self._fused.values():
+            for fused in pair:
+                changed |= fused is not None and fused.refresh()
+        return changed
+
+    def _projections(
+        self, layer: Layer, which: int, parts: tuple[torch.nn.Linear, ...]
+    ) -> tuple[tuple[Linear, ...], tuple[int, ...]]:
+        """(linears, sizes) of `parts` for `project`: one fused linear, or one per part."""
+        sizes = tuple(int(part.out_features) for part in parts)
+        fused = self._fused.get(id(layer), (None, None))[which]
+        if fused is not None:
+            return (fused.linear,), sizes
+        return tuple(_wb(part) for part in parts), sizes
+
     def _layer_inputs(
         self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fn: Callable
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv, sizes = self._projections(layer, 0, (layer.q_proj, layer.k_proj, layer.v_proj))
         return fn(
-            x, cos, sin, _we(layer.input_norm), _wb(layer.q_proj), _wb(layer.k_proj),
-            _wb(layer.v_proj), _we(layer.q_norm), _we(layer.k_norm), self.family.head_dim,
+            x, cos, sin, _we(layer.input_norm), qkv, sizes, _we(layer.q_norm), _we(layer.k_norm),
+            self.family.head_dim,
         )  # fmt: skip
 
     def _layer_mlp(
         self, layer: Layer, x: torch.Tensor, attended: torch.Tensor, fn: Callable
     ) -> torch.Tensor:
+        gate_up, sizes = self._projections(layer, 1, (layer.gate_proj, layer.up_proj))
         return fn(
-            x, attended, _wb(layer.o_proj), _we(layer.post_norm), _wb(layer.gate_proj),
-            _wb(layer.up_proj), _wb(layer.down_proj),
+            x, attended, _wb(layer.o_proj), _we(layer.post_norm), gate_up, sizes,
+            _wb(layer.down_proj),
         )  # fmt: skip
 
     def _sequence_inputs(
@@ -268,6 +320,7 @@ class Forward:
                 f"position {int(position_ids.max())} is past the model's "
                 f"{self.rope.cos.shape[0]} positions"
             )
+        self.refresh_fused()
         valid = attention_mask.bool()
         if 0 < prompt_width < ids.shape[1]:
             shared = self._shared_prompts(ids, valid, position_ids, prompt_width)

@@ -28,6 +28,7 @@ from ..config import ServerConfig
 from ..config.values import GENERATION_PATHS
 from .compiling import compiles_by_default
 from .families import body_unsupported_reason, read_body, read_family, unsupported_reason
+from .fused import fuses_by_default
 from .model import Forward
 from .rotary import RopeTable
 from .runner import Engine
@@ -157,7 +158,12 @@ def scoring_forward(
         rope = RopeTable(family.rotary, family.max_positions, weight.dtype)
         # Compiled as an engine's (on CUDA): the parameters are arguments, so the compiled code
         # of the actor's forward serves a reference of the same shapes too.
-        forward = Forward(family, rope, compiled=compiles_by_default(weight.device))
+        forward = Forward(
+            family,
+            rope,
+            compiled=compiles_by_default(weight.device),
+            fused=fuses_by_default(weight.device),
+        )
         _SCORING[model] = forward
         _log.info("scoring path of %s: rollserve", type(model).__name__)
     return forward
@@ -224,8 +230,10 @@ def engine_for(
         )
         _ENGINES[model] = (engine, budget)
         _log.info(
-            "generation path of %s: rollserve (KV cache %d tokens, CUDA graphs %s)",
+            "generation path of %s: rollserve (KV cache %d tokens, CUDA graphs %s, fused "
+            "projections %d)",
             type(model).__name__, engine.capacity_tokens, engine.use_graphs,
+            engine.forward.fused_projections,
         )  # fmt: skip
         if engine.capacity_tokens == 0:
             _log.warning(

@@ -32,6 +32,7 @@ import torch
 from .attention import pick_decode_attention
 from .compiling import compiles_by_default
 from .families import Family
+from .fused import fuses_by_default
 from .kv_cache import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     KVCache,
@@ -193,6 +194,7 @@ class Engine:
         staging_reserve_bytes: int = 0,
         cuda_graphs: bool = True,
         compiled: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         # Weakly: the registry maps model -> engine in a WeakKeyDictionary, whose value must not
         # hold its key (the model, its KV cache and graphs would then never be freed).
@@ -204,7 +206,10 @@ class Engine:
             compiled = compiles_by_default(self.device)
         self.compiled = compiled
         rope = RopeTable(family.rotary, family.max_positions, self.dtype)
-        self.forward = Forward(family, rope, compiled=compiled)
+        if fused is None:  # default: on CUDA, unless ROLLSERVE_FUSED_PROJECTIONS=0
+            fused = fuses_by_default(self.device)
+        # Before the parameter addresses are taken below: fusing moves the projections' weights.
+        self.forward = Forward(family, rope, compiled=compiled, fused=fused)
         forced = os.environ.get(DECODE_ATTENTION_ENV, "").strip()
         if forced:
             self.forward.decode_attention_variant = forced  # ValueError for an unknown name
@@ -441,6 +446,7 @@ class Engine:
         if self.cache.grows_for(rows, layout_width):
             self.invalidate()  # the workspaces' views keep the old buffer alive: drop them first
         k, v = self.cache.view(rows, layout_width)
+        self.forward.refresh_fused()  # before the address check: a repair restores them
         self._check_storages()
         key = (rows, layout_width, sampler_structure(params, self.family.vocab), pad_token_id)
         ws = self._workspaces.get(key)
