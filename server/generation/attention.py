@@ -5,6 +5,14 @@ Decode attention comes in a few exact variants (DECODE_ATTENTION: the same math,
 because which one is fastest depends on the device, torch and the shape: on an H100 SDPA's own
 choice (cuDNN) read the KV cache at ~60% of the copy ceiling (bench/RESULTS.md). The engine
 times them on its device at warm-up (pick_decode_attention) and runs the fastest.
+
+"flex" (COMPILED_DECODE_ATTENTION) is the same attention through a torch.compile'd
+flex_attention: on CUDA Inductor generates its "flash-decoding" Triton kernel for it (one tile
+per row and KV head holding the whole query group, so each KV head is read once; the columns
+split over several blocks when rows x KV heads would leave SMs idle), a candidate for reading
+the cache closer to the copy ceiling than cuDNN. Compiling costs seconds per batch size, so it
+is timed only where the engine compiles (CUDA), never by a CPU server or test; any device can
+force it by name.
 """
 
 from __future__ import annotations
@@ -19,15 +27,21 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
+
+from .compiling import compiles_by_default, maybe_compiled
 
 __all__ = [
+    "COMPILED_DECODE_ATTENTION",
     "DECODE_ATTENTION",
     "DEFAULT_DECODE_ATTENTION",
     "DecodeAttention",
     "additive_mask",
     "decode_attention",
+    "decode_attention_flex",
     "decode_attention_matmul",
     "decode_attention_variant",
+    "decode_attention_variants",
     "pick_decode_attention",
     "prefill_attention",
     "prefill_mask",
@@ -128,26 +142,106 @@ def decode_attention_matmul(
     return torch.matmul(probs, v).reshape(b, heads, dim)
 
 
+def _flex_grouped(
+    grouped: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """flex_attention of grouped queries (b, Hkv, G, D) against k/v (b, Hkv, w, D) with the
+    additive mask (b, w): the function torch.compile turns into one fused kernel.
+
+    The mask is a score_mod (score + mask[row, column]), not a mask_mod: a mask_mod needs a
+    BlockMask, which would have to be rebuilt from the step's mask in every layer and step (more
+    kernels than the attention saves: the engine's masks are dense but for a few left pads and
+    unwritten columns, so whole blocks are rarely skipped), while the added score is exactly
+    SDPA's attn_mask: a -inf column scores -inf and gets probability exp(-inf) = 0. The block
+    mask is None: dense, one block over every column (flex builds it inside the graph, where
+    Inductor folds it to one fill of two integers).
+    """
+
+    def add_mask(
+        score: torch.Tensor, row: torch.Tensor, head: torch.Tensor, query: torch.Tensor,
+        column: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        return score + mask[row, column]
+
+    return flex_attention(grouped, k, v, score_mod=add_mask, scale=scale)
+
+
+@functools.cache
+def _flex_compiled() -> Callable[..., torch.Tensor]:
+    """The compiled _flex_grouped, made on first use: one per process (torch.compile keys its
+    cache by function, so every engine shares its graphs). fullgraph (compiling.py), and
+    dynamic=False: dynamo specialises every size but the width (decode_attention_flex marks it
+    dynamic), because Inductor takes flex's decoding kernel only for a static batch and head
+    count. So it compiles per (batch size, head shape, dtype, scale) and the widths and cache
+    layouts of a batch size share the code, except layer 0's view: its storage offset 0 is
+    specialised by dynamo (the 0/1 rule), one more compile per batch size (a handful of
+    batch buckets: well within compiling.RECOMPILE_LIMIT)."""
+    return maybe_compiled(_flex_grouped, True, dynamic=False)
+
+
+def decode_attention_flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """decode_attention by a compiled flex_attention (the "flex" variant); the cache views are
+    read as they are, never copied.
+
+    As in decode_attention the G query heads of a KV head are its G "query positions" (b, Hkv,
+    G, D), not enable_gqa over (b, H, 1, D): Inductor's decoding kernel packs a power-of-two
+    group only (Qwen2-0.5B's 7 would fall back to the general kernel, one 1-row query tile per
+    head), while G positions of one head pack into one tile for any G. The grouped view is made
+    here, outside the graph: compiled on the CPU, flex's template reads the shape of the
+    buffer under a view made inside it (3-d) and fails.
+    """
+    b, heads, dim = q.shape
+    grouped = q.view(b, k.shape[1], heads // k.shape[1], dim)
+    if not torch.compiler.is_compiling():  # marks are for dynamo's entry, not inside a trace
+        # The width varies from step to step: symbolic in the compiled code, not a recompile
+        # per width (maybe_: if a lowering specialises it anyway, a recompile, not an error).
+        for tensor, width_dim in ((k, 2), (v, 2), (mask, 1)):
+            torch._dynamo.maybe_mark_dynamic(tensor, width_dim)
+    return _flex_compiled()(grouped, k, v, mask, scale).reshape(b, heads, dim)
+
+
 DEFAULT_DECODE_ATTENTION = "sdpa"
 # Name -> variant; all take q (b, H, D), k/v (b, Hkv, w, D) (strided views of the cache), an
 # additive mask (b, w) of the model dtype (0 / -inf) and the scale, and return (b, H, D). Each
 # is capturable in a CUDA graph and never synchronises with the host. Only SDPA backends that
 # take an arbitrary additive mask are here (flash takes none); the CUDA ones raise on the CPU.
+# Not here: "flex" (COMPILED_DECODE_ATTENTION below), a compiled flex_attention whose
+# flash-decoding kernel may beat cuDNN on CUDA; timed on CUDA only, its compile being seconds.
 DECODE_ATTENTION: dict[str, DecodeAttention] = {
     DEFAULT_DECODE_ATTENTION: decode_attention,  # SDPA picks its backend
     "sdpa_efficient": _sdpa_with(SDPBackend.EFFICIENT_ATTENTION),
     "sdpa_cudnn": _sdpa_with(SDPBackend.CUDNN_ATTENTION),
     "matmul": decode_attention_matmul,
 }
+# Variants that torch.compile on their first call for a shape (seconds per batch size on a
+# CPU, more with a GPU's kernel build): the same contract as DECODE_ATTENTION's, but timed only
+# where the engine compiles its functions (decode_attention_variants), and forced anywhere by
+# name. "flex": flex_attention's flash-decoding kernel on CUDA (decode_attention_flex).
+COMPILED_DECODE_ATTENTION: dict[str, DecodeAttention] = {
+    "flex": decode_attention_flex,
+}
+
+
+def decode_attention_variants(device: torch.device) -> dict[str, DecodeAttention]:
+    """The variants pick_decode_attention times on `device`: DECODE_ATTENTION, and
+    COMPILED_DECODE_ATTENTION where the engine compiles (compiling.compiles_by_default: CUDA
+    unless ROLLSERVE_ENGINE_COMPILE=0): a CPU server or test never pays their compile."""
+    if compiles_by_default(device):
+        return {**DECODE_ATTENTION, **COMPILED_DECODE_ATTENTION}
+    return dict(DECODE_ATTENTION)
 
 
 def decode_attention_variant(name: str) -> DecodeAttention:
-    """The variant called `name`; ValueError naming the known ones otherwise."""
+    """The variant called `name` (of DECODE_ATTENTION or COMPILED_DECODE_ATTENTION, on any
+    device); ValueError naming the known ones otherwise."""
+    known = {**DECODE_ATTENTION, **COMPILED_DECODE_ATTENTION}
     try:
-        return DECODE_ATTENTION[name]
+        return known[name]
     except KeyError:
-        known = ", ".join(DECODE_ATTENTION)
-        raise ValueError(f"unknown decode attention variant {name!r} (known: {known})") from None
+        names = ", ".join(known)
+        raise ValueError(f"unknown decode attention variant {name!r} (known: {names})") from None
 
 
 # Calls of a variant per timed CUDA graph: a call is tens of microseconds on an H100, of the
@@ -219,10 +313,11 @@ def pick_decode_attention(
     repeats: int = 20,
     *,
     warmup: int = 2,
-    variants: Mapping[str, DecodeAttention] = DECODE_ATTENTION,
+    variants: Mapping[str, DecodeAttention] | None = None,
 ) -> tuple[str, dict[str, float]]:
-    """Time every variant on these tensors; returns the fastest one's name and each variant's
-    ms (NaN: it raised, or its output disagreed with the default's; both logged).
+    """Time every variant on these tensors (by default decode_attention_variants(q.device));
+    returns the fastest one's name and each variant's ms (NaN: it raised, or its output
+    disagreed with the default's; both logged).
 
     On CUDA a variant's time is the median over `repeats` replays of a graph of its calls
     (_cuda_ms; this synchronises: run it at warm-up only), elsewhere the median wall clock
@@ -230,6 +325,8 @@ def pick_decode_attention(
     variants) is the reference every output is checked against and the choice unless another
     is PICK_MARGIN faster; it must be among `variants` and must run.
     """
+    if variants is None:
+        variants = decode_attention_variants(q.device)
     reference = variants[DEFAULT_DECODE_ATTENTION](q, k, v, mask, scale)
     timings: dict[str, float] = {}
     for name, variant in variants.items():
