@@ -55,6 +55,13 @@ step test-gpu "${TEST_GPU_S:-150}" python3 -m pytest -v -m gpu --durations=10 -p
 profile=${PROFILE_GPU_S:-60}  # profile_gpu.py starts no part after its budget, 10 s before the bound
 # shellcheck disable=SC2086
 TAIL_LINES=${PROFILE_TAIL_LINES:-12} step profile "$profile" python3 bench/profile_gpu.py --budget-s $((profile - 10)) ${PROFILE_ARGS:-}
+# PROFILE_BASELINE_ENV="ROLLSERVE_FUSED_PROJECTIONS=0" (any NAME=VALUE words) profiles again
+# with those switches, into profile-baseline.log: an engine lever against its baseline on the
+# same machine in the same call (the switches: the README, under the exit-code table).
+if [ -n "${PROFILE_BASELINE_ENV:-}" ]; then
+    # shellcheck disable=SC2086
+    TAIL_LINES=${PROFILE_TAIL_LINES:-12} step profile-baseline "$profile" env $PROFILE_BASELINE_ENV python3 bench/profile_gpu.py --budget-s $((profile - 10)) ${PROFILE_ARGS:-}
+fi
 # shellcheck disable=SC2086
 step bench-weights "${BENCH_WEIGHTS_S:-90}" python3 bench/bench_gpu_weights.py ${WEIGHTS_ARGS:-}
 budget=${BENCH_GPU_S:-220}  # bench_gpu.py stops its own lanes in time to print its summary

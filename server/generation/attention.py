@@ -224,11 +224,14 @@ COMPILED_DECODE_ATTENTION: dict[str, DecodeAttention] = {
 }
 
 
-def decode_attention_variants(device: torch.device) -> dict[str, DecodeAttention]:
+def decode_attention_variants(
+    device: torch.device, compiled: bool | None = None
+) -> dict[str, DecodeAttention]:
     """The variants pick_decode_attention times on `device`: DECODE_ATTENTION, and
-    COMPILED_DECODE_ATTENTION where the engine compiles (compiling.compiles_by_default: CUDA
-    unless ROLLSERVE_ENGINE_COMPILE=0): a CPU server or test never pays their compile."""
-    if compiles_by_default(device):
+    COMPILED_DECODE_ATTENTION where the engine compiles (`compiled`, the engine's; None:
+    compiling.compiles_by_default, CUDA unless ROLLSERVE_ENGINE_COMPILE=0): a CPU server or
+    test, or an engine told not to compile, never pays their compile."""
+    if compiles_by_default(device) if compiled is None else compiled:
         return {**DECODE_ATTENTION, **COMPILED_DECODE_ATTENTION}
     return dict(DECODE_ATTENTION)
 

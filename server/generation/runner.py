@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import pick_decode_attention
+from .attention import decode_attention_variants, pick_decode_attention
 from .compiling import compiles_by_default
 from .families import Family
 from .fused import fuses_by_default
@@ -417,7 +417,8 @@ class Engine:
         k.normal_(generator=g)
         v.normal_(generator=g)
         try:
-            name, timings = pick_decode_attention(q, k, v, mask, f.scaling)
+            variants = decode_attention_variants(self.device, self.compiled)
+            name, timings = pick_decode_attention(q, k, v, mask, f.scaling, variants=variants)
         finally:
             k.zero_()  # as the cache was allocated (kv_cache.py)
             v.zero_()
