@@ -386,7 +386,8 @@ def start_decode(model: torch.nn.Module, case: Case, device: torch.device) -> De
     print(
         f"engine: warm-up of bucket {batch_bucket(case.rows, ws.rows)} in {warm_s:.1f} s; "
         f"layout {ws.rows} rows x {ws.width} columns, KV capacity {engine.capacity_tokens} "
-        f"tokens, compiled {engine.compiled}, CUDA graphs {engine.use_graphs} "
+        f"tokens, compiled {engine.compiled}, fused projections "
+        f"{engine.forward.fused_projections}, CUDA graphs {engine.use_graphs} "
         f"({len(ws.graphs)} captured); attention widths (first step) {widths}; decode "
         f"attention {engine.decode_attention} {_variant_ms(engine.decode_attention_ms)}\n",
         flush=True,
