@@ -374,7 +374,7 @@ def test_warm_up_covers_every_bucket_and_width_a_request_runs(llama) -> None:
     prompts = [p for p in PROMPTS for _ in range(4)]  # 20 rows, prompts of width 7
     engine.warm_up(params, len(prompts), 7, pad_token_id=PAD)
     (ws,) = engine._workspaces.values()
-    widths = {128, 256}  # 7 + 1 .. 7 + 139 columns, in blocks of 128
+    widths = {64, 128, 192}  # 7 + 1 .. 7 + 139 columns, in blocks of 64 (the layout: 256)
     assert ws.shapes == {(b, w) for b in (24, 16, 8, 4, 2, 1) for w in widths}
     warmed = set(ws.shapes)
     hotter = SamplingParams(
@@ -397,7 +397,7 @@ def test_a_warm_up_over_its_budget_stops_after_the_first_bucket(llama) -> None:
     params = SamplingParams(max_new_tokens=4, temperature=0.0)
     engine.warm_up(params, 16, 5, pad_token_id=PAD, budget_s=0.0)
     (ws,) = engine._workspaces.values()
-    assert ws.shapes == {(16, 128)}
+    assert ws.shapes == {(16, 64)}  # 5 + 1 .. 5 + 3 columns
 
 
 def test_sampling_values_are_loaded_into_a_reused_workspace(llama) -> None:
@@ -483,17 +483,21 @@ def test_compaction_moves_the_written_columns_of_a_wider_layout(llama) -> None:
 
 
 def test_attention_widths_cover_the_live_columns_with_few_graphs() -> None:
-    """A step reads at least its written columns and little more (an eighth past 2048), and a
+    """A step reads at least its written columns and little more (an eighth past 1024), and a
     long layout steps through few widths (one captured graph each per bucket)."""
-    from rollserve.server.generation.runner import WIDTH_QUANTUM, attention_width
+    from rollserve.server.generation.runner import ATTENTION_QUANTUM, attention_width
 
     layout = 8192
     widths = [attention_width(live, layout) for live in range(1, layout + 1)]
     for live, width in enumerate(widths, start=1):
-        assert live <= width <= layout and width % WIDTH_QUANTUM == 0
-        assert width <= max(WIDTH_QUANTUM * -(-live // WIDTH_QUANTUM), live * 9 // 8 + 1)
+        assert live <= width <= layout and width % ATTENTION_QUANTUM == 0
+        assert width <= max(ATTENTION_QUANTUM * -(-live // ATTENTION_QUANTUM), live * 9 // 8 + 1)
     assert widths == sorted(widths)
-    assert len(set(widths[:2048])) == 16 and len(set(widths)) == 32  # 128 columns each: 64
+    # 64 columns each up to 1024, then 8 widths per doubling: 40 graphs, where 128 would be 128.
+    assert len(set(widths[:1024])) == 16 and len(set(widths)) == 40
+    assert [attention_width(live, 384) for live in (129, 192, 193, 300, 384)] == [
+        192, 192, 256, 320, 384,
+    ]  # the issue's case (128 + 256 columns): 4 widths  # fmt: skip
     assert attention_width(300, 256) == 256  # never past the layout
 
 

@@ -43,13 +43,25 @@ from .model import Forward
 from .rotary import RopeTable
 from .sampler import Sampler, sampler_structure
 
-__all__ = ["Engine", "EngineMemory", "EngineResult", "attention_width", "batch_bucket"]
+__all__ = [
+    "ATTENTION_QUANTUM",
+    "Engine",
+    "EngineMemory",
+    "EngineResult",
+    "attention_width",
+    "batch_bucket",
+]
 
 # Batch sizes a step runs at (rows beyond the live ones are finished fillers): a ~1.5x ladder
 # keeps the number of captured graphs small and the filler work under a third.
 _LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 CHECK_EVERY = 8  # decode steps between the host's looks at finished rows
-WIDTH_QUANTUM = 128  # layouts are this many columns wide; attention reads blocks of them
+WIDTH_QUANTUM = 128  # layouts are a multiple of this many columns wide
+# A step's attention reads the written columns rounded up to this (attention_width). Every
+# width is one more captured graph per bucket (a capture, no compile: the attention runs
+# outside the compiled functions, and the compiled variants' widths are dynamic); halving 128
+# cut the columns read beyond the live ones from a quarter to an eighth of a 128 + 256 request.
+ATTENTION_QUANTUM = 64
 PREFILL_TOKENS = 8192  # prompt tokens per prefill forward (rows are chunked to fit)
 MAX_WORKSPACES = 4  # layouts x sampling structures kept with their graphs
 WARM_UP_BUDGET_S = 60.0  # the warm-up starts no new batch bucket after this (it delays SERVING)
@@ -73,10 +85,10 @@ def _round_up(value: int, quantum: int) -> int:
 
 def attention_width(live: int, layout_width: int) -> int:
     """The cache columns a step reads for `live` written columns: live rounded up to
-    WIDTH_QUANTUM up to 16 quanta, then to a sixteenth of the power of two above it (8 widths
-    per doubling: a step reads at most an eighth more than live, and a long layout needs few
-    graphs per bucket), never past the layout."""
-    quantum = max(WIDTH_QUANTUM, 1 << max(0, (live - 1).bit_length() - 4))
+    ATTENTION_QUANTUM up to 16 quanta, then to a sixteenth of the power of two above it (8
+    widths per doubling: a step reads at most an eighth more than live, and a long layout
+    needs few graphs per bucket), never past the layout."""
+    quantum = max(ATTENTION_QUANTUM, 1 << max(0, (live - 1).bit_length() - 4))
     return min(layout_width, _round_up(live, quantum))
 
 
