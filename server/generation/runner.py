@@ -222,6 +222,10 @@ class Engine:
             fused = fuses_by_default(self.device)
         # Before the parameter addresses are taken below: fusing moves the projections' weights.
         self.forward = Forward(family, rope, compiled=compiled, fused=fused)
+        if self.forward.fused_projections and self.device.type == "cuda":
+            # Fusing left the projections' old storages cached by the allocator, where
+            # mem_get_info (the KV budget below) would count them as in use: give them back.
+            torch.cuda.empty_cache()
         forced = os.environ.get(DECODE_ATTENTION_ENV, "").strip()
         if forced:
             self.forward.decode_attention_variant = forced  # ValueError for an unknown name
