@@ -17,6 +17,9 @@
 #     SKIP_STEPS="profile bench-weights bench-gpu" TEST_GPU_S=300 bash bench/gpu_checks.sh
 #     SKIP_STEPS=test-gpu PROFILE_GPU_S=100 WEIGHTS_ARGS=--no-cpu-reference BENCH_WEIGHTS_S=45 \
 #         BENCH_GPU_S=220 bash bench/gpu_checks.sh
+#
+# with PROFILE_BASELINE_ENV="ROLLSERVE_FUSED_PROJECTIONS=0 ROLLSERVE_DECODE_ATTENTION=sdpa" in the
+# second to profile the engine's levers off as well (another PROFILE_GPU_S: 100 s more).
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
