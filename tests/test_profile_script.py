@@ -43,10 +43,10 @@ def test_cpu_quick_run_prints_every_section_and_its_tables() -> None:
     assert "skipped" not in out and "FAILED" not in out
     # The quick case crosses one width quantum: a decode row per width, with numbers.
     assert re.search(r"^\| 128 \| n/a \| [\d.]+ \|", out, re.M)
-    assert re.search(r"^\| 256 \| n/a \| [\d.]+ \|", out, re.M)
+    assert re.search(r"^\| 192 \| n/a \| [\d.]+ \|", out, re.M)  # 64-column steps
     # Kernel tables: an eager one per width and one of the scoring call, each with rows.
     assert out.count("| kernel | launches | total ms | ms per call | share |") == 3
     assert len(re.findall(r"^\| aten::mm \|", out, re.M)) == 3
     assert re.search(r"^\| forward\.decode \| [\d.]+ \|", out, re.M)
     assert re.search(r"^\| decoder body \(Forward\.hidden_states\) \| [\d.]+ \|", out, re.M)
-    assert re.search(r"^width 256: step [\d.]+ ms", out, re.M)
+    assert re.search(r"^width 192: step [\d.]+ ms", out, re.M)
