@@ -9,6 +9,7 @@ elsewhere (the CPU adoption of an update) is copied back into its block at the n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,38 @@ def test_the_engine_generates_hf_tokens_on_fused_weights_across_updates(
         for tensor in model.parameters():
             tensor.data = torch.randn_like(tensor) * 0.5
     ours_equal_hf()
+
+
+def _matmuls(call: Callable[[], object]) -> int:
+    """The matrix products `call` runs: aten linear (what F.linear dispatches to under
+    inference mode), mm and addmm (what it decomposes to otherwise)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+
+    class Count(TorchDispatchMode):
+        products = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if func.overloadpacket in (aten.linear, aten.mm, aten.addmm):
+                Count.products += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        call()
+    return Count.products
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_fused_layer_runs_four_matrix_products(fused: bool, tmp_path: Path) -> None:
+    """What fusing is for: a layer's q/k/v and gate/up are one product each (4 per layer with
+    o and down, where the HF layout runs 7); the numbers alone cannot tell the two apart."""
+    model = _model("qwen2", tmp_path)
+    family = read_family(model)
+    assert family is not None
+    rope = RopeTable(family.rotary, family.max_positions, torch.float32)
+    forward = Forward(family, rope, fused=fused)
+    ids, mask, positions = _rows()
+    with torch.inference_mode():
+        products = _matmuls(lambda: forward.hidden_states(ids, mask, positions))
+    assert products == len(family.layers) * (4 if fused else 7)
