@@ -34,15 +34,13 @@ from .attention import (
 )
 from .compiling import maybe_compiled
 from .families import Family, Layer
-from .fused import FusedProjection, fuse
+from .fused import FusedProjection, Linear, fuse
 from .rotary import RopeTable, apply_rope
 
 __all__ = ["Forward", "mlp_block", "project", "rms_norm", "token_inputs"]
 
 # Receives (layer index, k, v), each (b, Hkv, s, D), during prefill.
 KVWriter = Callable[[int, torch.Tensor, torch.Tensor], None]
-# (weight, bias) of a projection, as F.linear takes them.
-Linear = tuple[torch.Tensor, torch.Tensor | None]
 
 
 def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
