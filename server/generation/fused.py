@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -67,14 +67,13 @@ def _joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return joined.set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
 
 
-def _plain_tensors() -> contextlib.ExitStack:
+@contextlib.contextmanager
+def _plain_tensors() -> Iterator[None]:
     """No autograd, and tensors that are not inference tensors even when the caller runs under
     torch.inference_mode() (an engine is built inside a request): the parameters become views
     of what is made here, and an inference tensor refuses the in-place updates of weights."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.inference_mode(False))
-    stack.enter_context(torch.no_grad())
-    return stack
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 class FusedProjection:
@@ -85,6 +84,8 @@ class FusedProjection:
     def __init__(self, parts: Sequence[torch.nn.Linear]) -> None:
         self.parts = tuple(parts)
         self.sizes = tuple(int(part.out_features) for part in self.parts)
+        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes) + 1)]
+        self._rows = tuple(slice(a, b) for a, b in zip(starts, starts[1:], strict=False))
         self._attributes = ("weight",) if self.parts[0].bias is None else ("weight", "bias")
         self._fused = {name: self._fuse(name) for name in self._attributes}
         self._addresses = self._expected_addresses()
@@ -94,11 +95,9 @@ class FusedProjection:
         return self._fused["weight"], self._fused.get("bias")
 
     def _blocks(self, name: str) -> list[tuple[torch.nn.Parameter, slice]]:
-        blocks, start = [], 0
-        for part, size in zip(self.parts, self.sizes, strict=True):
-            blocks.append((getattr(part, name), slice(start, start + size)))
-            start += size
-        return blocks
+        """Each part's parameter `name` with its rows of the fused tensor."""
+        pairs = zip(self.parts, self._rows, strict=True)
+        return [(getattr(part, name), rows) for part, rows in pairs]
 
     def _fuse(self, name: str) -> torch.Tensor:
         """The fused tensor of attribute `name`: the parts' own when they are already its
