@@ -222,6 +222,7 @@ DECODE_ATTENTION: dict[str, DecodeAttention] = {
 COMPILED_DECODE_ATTENTION: dict[str, DecodeAttention] = {
     "flex": decode_attention_flex,
 }
+_EVERY_DECODE_ATTENTION = {**DECODE_ATTENTION, **COMPILED_DECODE_ATTENTION}
 
 
 def decode_attention_variants(
@@ -232,18 +233,17 @@ def decode_attention_variants(
     compiling.compiles_by_default, CUDA unless ROLLSERVE_ENGINE_COMPILE=0): a CPU server or
     test, or an engine told not to compile, never pays their compile."""
     if compiles_by_default(device) if compiled is None else compiled:
-        return {**DECODE_ATTENTION, **COMPILED_DECODE_ATTENTION}
+        return dict(_EVERY_DECODE_ATTENTION)
     return dict(DECODE_ATTENTION)
 
 
 def decode_attention_variant(name: str) -> DecodeAttention:
     """The variant called `name` (of DECODE_ATTENTION or COMPILED_DECODE_ATTENTION, on any
     device); ValueError naming the known ones otherwise."""
-    known = {**DECODE_ATTENTION, **COMPILED_DECODE_ATTENTION}
     try:
-        return known[name]
+        return _EVERY_DECODE_ATTENTION[name]
     except KeyError:
-        names = ", ".join(known)
+        names = ", ".join(_EVERY_DECODE_ATTENTION)
         raise ValueError(f"unknown decode attention variant {name!r} (known: {names})") from None
 
 
