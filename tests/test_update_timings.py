@@ -13,11 +13,13 @@ import pytest
 import torch
 from helpers_weights import perturbed
 from rollserve.client import RolloutClient
+from rollserve.client.protocol.dtypes import SAFETENSORS_DTYPES
 from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, load_models
 from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm
 from rollserve.server.serving.app import RolloutServer
 from rollserve.server.weights.arena import StagingArena, set_staging_arena
+from rollserve.server.weights.header import StreamEntry
 from rollserve.server.weights.pipeline import SlotRing
 from rollserve.server.weights.timings import PHASES, UpdateTimings
 
@@ -120,13 +122,15 @@ def test_every_update_logs_its_phases_and_observes_the_histogram(
         # Every data byte passed the ring: at least one slot per SLOT_BYTES, each counted.
         slots = int(phases.split("host_copy ")[1].split()[0].split("/")[1])
         assert slots >= data_bytes // SLOT_BYTES
-        assert "check_launch" in phases and "ring_wait" in phases
+        assert "ring_wait" in phases
         # The tiny model's tensors lie back to back in one dtype: one reduction checks them all.
         assert lane_count(phases, "check_group") == 1
-        assert lane_count(phases, "check_launch") == len(actor.state_dict())
     else:
         assert "in host memory" in lines[1]
         assert "host_copy" not in phases
+    # The first update parsed and planned the head; the second sent the same one: reused.
+    assert " head_check " in lines[0].split("; phases: ")[1]
+    assert " head_check " not in phases
 
 
 def test_a_refused_update_logs_no_phases(actor_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -151,11 +155,13 @@ def test_a_refused_update_logs_no_phases(actor_dir: Path, caplog: pytest.LogCapt
 # ---- the device checks of back-to-back tensors: one reduction per group ------------------------
 
 
-def views(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    out, start = [], 0
-    for size in sizes:
-        out.append(buffer[start : start + size])
-        start += size
+def entries_of(specs: list[tuple[str, str, int]]) -> list[StreamEntry]:
+    """StreamEntries back to back in data order from (name, safetensors dtype, elements)."""
+    out, cursor = [], 0
+    for name, dtype, count in specs:
+        nbytes = count * SAFETENSORS_DTYPES[dtype].itemsize
+        out.append(StreamEntry(name, dtype, (count,), cursor, cursor + nbytes))
+        cursor += nbytes
     return out
 
 
@@ -167,46 +173,54 @@ def aminmax_calls(run: object) -> int:
 
 def test_back_to_back_tensors_are_checked_by_one_reduction_and_the_first_bad_is_named() -> None:
     from rollserve.client.protocol.errors import InvalidArgument
-    from rollserve.server.weights.verify import DeferredValues, ValueRule
+    from rollserve.server.weights.verify import DeferredValues, ValueRule, plan_check_groups
 
     rule = ValueRule(check_finite=True)
+    entries = entries_of([("t0", "BF16", 100), ("t1", "BF16", 300), ("t2", "BF16", 50),
+                          ("t3", "BF16", 550)])  # fmt: skip
+    rules = {e.name: rule for e in entries}
+    groups = plan_check_groups(entries, rules, group_bytes=900)  # t2 starts below 900 bytes
+    assert [g.names for g in groups] == [("t0", "t1", "t2"), ("t3",)]
+    assert [(g.data_begin, g.data_end) for g in groups] == [(0, 900), (900, 2000)]
     buffer = torch.ones(1000, dtype=torch.bfloat16)
-    tensors = views(buffer, [100, 300, 50, 550])
-    deferred = DeferredValues()
+    raw = buffer.view(torch.uint8)
+    deferred = DeferredValues(groups)
 
-    def add_all() -> None:
-        for order in (0, 2, 1, 3):  # lanes complete tensors out of order
-            deferred.add(order, f"t{order}", tensors[order], rule)
+    def launch_all() -> None:
+        for index in (1, 0):  # lanes complete groups out of order
+            group = groups[index]
+            deferred.launch(index, raw[group.data_begin : group.data_end])
         deferred.settle()
 
-    # t0 opens a group; t2 is not behind it: a second group; t1 is behind t0: joins the first;
-    # t3 is behind t2: joins the second. Two reductions instead of four.
-    assert aminmax_calls(add_all) == 2
+    assert aminmax_calls(launch_all) == 2  # one per group, not one per tensor
     buffer[150] = math.inf  # in t1
     buffer[990] = math.nan  # in t3
-    for order in (3, 2, 1, 0):
-        deferred.add(order, f"t{order}", tensors[order], rule)
+    for index, group in enumerate(groups):
+        deferred.launch(index, raw[group.data_begin : group.data_end])
     with pytest.raises(InvalidArgument, match=r"^t1: NaN or infinite"):
         deferred.settle()
-
-
-def test_groups_break_at_a_dtype_a_rule_or_a_gap() -> None:
-    from rollserve.server.weights.verify import DeferredValues, ValueRule
-
-    strict, loose = ValueRule(check_finite=True), ValueRule(check_finite=True, max_abs=100.0)
-    buffer = torch.zeros(4096, dtype=torch.uint8)
-    halves = buffer[:1024].view(torch.float16)  # 512 halves
-    floats = buffer[1024:3072].view(torch.float32)  # 512 floats, right behind the halves
-    deferred = DeferredValues()
-
-    def add_all() -> None:
-        deferred.add(0, "a", halves[:256], strict)
-        deferred.add(1, "b", halves[256:], loose)  # another rule
-        deferred.add(2, "c", floats[:256], loose)  # another dtype
-        deferred.add(3, "d", floats[257:], loose)  # a gap of one element
+    deferred.launch(0, raw[:900])  # a group never launched is a bug, not a pass
+    with pytest.raises(AssertionError, match="t3 never ran"):
         deferred.settle()
 
-    assert aminmax_calls(add_all) == 4
+
+def test_groups_break_at_a_dtype_a_rule_a_gap_or_their_size() -> None:
+    from rollserve.server.weights.verify import ValueRule, plan_check_groups
+
+    strict, loose = ValueRule(check_finite=True), ValueRule(check_finite=True, max_abs=100.0)
+    entries = entries_of([("a", "F16", 256), ("b", "F16", 256), ("c", "F32", 256),
+                          ("skipped", "I32", 1), ("d", "F32", 255), ("empty", "F32", 0),
+                          ("e", "F32", 10), ("f", "BOOL", 3), ("g", "BOOL", 5)])  # fmt: skip
+    rules = {e.name: loose for e in entries} | {"a": strict, "skipped": ValueRule(False)}
+    groups = plan_check_groups(entries, rules)
+    # a: its rule; b: the dtype after it; an int32 needs no check, and its bytes are a gap; an
+    # empty tensor is skipped without breaking the run; bools are a dtype of their own.
+    assert [g.names for g in groups] == [("a",), ("b",), ("c",), ("d", "e"), ("f", "g")]
+    assert groups[3].sizes == (1020, 40) and groups[4].dtype == torch.bool
+    assert [g.names for g in plan_check_groups(entries, rules, group_bytes=0)] == [
+        ("a",), ("b",), ("c",), ("d",), ("e",), ("f",), ("g",)]  # fmt: skip
+    no_checks = {e.name: ValueRule(False) for e in entries}  # allow_non_finite: bools only
+    assert [g.names for g in plan_check_groups(entries, no_checks)] == [("f", "g")]
 
 
 # ---- on a CUDA device (marked gpu: skipped without CUDA) ---------------------------------------
@@ -235,7 +249,6 @@ def test_a_cuda_server_logs_device_phases_with_one_check_per_group(
     assert len(lines) == 2 and "staged on the device" in lines[1]
     phases = lines[1].split("; phases: ")[1]
     assert lane_count(phases, "apply_launch") == tensors
-    assert lane_count(phases, "check_launch") == tensors  # every tensor reached its group
     # The tiny model's tensors lie back to back in one dtype: one reduction checks them all.
     assert lane_count(phases, "check_group") == 1
     if transport == "shm":  # the page-locked mapping is copied to the device, no host copy

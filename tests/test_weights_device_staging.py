@@ -48,7 +48,7 @@ from rollserve.server.weights.header import StreamEntry
 from rollserve.server.weights.pipeline import RING_SLOTS, SLOT_BYTES, SlotRing
 from rollserve.server.weights.shared_memory import mapping_page_locked
 from rollserve.server.weights.stream import SafetensorsStager
-from rollserve.server.weights.verify import ValueRule, check_values
+from rollserve.server.weights.verify import CheckGroup, DeferredValues, ValueRule, check_values
 from rollserve.v1 import rollout_pb2 as pb
 from test_weights_staging import FAILURES, cut_requests, make_requests, recut
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -100,27 +100,41 @@ def assert_bits_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
 
 
 class Record:
-    """StreamChecks that record every whole-tensor check (device arenas call check_tensor)."""
+    """StreamChecks that record every tensor's bytes when its check runs (one check group per
+    tensor with elements, of every dtype: the pipeline launches a group once all its bytes are
+    in)."""
 
     def __init__(self) -> None:
         self.checked: dict[str, torch.Tensor] = {}
         self.settled = 0
+        self._groups: tuple[CheckGroup, ...] = ()
         self._lock = threading.Lock()
 
     def check_header(self, entries: Sequence[StreamEntry]) -> None:
-        return None
+        self._groups = tuple(
+            CheckGroup(ValueRule(False), e.dtype, (e.name,), (e.nbytes,), e.begin, e.end)
+            for e in entries
+            if e.nbytes
+        )
 
     def check_elements(self, entry: StreamEntry, values: torch.Tensor) -> None:
-        raise AssertionError("a device arena checks whole tensors, not runs")
+        raise AssertionError("a device arena checks whole groups, not runs")
 
-    def check_tensor(self, entry: StreamEntry, values: torch.Tensor) -> None:
-        assert values.dim() == 1 and values.dtype == entry.dtype
+    def device_groups(self) -> tuple[CheckGroup, ...]:
+        return self._groups
+
+    def launch_check(self, index: int, raw: torch.Tensor) -> None:
+        group = self._groups[index]
+        assert raw.dim() == 1 and raw.dtype == torch.uint8 and len(raw) == sum(group.sizes)
         with self._lock:
-            assert entry.name not in self.checked, f"{entry.name} checked twice"
-            self.checked[entry.name] = values.clone()
+            assert group.names[0] not in self.checked, f"{group.names[0]} checked twice"
+            self.checked[group.names[0]] = raw.view(group.dtype).clone()
 
     def settle(self) -> None:
         self.settled += 1
+
+    def head_key(self) -> None:
+        return None  # never reused: every update records its own checks
 
 
 SAFETENSORS_DTYPES = {torch.uint8: "U8", torch.bfloat16: "BF16", torch.float32: "F32",
@@ -339,6 +353,9 @@ def test_bytes_a_plane_writes_itself_copy_the_held_slot_first() -> None:
 
 class _Accept:
     def check_header(self, entries: Sequence[StreamEntry]) -> None:
+        return None
+
+    def head_key(self) -> None:
         return None
 
     def check_elements(self, entry: StreamEntry, values: torch.Tensor) -> None:
@@ -577,9 +594,7 @@ def test_a_servers_kv_budget_leaves_one_staging_copy_of_each_model_it_hosts() ->
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # check_values' sum of squares
 def test_the_value_checks_agree_with_check_values() -> None:
-    """DeferredValues (through UpdateChecks) refuses exactly what check_values refuses."""
-    from rollserve.server.weights.verify import DeferredValues
-
+    """DeferredValues refuses exactly what check_values refuses."""
     cases = []
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         big = torch.finfo(dtype).max
@@ -589,8 +604,10 @@ def test_the_value_checks_agree_with_check_values() -> None:
     cases.append((torch.tensor([0, 1, 2], dtype=torch.uint8).view(torch.bool), ValueRule(False)))
     cases.append((torch.tensor([True, False]), ValueRule(False)))
     for values, rule in cases:
-        deferred = DeferredValues()
-        deferred.add(0, "t", values, rule)
+        raw = values.view(torch.uint8)
+        group = CheckGroup(rule, values.dtype, ("t",), (len(raw),), 0, len(raw))
+        deferred = DeferredValues((group,))
+        deferred.launch(0, raw)
         try:
             check_values("t", values, rule)
             expected = None

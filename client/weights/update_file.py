@@ -178,6 +178,7 @@ def iter_chunk_pieces(
     chunk_bytes: int,
     begin: int = 0,
     end: int | None = None,
+    layout: tuple[bytes, list[WeightSpec]] | None = None,
 ) -> Iterator[Chunk]:
     """The safetensors file of `state_dict` (or its bytes [begin, end)) as chunks of chunk_bytes
     (the last shorter), each a list of memoryviews into the tensors' memory: joining one is the
@@ -186,11 +187,14 @@ def iter_chunk_pieces(
     A chunk that spans tensors holds a view of each; a temporary host copy (a GPU or a
     non-contiguous tensor) is never kept past its turn: its bytes left over for the next chunk
     (< chunk_bytes) are copied out, so at most one host copy of a tensor exists at a time.
+    `layout`: safetensors_header(state_dict) when the caller has it (a checked state dict).
     """
     if chunk_bytes < 1:
         raise InvalidArgument(f"chunk_bytes must be positive, got {chunk_bytes}")
-    state_dict = _as_state_dict(state_dict)
-    header, specs = safetensors_header(state_dict)
+    if layout is None:
+        state_dict = _as_state_dict(state_dict)
+        layout = safetensors_header(state_dict)
+    header, specs = layout
     pending: Chunk = []  # the start of a chunk that spans a tensor boundary
     pending_bytes = 0
     for piece, temporary in _pieces(state_dict, header, specs, begin, end):
@@ -223,9 +227,8 @@ def iter_safetensors_bytes(
         yield b"".join(pieces)
 
 
-def _sha256_hex(state_dict: StateDict) -> str:
+def _sha256_hex(state_dict: StateDict, header: bytes, specs: list[WeightSpec]) -> str:
     digest = hashlib.sha256()
-    header, specs = safetensors_header(state_dict)
     for piece, _ in _pieces(state_dict, header, specs):
         digest.update(piece)
     return digest.hexdigest()
@@ -239,14 +242,17 @@ class UpdateFile:
     state_dict: StateDict
     chunk_bytes: int
     crc32: bool
+    head: bytes  # the file's length prefix and JSON header
+    specs: tuple[WeightSpec, ...]  # its tensors in file order
 
     @property
     def total_bytes(self) -> int:
         return self.header.total_bytes
 
     def layout(self) -> tuple[bytes, list[WeightSpec]]:
-        """The file's head (length prefix + JSON) and its tensors in file order."""
-        return safetensors_header(self.state_dict)
+        """The file's head (length prefix + JSON) and its tensors in file order (made once, by
+        prepare_update: ~300 tensors' JSON is milliseconds, and every transport asks for it)."""
+        return self.head, list(self.specs)
 
     def messages(
         self,
@@ -263,7 +269,8 @@ class UpdateFile:
         if progress is not None:
             progress(0, total_bytes)
         offset = begin
-        for pieces in iter_chunk_pieces(self.state_dict, self.chunk_bytes, begin, end):
+        layout = self.layout()
+        for pieces in iter_chunk_pieces(self.state_dict, self.chunk_bytes, begin, end, layout):
             checksum = crc32_of_pieces(pieces) if self.crc32 else None
             yield encode_chunk(offset, pieces, checksum)
             offset += sum(len(piece) for piece in pieces)
@@ -300,8 +307,10 @@ def prepare_update(
     if options.lora is not None:
         header.lora.CopyFrom(options.lora)
     if options.sha256:
-        header.sha256 = _sha256_hex(state_dict)
-    return UpdateFile(header, state_dict, options.chunk_bytes, options.crc32)
+        header.sha256 = _sha256_hex(state_dict, header_bytes, specs)
+    return UpdateFile(
+        header, state_dict, options.chunk_bytes, options.crc32, header_bytes, tuple(specs)
+    )
 
 
 def update_weights_messages(

@@ -63,12 +63,16 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 from ...client.protocol.errors import ResourceExhausted
 from ..models.memory import take_load_buffer
 from .pipeline import SlotRing
+
+if TYPE_CHECKING:
+    from .stream import VerifiedHead
 
 __all__ = [
     "DEVICE_MARGIN_BYTES",
@@ -126,6 +130,10 @@ class StagingArena:
         self._model_buffer = model_buffer
         self._lease = threading.Lock()
         self.allocations = 0  # buffers allocated so far (a steady state allocates none)
+        # The last head that passed its checks, with the staged views of the last update
+        # (stream.py, VerifiedHead): an update with the same head reuses them. The views are
+        # dropped whenever the buffer they view is (`_drop_views`).
+        self.verified_head: VerifiedHead | None = None
 
     @property
     def capacity_bytes(self) -> int:
@@ -164,6 +172,7 @@ class StagingArena:
         """
         on_device = self._wants_device(nbytes)
         if self._buffer is None or on_device != self._on_device or nbytes > self.capacity_bytes:
+            self._drop_views()
             self._buffer = None  # free the old buffer first: never two arenas at once
             self._on_device = on_device
             if on_device:
@@ -255,9 +264,19 @@ class StagingArena:
     def release(self) -> None:
         """Give the buffer and the ring back to the allocators (the next update allocates)."""
         with self._lease:
+            self._drop_views()
             self._buffer = None
             self._on_device = False
             self.ring.clear()
+
+    def forget_head(self) -> None:
+        """Check the next update's head anew (the model changed under a remembered one)."""
+        self.verified_head = None
+
+    def _drop_views(self) -> None:
+        """Views of the buffer keep it alive: drop them before the buffer is let go."""
+        if self.verified_head is not None:
+            self.verified_head.views.clear()
 
 
 _ARENAS: weakref.WeakKeyDictionary[torch.nn.Module, StagingArena] = weakref.WeakKeyDictionary()

@@ -17,10 +17,12 @@ wrote itself), when its lane ends (`flush`), or at `synchronize`. Bytes count as
 once their slot's copy was issued, so a tensor's checks never run before its last bytes left a
 slot. At most all but one of the ring's slots are held this way, so a lane always gets a slot.
 
-Value checks run on the device too: once every byte of a tensor was copied (by whichever lane
-brought its last bytes; all copies go through the one copy stream, so the check is ordered after
-them), its checks are enqueued on the copy stream without waiting for them (verify.py,
-`DeferredValues`); `finish` synchronises once and reads every result at once.
+Value checks run on the device too: the checks come as byte ranges of the data section planned
+from the head (verify.py, `plan_check_groups`: one per run of same-dtype tensors), and once every
+byte of a range was copied (by whichever lane brought its last bytes; all copies go through the
+one copy stream, so the check is ordered after them), its reduction is enqueued on the copy
+stream without waiting for it (`DeferredValues`); `finish` synchronises once and reads every
+result at once. The host work per update is per slot and per range, not per tensor.
 
 The same code runs with a "device" arena on the CPU (no stream, no pinning, every copy
 synchronous), which is how the CPU tests exercise the ring, the routing and the checks.
@@ -39,7 +41,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .header import StreamEntry
 from .timings import UpdateTimings
 
 __all__ = ["RING_SLOTS", "SLOT_BYTES", "DevicePipeline", "SlotRing"]
@@ -172,18 +173,19 @@ class SlotRing:
 
 
 class DevicePipeline:
-    """One update's copies into a device arena, and the per-tensor checks behind them.
+    """One update's copies into a device arena, and the value checks behind them.
 
     Thread-safe: lanes on several threads route bytes at once (each its own byte range).
-    `complete(index)` is called, with the copy stream current, once every byte of entries[index]
-    was copied: it enqueues the tensor's checks (never waits for the device).
+    `complete(index)` is called, with the copy stream current, once every byte of
+    checked[index] (a data-section range [begin, end); the ranges are in order and disjoint) was
+    copied: it enqueues that range's checks (never waits for the device).
     """
 
     def __init__(
         self,
         arena: torch.Tensor,
         segments: Sequence[tuple[int, int, int]],
-        entries: Sequence[StreamEntry],
+        checked: Sequence[tuple[int, int]],
         *,
         ring: SlotRing,
         stream: torch.cuda.Stream | None,
@@ -195,9 +197,9 @@ class DevicePipeline:
         self.arena = arena
         self._segments = tuple(segments)
         self._segment_begins = [begin for begin, _, _ in segments]
-        self._entries = tuple(entries)
-        self._entry_ends = [entry.end for entry in entries]
-        self._missing = [entry.nbytes for entry in entries]  # bytes not yet copied, per tensor
+        self._checked = tuple(checked)
+        self._checked_ends = [end for _, end in checked]
+        self._missing = [end - begin for begin, end in checked]  # bytes not yet copied, per range
         self._ring = ring
         self._stream = stream
         self._complete = complete
@@ -381,17 +383,18 @@ class DevicePipeline:
             index += 1
 
     def _arrived(self, position: int, size: int) -> None:
-        """Count the copied bytes per tensor; enqueue the checks of every tensor now complete.
+        """Count the copied bytes per checked range; enqueue the checks of every range now
+        complete.
 
-        Every copy into a tensor was issued on the copy stream before its lane counted it, so
-        the checks, issued after the count that completed the tensor, run after all of them."""
+        Every copy into a range was issued on the copy stream before its lane counted it, so
+        the checks, issued after the count that completed the range, run after all of them."""
         end = position + size
         completed = []
         with self._lock:
-            index = bisect.bisect_right(self._entry_ends, position)
-            while index < len(self._entries) and self._entries[index].begin < end:
-                entry = self._entries[index]
-                overlap = min(end, entry.end) - max(position, entry.begin)
+            index = bisect.bisect_right(self._checked_ends, position)
+            while index < len(self._checked) and self._checked[index][0] < end:
+                begin, stop = self._checked[index]
+                overlap = min(end, stop) - max(position, begin)
                 if overlap > 0:
                     self._missing[index] -= overlap
                     if self._missing[index] == 0:
@@ -402,4 +405,4 @@ class DevicePipeline:
             with self._on_stream():
                 for index in completed:
                     self._complete(index)
-            self._timings.add("check_launch", time.perf_counter() - started_s, len(completed))
+            self._timings.add("check_group", time.perf_counter() - started_s, len(completed))

@@ -82,7 +82,12 @@ class StagedUpdate:
         factors, a few MB, are copied there first): one weight-sized host temporary.
         """
         started_s = time.perf_counter()
-        model_tensors = _resolve(model, self._targets())
+        try:
+            model_tensors = _resolve(model, self._targets())
+        except FailedPrecondition:
+            if self.arena is not None:  # its remembered head was planned on the old model
+                self.arena.forget_head()
+            raise
         resolved_s = time.perf_counter()
         with torch.no_grad():
             if self.options.mode == pb.UPDATE_MODE_LORA:
@@ -206,7 +211,8 @@ class UpdateStager:
             raise ValueError("a LoraState is required to stage a LoRA update")
         self._lora_state = lora_state
         self._arena = arena
-        self._checks = UpdateChecks(model_spec(model), self._options, self.timings)
+        # The model's spec is read only when a head is checked (a repeated head reuses its plan).
+        self._checks = UpdateChecks(lambda: model_spec(model), self._options)
         self._stager = SafetensorsStager(
             self._options.total_bytes,
             self._checks,

@@ -35,8 +35,9 @@ import bisect
 import hashlib
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Protocol
 
 import numpy as np
@@ -48,6 +49,7 @@ from .checksum import crc32 as crc32_of
 from .header import PREFIX_BYTES, StreamEntry, parse_header
 from .pipeline import DevicePipeline
 from .timings import UpdateTimings
+from .verify import CheckGroup
 
 __all__ = [
     "ArenaLayout",
@@ -55,6 +57,7 @@ __all__ = [
     "SafetensorsStager",
     "StagedFile",
     "StreamChecks",
+    "VerifiedHead",
     "plan_arena",
 ]
 
@@ -74,14 +77,30 @@ class StreamChecks(Protocol):
         threads at once (one per lane), never twice for the same element. Host arenas only.
         """
 
-    def check_tensor(self, entry: StreamEntry, values: torch.Tensor) -> None:
-        """Device arenas (pipeline.py): called once per tensor (1-D, wire dtype, on the arena's
-        device) with the copy stream current, once all its bytes were copied; enqueues the
-        checks there without waiting for them. Called from any lane's thread."""
+    def device_groups(self) -> Sequence[CheckGroup]:
+        """Device arenas (pipeline.py), after check_header: the value checks, each a run of
+        tensors in data order that is checked once every byte of [data_begin, data_end)
+        arrived (verify.py, plan_check_groups)."""
+
+    def launch_check(self, index: int, raw: torch.Tensor) -> None:
+        """Device arenas: enqueue the checks of device_groups()[index] over `raw`, its arena
+        bytes (1-D uint8 on the arena's device), with the copy stream current, without waiting
+        for them. Called from any lane's thread."""
 
     def settle(self) -> None:
         """Device arenas: called once by `finish` after the copy stream was synchronised;
-        raises the first failure of the check_tensor checks, in data order."""
+        raises the first failure of the launched checks, in data order."""
+
+    def head_key(self) -> Hashable:
+        """What the header's checks depend on besides the head's bytes (and the model, which
+        is the arena's): a head seen before with an equal key is not checked again."""
+
+    @property
+    def verified(self) -> object:
+        """What check_header derived, for `reuse` by a later update of the same head."""
+
+    def reuse(self, verified: object) -> None:
+        """Instead of check_header: take what it derived for the same head and head_key."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +139,28 @@ class StagedFile:
     tensors: Mapping[str, torch.Tensor]
     total_bytes: int
     on_device: bool = False  # staged in a device arena (pipeline.py), not in host memory
+
+
+@dataclass(frozen=True)
+class VerifiedHead:
+    """A head that passed its checks, kept by the arena (one per model) for the next update.
+
+    A trainer sends the same tensors at every step, so the head's bytes repeat; an update whose
+    head is byte for byte the last one's, with an equal `key` (StreamChecks.head_key), reuses
+    the parsed entries, the arena layout and what the checks derived (the plan, the device check
+    groups) instead of parsing ~300 entries and planning them again. `views` are the staged
+    tensors of the last update, kept for the arena buffer they view (`buffer`)."""
+
+    raw: bytes  # the JSON header, without the length prefix
+    data_bytes: int
+    key: Hashable
+    entries: tuple[StreamEntry, ...]
+    layout: ArenaLayout
+    verified: object
+    views: dict[tuple[int, int], Mapping[str, torch.Tensor]] = field(default_factory=dict)
+
+    def matches(self, raw: bytes, data_bytes: int, key: Hashable) -> bool:
+        return data_bytes == self.data_bytes and key == self.key and raw == self.raw
 
 
 class _Data:
@@ -188,10 +229,12 @@ class _Data:
             assert self.arena_np is not None
             yield self.arena_np[begin:end]
 
-    def check_tensor(self, checks: StreamChecks, index: int) -> None:
-        """The pipeline's hook: every byte of entries[index] was copied; enqueue its checks."""
-        entry = self.entries[index]
-        checks.check_tensor(entry, self.elements(index, 0, entry.nbytes // entry.dtype.itemsize))
+    def launch_check(self, checks: StreamChecks, group: CheckGroup, index: int) -> None:
+        """The pipeline's hook: every byte of `group` (checks' device_groups()[index]) was
+        copied; enqueue its checks."""
+        raw = self.run(group.data_begin, group.data_end - group.data_begin)
+        assert raw is not None, "a check group lies in one segment (verify.CheckGroup)"
+        checks.launch_check(index, raw)
 
     def run(self, position: int, size: int) -> torch.Tensor | None:
         """Arena bytes of data-section bytes [position, position + size) if one segment holds
@@ -453,6 +496,7 @@ class SafetensorsStager:
         self._head = bytearray()  # the length prefix and JSON header, until parsed
         self._header_bytes: int | None = None
         self._data: _Data | None = None
+        self._verified: VerifiedHead | None = None  # the head's, once parsed (or reused)
         self._lanes: list[Lane] = []
         self._lanes_lock = threading.Lock()
         self._head_ready = threading.Event()  # set when the head is parsed, or on failure
@@ -569,10 +613,9 @@ class SafetensorsStager:
         assert self._header_bytes is not None
         data_start = PREFIX_BYTES + self._header_bytes
         data_bytes = self.total_bytes - data_start
-        entries = parse_header(bytes(self._head[PREFIX_BYTES:]), data_bytes)
         # Verify names, shapes and dtypes against the model before allocating anything big.
-        self._checks.check_header(entries)
-        layout = plan_arena(entries, data_bytes)
+        head = self._verify_head(bytes(self._head[PREFIX_BYTES:]), data_bytes)
+        entries, layout = head.entries, head.layout
         reusable = self._reusable_arena
         taking_s = time.perf_counter()
         if reusable is not None:
@@ -583,18 +626,45 @@ class SafetensorsStager:
         pipeline = None
         if reusable is not None and reusable.staged_on_device:
             checks = self._checks
+            groups = checks.device_groups()
             pipeline = DevicePipeline(
                 arena,
                 layout.segments,
-                entries,
+                [(group.data_begin, group.data_end) for group in groups],
                 ring=reusable.ring,
                 stream=reusable.copy_stream,
-                complete=lambda index: data.check_tensor(checks, index),
+                complete=lambda index: data.launch_check(checks, groups[index], index),
                 timings=self.timings,
             )
         data = _Data(entries, data_start, arena, layout, pipeline)
+        self._verified = head
         self._data = data
         self._head_ready.set()
+
+    def _verify_head(self, raw: bytes, data_bytes: int) -> VerifiedHead:
+        """The head's entries, layout and checks: those of the arena's last head when this one
+        is the same (VerifiedHead), else parsed and checked now (and kept by the arena)."""
+        reusable = self._reusable_arena
+        key = None if reusable is None else self._checks.head_key()
+        known = None if reusable is None else reusable.verified_head
+        if (
+            key is not None
+            and isinstance(known, VerifiedHead)
+            and known.matches(raw, data_bytes, key)
+        ):
+            self._checks.reuse(known.verified)
+            return known
+        checking_s = time.perf_counter()
+        entries = parse_header(raw, data_bytes)
+        self._checks.check_header(entries)
+        layout = plan_arena(entries, data_bytes)
+        if reusable is None or key is None:  # nowhere to keep it
+            head = VerifiedHead(raw, data_bytes, None, entries, layout, None)
+        else:
+            head = VerifiedHead(raw, data_bytes, key, entries, layout, self._checks.verified)
+            reusable.verified_head = head
+        self.timings.add("head_check", time.perf_counter() - checking_s)
+        return head
 
     # ---- the end ---------------------------------------------------------------------------
 
@@ -615,8 +685,24 @@ class SafetensorsStager:
             self._check_lane_boundaries(data)
         if self._sha256_hex is not None and self._sha256() != self._sha256_hex:
             raise InvalidArgument("sha256 of the received file does not match header.sha256")
-        tensors = {entry.name: data.tensor(i) for i, entry in enumerate(data.entries)}
-        return StagedFile(data.entries, tensors, self.total_bytes, on_device=data.on_device)
+        return StagedFile(
+            data.entries, self._staged_views(data), self.total_bytes, on_device=data.on_device
+        )
+
+    def _staged_views(self, data: _Data) -> Mapping[str, torch.Tensor]:
+        """The staged tensors (views of the arena): those of the arena's last update when the
+        head and the arena buffer are the same (~300 views made once, not per update)."""
+        head = self._verified
+        buffer = (data.arena.untyped_storage().data_ptr(), data.arena.numel())
+        if head is not None and head.key is not None:
+            known = head.views.get(buffer)
+            if known is not None:
+                return known
+        views = MappingProxyType({e.name: data.tensor(i) for i, e in enumerate(data.entries)})
+        if head is not None and head.key is not None and self._reusable_arena is not None:
+            head.views.clear()  # views of one buffer at a time (arena.py drops them on a new one)
+            head.views[buffer] = views
+        return views
 
     def _check_lane_boundaries(self, data: _Data) -> None:
         """Check the elements cut in two by a boundary between lanes (no lane checked them)."""

@@ -12,9 +12,11 @@ writer_wait (shm lanes waiting for the client's writes), broadcast_wait (dist), 
 host_copy and copy_launch (a device arena's pinned ring: ring_wait and copy_launch per slot,
 waiting for a free slot and launching its host-to-device copy; host_copy per piece copied into a
 slot, several per slot when small chunks fill one; copy_launch also per device piece),
-check_launch (per tensor completed) and check_group (per value-check reduction launched),
+check_group (per value-check reduction launched, once its tensors' bytes were all copied),
 page_lock (shm into a CUDA arena: registering the client's mapping, once per mapping),
-ipc_event_wait, ipc_handle_open and ipc_handle_close (per CUDA IPC buffer), arena_take,
+ipc_event_wait, ipc_handle_open and ipc_handle_close (per CUDA IPC buffer), head_check (the
+head parsed and planned against the model; absent when the arena's last head was reused),
+arena_take,
 finish_sync and settle (finish's wait and its verdict), apply_resolve, apply_launch (per tensor
 copied) and apply_wait.
 

@@ -18,9 +18,9 @@ Dtype rules (wire dtype -> parameter or buffer dtype):
   lifts the range rule above. Bool tensors must hold only 0 and 1.
 
 Where values are checked: in a host arena, chunk by chunk on the host (`check_values`); in a
-device arena (pipeline.py), per whole tensor on the device (`DeferredValues`): one min/max
-reduction per run of back-to-back tensors of one dtype (GROUP_BYTES), enqueued without waiting,
-read back all at once when the file is complete.
+device arena (pipeline.py), on the device (`DeferredValues`): one min/max reduction per run of
+back-to-back tensors of one dtype and rule (`plan_check_groups`, planned once per head), enqueued
+without waiting once the run's bytes arrived, read back all at once when the file is complete.
 A failure is named by the first offending tensor in data order, with the message
 `check_values` gives for it.
 """
@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import math
 import threading
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -43,15 +42,17 @@ from .header import StreamEntry, check_manifest, preview
 from .lora import LoraTarget, plan_lora
 from .options import UpdateOptions
 from .spec import ModelSpec, TargetTensor
-from .timings import UpdateTimings
 
 __all__ = [
+    "CheckGroup",
     "UpdateChecks",
     "UpdatePlan",
     "DeferredValues",
     "ValueRule",
     "check_values",
     "max_magnitude",
+    "needs_value_check",
+    "plan_check_groups",
     "plan_update",
 ]
 
@@ -206,7 +207,7 @@ def check_values(name: str, tensor: torch.Tensor, rule: ValueRule) -> None:
     raise InvalidArgument(f"{name}: NaN or infinite values (header.allow_non_finite is off)")
 
 
-# Tensors that lie back to back in one buffer, with one dtype and one rule, are checked by one
+# Tensors that lie back to back in the arena, with one dtype and one rule, are checked by one
 # reduction over all of them, up to this many bytes: one launch instead of one per tensor (a
 # model has hundreds, each launch costs host time), and still several per update, so most checks
 # run on the device while later bytes are being copied.
@@ -214,126 +215,133 @@ GROUP_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
-class _Member:
-    """One tensor of a group: its place in data order, its name, its values (a view)."""
-
-    order: int
-    name: str
-    values: torch.Tensor  # the staged tensor, 1-D wire dtype (a view of the arena)
-
-
-@dataclass
-class _Group:
-    """Back-to-back tensors of one buffer, dtype and rule; their extremes once launched."""
+class CheckGroup:
+    """Tensors that follow each other in the data section with one dtype and one rule, checked
+    by one reduction once every byte of [data_begin, data_end) arrived. Such neighbours are back
+    to back in the arena too (plan_arena shifts only a tensor whose start is misaligned for its
+    itemsize, which a same-dtype neighbour's is not), so the group is one run of arena bytes."""
 
     rule: ValueRule
-    storage: int  # data_ptr of the buffer they are views of
-    members: list[_Member]
-    end: int  # data_ptr one past the last member's bytes
-    nbytes: int
-    low: torch.Tensor | None = None  # 0-dim, on the device (uint8 for bools)
-    high: torch.Tensor | None = None
+    dtype: torch.dtype
+    names: tuple[str, ...]  # the members, in data order
+    sizes: tuple[int, ...]  # each member's bytes
+    data_begin: int
+    data_end: int
 
-    def takes(self, values: torch.Tensor, rule: ValueRule, storage: int) -> bool:
-        first = self.members[0].values
-        return (
-            values.data_ptr() == self.end
-            and storage == self.storage
-            and values.dtype == first.dtype
-            and values.device == first.device
-            and rule == self.rule
-        )
 
-    def launch(self) -> None:
-        """One aminmax over every member, on the caller's current stream; nothing waits."""
-        first = self.members[0].values
-        numel = sum(member.values.numel() for member in self.members)
-        whole = first.as_strided((numel,), (1,), first.storage_offset())
-        if whole.dtype == torch.bool:
-            whole = whole.view(torch.uint8)
-        self.low, self.high = torch.aminmax(whole)
+def needs_value_check(dtype: torch.dtype, rule: ValueRule) -> bool:
+    """Whether check_values can refuse a tensor of `dtype` under `rule` (bools, or floats when
+    the rule checks finiteness)."""
+    return dtype == torch.bool or (rule.check_finite and dtype.is_floating_point)
+
+
+def plan_check_groups(
+    entries: Sequence[StreamEntry], rules: Mapping[str, ValueRule], group_bytes: int | None = None
+) -> tuple[CheckGroup, ...]:
+    """The device value checks of a file: its tensors that need one, in data order, grouped
+    while they follow each other with one dtype and rule, each group closed once it holds
+    `group_bytes` (default GROUP_BYTES; 0: one group per tensor). Planned once per head, so
+    receiving costs host work per group, not per tensor."""
+    limit = GROUP_BYTES if group_bytes is None else group_bytes
+    groups: list[CheckGroup] = []
+    members: list[StreamEntry] = []
+
+    def close() -> None:
+        if members:
+            first = members[0]
+            groups.append(
+                CheckGroup(
+                    rules[first.name],
+                    first.dtype,
+                    tuple(m.name for m in members),
+                    tuple(m.nbytes for m in members),
+                    first.begin,
+                    members[-1].end,
+                )
+            )
+            members.clear()
+
+    for entry in entries:
+        rule = rules[entry.name]
+        if not entry.nbytes or not needs_value_check(entry.dtype, rule):
+            continue
+        if members:
+            last = members[-1]
+            joins = (
+                entry.begin == last.end
+                and entry.dtype == last.dtype
+                and rule == rules[last.name]
+                and sum(m.nbytes for m in members) < limit
+            )
+            if not joins:
+                close()
+        members.append(entry)
+    close()
+    return tuple(groups)
 
 
 class DeferredValues:
-    """`check_values` for tensors on a device, enqueued as they complete, judged once at the end.
+    """`check_values` for the groups of a device arena, launched as they complete, judged once.
 
-    `add` takes a tensor that needs a check into a group of back-to-back tensors (GROUP_BYTES);
-    a full group runs one aminmax on the caller's current stream and keeps the two 0-dim
-    results without reading them: no host sync per tensor or group. NaN propagates through min
-    and max, an infinity is an extreme, and a value out of range is too, so the extremes decide
-    every rule of check_values, for a group as for each of its tensors. `settle` (after the
-    stream was synchronised) launches the groups still open, copies all extremes to the host at
-    once and, in the first group that fails, re-runs check_values on a host copy of each tensor
+    `launch(index, raw)` runs one aminmax over group `index`'s arena bytes on the caller's
+    current stream and keeps the two 0-dim results without reading them: no host sync per group.
+    NaN propagates through min and max, an infinity is an extreme, and a value out of range is
+    too, so the extremes decide every rule of check_values, for a group as for each of its
+    tensors. `settle` (after the stream was synchronised) copies all extremes to the host at
+    once and, in the first group that fails, re-runs check_values on a host copy of each member
     in data order until one fails, so the message is check_values' own, naming the first
     offending tensor.
     """
 
-    def __init__(self, timings: UpdateTimings | None = None) -> None:
-        # timings: each group's launch adds to check_group (seconds and count).
-        self._timings = timings
-        self._open: dict[int, _Group] = {}  # by the data_ptr where each group ends
-        self._launched: list[_Group] = []
+    def __init__(self, groups: Sequence[CheckGroup]) -> None:
+        self._groups = tuple(groups)
+        # By group: its arena bytes and its (low, high) on the device, once launched.
+        self._launched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
-    def add(self, order: int, name: str, values: torch.Tensor, rule: ValueRule) -> None:
-        if not values.numel():
-            return
-        if values.dtype != torch.bool and not (
-            rule.check_finite and values.dtype.is_floating_point
-        ):
-            return
-        member = _Member(order, name, values)
-        storage = values.untyped_storage().data_ptr()
-        with self._lock:
-            group = self._open.pop(values.data_ptr(), None)
-            if group is None or not group.takes(values, rule, storage):
-                if group is not None:  # another dtype or rule right behind it: it ends here
-                    self._launch(group)
-                group = _Group(rule, storage, [], values.data_ptr(), 0)
-            group.members.append(member)
-            group.end += values.nbytes
-            group.nbytes += values.nbytes
-            if group.nbytes >= GROUP_BYTES:
-                self._launch(group)
-            else:
-                self._open[group.end] = group
+    @property
+    def groups(self) -> tuple[CheckGroup, ...]:
+        return self._groups
 
-    def _launch(self, group: _Group) -> None:
-        started_s = time.perf_counter()
-        group.launch()
-        self._launched.append(group)
-        if self._timings is not None:
-            self._timings.add("check_group", time.perf_counter() - started_s)
+    def launch(self, index: int, raw: torch.Tensor) -> None:
+        """Enqueue group `index`'s reduction over `raw`, its arena bytes (1-D uint8)."""
+        group = self._groups[index]
+        values = raw.view(torch.uint8 if group.dtype == torch.bool else group.dtype)
+        low, high = torch.aminmax(values)
+        with self._lock:
+            self._launched[index] = (raw, low, high)
 
     def settle(self) -> None:
+        """Raise the first failure in data order (after every group was launched: the pipeline
+        launches each once all its bytes arrived, and `finish` runs once they all did)."""
         with self._lock:
-            for group in self._open.values():
-                self._launch(group)
-            self._open = {}
-            groups = sorted(self._launched, key=lambda g: g.members[0].order)
-            self._launched = []
-        if not groups:
+            launched, self._launched = self._launched, {}
+        unchecked = [g.names[0] for i, g in enumerate(self._groups) if i not in launched]
+        if unchecked:
+            raise AssertionError(f"the value checks of {unchecked[0]} never ran")
+        if not launched:
             return
         by_dtype: dict[torch.dtype, list[int]] = {}
-        for position, group in enumerate(groups):
-            assert group.low is not None
-            by_dtype.setdefault(group.low.dtype, []).append(position)
+        for index, (_, low, _) in launched.items():
+            by_dtype.setdefault(low.dtype, []).append(index)
         extremes: dict[int, tuple[float, float]] = {}
-        for positions in by_dtype.values():
-            pairs = [t for p in positions for t in (groups[p].low, groups[p].high)]
+        for indices in by_dtype.values():
+            pairs = [t for i in indices for t in launched[i][1:]]
             # float64 holds every value of every wire dtype exactly (and NaN, and infinities).
             host = torch.stack(pairs).to("cpu", torch.float64).tolist()  # type: ignore[misc]
-            for k, p in enumerate(positions):
-                extremes[p] = (host[2 * k], host[2 * k + 1])
-        for position, group in enumerate(groups):
-            low, high = extremes[position]
-            dtype = group.members[0].values.dtype
-            if _passes(dtype, group.rule, low, high):
+            for k, i in enumerate(indices):
+                extremes[i] = (host[2 * k], host[2 * k + 1])
+        for index, group in enumerate(self._groups):
+            low, high = extremes[index]
+            if _passes(group.dtype, group.rule, low, high):
                 continue
-            for member in group.members:  # the first offending tensor words the refusal
-                check_values(member.name, member.values.cpu(), group.rule)
-            name = group.members[0].name
-            raise InvalidArgument(f"{name}: values out of range (checked on the device)")
+            raw = launched[index][0]
+            start = 0
+            for name, size in zip(group.names, group.sizes, strict=True):
+                # The first offending tensor words the refusal.
+                check_values(name, raw[start : start + size].view(group.dtype).cpu(), group.rule)
+                start += size
+            raise InvalidArgument(f"{group.names[0]}: values out of range (checked on the device)")
 
 
 def _passes(dtype: torch.dtype, rule: ValueRule, low: float, high: float) -> bool:
@@ -344,31 +352,57 @@ def _passes(dtype: torch.dtype, rule: ValueRule, low: float, high: float) -> boo
 
 
 class UpdateChecks:
-    """The StreamChecks of one update: manifest and plan at the header, value rules per run
-    (host arenas) or per tensor on the device (device arenas)."""
+    """The StreamChecks of one update: manifest, plan and device check groups at the header,
+    value rules per run (host arenas) or per group on the device (device arenas).
+
+    What the header's checks derive (`verified`) depends only on the head's bytes, the model's
+    names, shapes and dtypes, and `head_key`; a stager that saw the same head before hands it
+    back with `reuse` instead of parsing and planning again (stream.py, VerifiedHead)."""
 
     def __init__(
-        self, spec: ModelSpec, options: UpdateOptions, timings: UpdateTimings | None = None
+        self,
+        read_spec: Callable[[], ModelSpec],
+        options: UpdateOptions,
     ) -> None:
-        self._spec = spec
+        # read_spec: the target model's spec, read only when a head is checked (not reused).
+        self._read_spec = read_spec
         self._options = options
         self.plan: UpdatePlan | None = None
-        self._deferred = DeferredValues(timings)
-        self._order: dict[str, int] = {}
+        self._deferred = DeferredValues(())
+
+    def head_key(self) -> Hashable:
+        """What, besides the head's bytes, the plan depends on: the header's mode, rules and
+        manifest (the model is the arena's, one per model)."""
+        options = self._options
+        manifest = tuple(spec.SerializeToString(deterministic=True) for spec in options.manifest)
+        return (options.mode, options.lora, options.allow_non_finite, manifest)
 
     def check_header(self, entries: Sequence[StreamEntry]) -> None:
         check_manifest(entries, self._options.manifest)
-        self.plan = plan_update(entries, self._spec, self._options)
-        self._order = {entry.name: index for index, entry in enumerate(entries)}
+        self.plan = plan_update(entries, self._read_spec(), self._options)
+        self._deferred = DeferredValues(plan_check_groups(entries, self.plan.rules))
+
+    @property
+    def verified(self) -> tuple[UpdatePlan, tuple[CheckGroup, ...]]:
+        """What check_header derived (after it passed): for `reuse` by a later update."""
+        assert self.plan is not None
+        return self.plan, self._deferred.groups
+
+    def reuse(self, verified: object) -> None:
+        """Take what check_header derived for the same head bytes and head_key before."""
+        plan, groups = verified  # type: ignore[misc]
+        self.plan = plan
+        self._deferred = DeferredValues(groups)
 
     def check_elements(self, entry: StreamEntry, values: torch.Tensor) -> None:
         assert self.plan is not None
         check_values(entry.name, values, self.plan.rules[entry.name])
 
-    def check_tensor(self, entry: StreamEntry, values: torch.Tensor) -> None:
-        assert self.plan is not None
-        rule = self.plan.rules[entry.name]
-        self._deferred.add(self._order[entry.name], entry.name, values, rule)
+    def device_groups(self) -> tuple[CheckGroup, ...]:
+        return self._deferred.groups
+
+    def launch_check(self, index: int, raw: torch.Tensor) -> None:
+        self._deferred.launch(index, raw)
 
     def settle(self) -> None:
         self._deferred.settle()
