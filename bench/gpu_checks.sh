@@ -8,8 +8,9 @@
 #
 #     bash bench/gpu_checks.sh            # one H100: at most ~10 minutes
 #
-# The steps' bounds add up to 540 s (TEST_GPU_S 150, PROFILE_GPU_S 60, BENCH_WEIGHTS_S 90,
-# BENCH_GPU_S 220 + 20) plus the install (~20 s): under the device's 600 s command limit. The
+# The steps' bounds add up to 570 s (TEST_GPU_S 140, PROFILE_GPU_S 60, BENCH_WEIGHTS_S 90,
+# UPDATE_LATENCY_S 40, BENCH_GPU_S 220 + 20) plus the install (~20 s): under the device's 600 s
+# command limit. The
 # whole gpu suite outgrew 150 s (49 tests stopped at the 31st at 170 s on an H100, 16:55 UTC
 # 2026-11-26: more of it compiles), so a 15-minute lease is better spent as two calls (each
 # start costs ~30 s of it):
@@ -54,7 +55,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time bound, log to $OUT/NAM
 # TEST_GPU_FILES, PROFILE_ARGS, WEIGHTS_ARGS and BENCH_GPU_ARGS narrow a rerun (e.g. BENCH_GPU_ARGS="--skip generation");
 # SKIP_STEPS="bench-gpu profile" leaves whole steps out (a lease split into two shorter calls).
 # shellcheck disable=SC2086
-step test-gpu "${TEST_GPU_S:-150}" python3 -m pytest -v -m gpu --durations=10 -p no:cacheprovider ${TEST_GPU_FILES:-tests}
+step test-gpu "${TEST_GPU_S:-140}" python3 -m pytest -v -m gpu --durations=10 -p no:cacheprovider ${TEST_GPU_FILES:-tests}
 profile=${PROFILE_GPU_S:-60}  # profile_gpu.py starts no part after its budget, 10 s before the bound
 # shellcheck disable=SC2086
 TAIL_LINES=${PROFILE_TAIL_LINES:-12} step profile "$profile" python3 bench/profile_gpu.py --budget-s $((profile - 10)) ${PROFILE_ARGS:-}
@@ -67,6 +68,8 @@ if [ -n "${PROFILE_BASELINE_ENV:-}" ]; then
 fi
 # shellcheck disable=SC2086
 step bench-weights "${BENCH_WEIGHTS_S:-90}" python3 bench/bench_gpu_weights.py ${WEIGHTS_ARGS:-}
+# The fixed cost per update (291 tiny tensors: what is not bytes), per lane, cuda_ipc included.
+TAIL_LINES=16 step update-latency "${UPDATE_LATENCY_S:-40}" python3 bench/bench_update_latency.py --device cuda --phases --updates 10
 budget=${BENCH_GPU_S:-220}  # bench_gpu.py stops its own lanes in time to print its summary
 # shellcheck disable=SC2086
 TAIL_LINES=80 step bench-gpu $((budget + 20)) python3 bench/bench_gpu.py --budget-s "$budget" ${BENCH_GPU_ARGS:-}

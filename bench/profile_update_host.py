@@ -8,7 +8,8 @@ the per-tensor checks), then applied, and the per-phase timings the server logs
 (weights/timings.py) are printed for each plane:
 
 * grpc: the stager fed 1 MiB chunks in order (one lane, as one stream);
-* cuda_ipc's feed_tensor path: the head as chunks, then the data section as 64 MiB tensors;
+* cuda_ipc's feed_tensor path: the head as chunks, then the data section as one tensor (as
+  the plane feeds a device arena);
 * shm: receive_shared_memory from a sealed memfd of this process, with --lanes threads.
 
     python bench/profile_update_host.py                 # the full size (~5 GB of host memory)
@@ -31,7 +32,6 @@ from rollserve.client.protocol.shared_memory import REQUIRED_SEALS
 from rollserve.client.weights.update_file import iter_safetensors_bytes, prepare_update
 from rollserve.server.weights import verify
 from rollserve.server.weights.arena import StagingArena, set_staging_arena
-from rollserve.server.weights.cuda_ipc import PIECE_BYTES as IPC_PIECE_BYTES
 from rollserve.server.weights.lora import LoraState
 from rollserve.server.weights.pipeline import RING_SLOTS, SLOT_BYTES, SlotRing
 from rollserve.server.weights.shared_memory import receive_shared_memory
@@ -109,8 +109,7 @@ def run(plane: str, model: torch.nn.Module, header: pb.WeightsHeader, file: byte
         elif plane == "tensor":
             head = 8 + int.from_bytes(file[:8], "little")
             stager.feed(0, view[:head])
-            for offset in range(head, len(file), IPC_PIECE_BYTES):
-                stager.feed_tensor(offset, data[offset : offset + IPC_PIECE_BYTES])
+            stager.feed_tensor(head, data[head:])  # a device arena takes the span whole
         else:
             source = pb.SharedMemorySource(pid=os.getpid(), fd=fd)
             receive_shared_memory(stager, source, iter(()), lanes=lanes)

@@ -63,16 +63,13 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 
 from ...client.protocol.errors import ResourceExhausted
 from ..models.memory import take_load_buffer
+from .layout import VerifiedHead
 from .pipeline import SlotRing
-
-if TYPE_CHECKING:
-    from .stream import VerifiedHead
 
 __all__ = [
     "DEVICE_MARGIN_BYTES",

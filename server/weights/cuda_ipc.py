@@ -59,8 +59,11 @@ from .timings import UpdateTimings
 __all__ = ["PIECE_BYTES", "CudaIpcPlane", "can_open_cuda_ipc", "check_source"]
 
 _LOG = logging.getLogger(__name__)
-# feed_tensor takes a span in pieces of at most this many bytes: a bounded temporary on a host
-# staging path, and the stager's checks overlap the next piece's copy on a device one.
+# Into a host arena (a CUDA server whose device could not hold the staging copy), feed_tensor
+# takes a span in pieces of at most this many bytes: each piece is a device-to-host temporary.
+# A device arena takes each span whole: one device-to-device copy, whose value checks are
+# launched per check group behind it (the copy stream runs copies and checks in order anyway,
+# so pieces only added host launches: ~20 per GB).
 PIECE_BYTES = 64 << 20
 _REFUSED = "cuda_ipc: "  # the prefix of the refusals after which the client may go another way
 
@@ -226,6 +229,7 @@ class CudaIpcPlane:
         self._indices = self._map_devices()
         self._open_all()
         stager.timings.lap("open")
+        piece_bytes = self._total_bytes if lane.file_data.on_device else PIECE_BYTES
         storage = whole = None
         try:
             for span in spans:
@@ -233,8 +237,8 @@ class CudaIpcPlane:
                 assert storage is not None
                 whole = torch.empty(0, dtype=torch.uint8, device=storage.device)
                 whole.set_(storage, 0, (storage.nbytes(),))
-                for begin in range(span.begin, span.end, PIECE_BYTES):
-                    size = min(PIECE_BYTES, span.end - begin)
+                for begin in range(span.begin, span.end, piece_bytes):
+                    size = min(piece_bytes, span.end - begin)
                     start = span.offset + begin - span.begin
                     lane.feed_tensor(begin, whole[start : start + size])
         finally:

@@ -36,7 +36,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
@@ -47,6 +47,7 @@ from ...client.protocol.errors import InvalidArgument
 from .arena import StagingArena
 from .checksum import crc32 as crc32_of
 from .header import PREFIX_BYTES, StreamEntry, parse_header
+from .layout import ArenaLayout, VerifiedHead, plan_arena
 from .pipeline import DevicePipeline
 from .timings import UpdateTimings
 from .verify import CheckGroup
@@ -104,34 +105,6 @@ class StreamChecks(Protocol):
 
 
 @dataclass(frozen=True)
-class ArenaLayout:
-    """Where each tensor lives in the arena; segments are (data_begin, data_end, shift) runs."""
-
-    offsets: tuple[int, ...]  # arena byte offset of each entry, in data order
-    segments: tuple[tuple[int, int, int], ...]
-    arena_bytes: int
-
-
-def plan_arena(entries: Sequence[StreamEntry], data_bytes: int) -> ArenaLayout:
-    """Give every tensor an itemsize-aligned place; keep file offsets wherever they are aligned."""
-    offsets: list[int] = []
-    segments: list[tuple[int, int, int]] = []
-    shift = 0
-    for entry in entries:
-        itemsize = entry.dtype.itemsize
-        if entry.nbytes and (entry.begin + shift) % itemsize:
-            shift += itemsize - (entry.begin + shift) % itemsize
-        offsets.append(entry.begin + shift)
-        if not entry.nbytes:
-            continue
-        if segments and segments[-1][2] == shift:
-            segments[-1] = (segments[-1][0], entry.end, shift)
-        else:
-            segments.append((entry.begin, entry.end, shift))
-    return ArenaLayout(tuple(offsets), tuple(segments), data_bytes + shift)
-
-
-@dataclass(frozen=True)
 class StagedFile:
     """A completely received and verified file: tensors are views into one arena."""
 
@@ -139,28 +112,6 @@ class StagedFile:
     tensors: Mapping[str, torch.Tensor]
     total_bytes: int
     on_device: bool = False  # staged in a device arena (pipeline.py), not in host memory
-
-
-@dataclass(frozen=True)
-class VerifiedHead:
-    """A head that passed its checks, kept by the arena (one per model) for the next update.
-
-    A trainer sends the same tensors at every step, so the head's bytes repeat; an update whose
-    head is byte for byte the last one's, with an equal `key` (StreamChecks.head_key), reuses
-    the parsed entries, the arena layout and what the checks derived (the plan, the device check
-    groups) instead of parsing ~300 entries and planning them again. `views` are the staged
-    tensors of the last update, kept for the arena buffer they view (`buffer`)."""
-
-    raw: bytes  # the JSON header, without the length prefix
-    data_bytes: int
-    key: Hashable
-    entries: tuple[StreamEntry, ...]
-    layout: ArenaLayout
-    verified: object
-    views: dict[tuple[int, int], Mapping[str, torch.Tensor]] = field(default_factory=dict)
-
-    def matches(self, raw: bytes, data_bytes: int, key: Hashable) -> bool:
-        return data_bytes == self.data_bytes and key == self.key and raw == self.raw
 
 
 class _Data:

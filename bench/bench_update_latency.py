@@ -1,0 +1,167 @@
+"""The fixed cost of a weight update: milliseconds per update of a model of many tiny tensors.
+
+A `rollserve serve` subprocess holds a Qwen2-shaped model of --layers layers (24: 291 tensors,
+as Qwen2-0.5B) of tiny width, so its bytes cost nothing and what an update takes is the work
+per update and per tensor: the client's file head and export, the RPC, the server's head check,
+value checks, swap and reply. The baseline, measured in the same run: a Health call's round
+trip (the floor of any RPC on this machine). Each lane runs two ways:
+
+* same head: every update sends the same tensors in the same order, as a trainer does at each
+  step (the server reuses the head it verified last: stream.py, VerifiedHead);
+* new head: the updates alternate between two orders of the tensors, so each head differs from
+  the one before and is parsed and planned again (the cost before heads were remembered).
+
+    python bench/bench_update_latency.py                  # a CPU server: grpc and shm (~1 min)
+    python bench/bench_update_latency.py --device cuda    # + cuda_ipc, per tensor and flat
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE.parent / "tests"))
+from helpers_server import start_server_process  # noqa: E402
+from rollserve.client import RolloutClient  # noqa: E402
+from rollserve.client.weights.flat_weights import flatten_weights  # noqa: E402
+
+WAIT_S = 120.0
+
+
+def save_model(directory: Path, layers: int) -> dict[str, torch.Tensor]:
+    """A random tiny-width Qwen2 (q/k/v biases, untied lm_head) and the byte tokenizer."""
+    from rollserve.server.models.default_model import build_byte_tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(directory)
+    build_byte_tokenizer().save_pretrained(directory)
+    return {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+
+
+def median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+class Lane:
+    """Updates of one transport: (client wall seconds, server seconds) per update."""
+
+    def __init__(self, client: RolloutClient, transport: str, version: int) -> None:
+        self.client = client
+        self.transport = transport
+        self.version = version
+
+    def run(self, states: list[dict[str, torch.Tensor]], updates: int) -> tuple[float, float]:
+        """Median client and server ms over `updates` updates cycling through `states`, after
+        one warm-up update of each state."""
+        walls, servers = [], []
+        for index in range(len(states) + updates):
+            self.version += 1
+            state = states[index % len(states)]
+            started = time.perf_counter()
+            result = self.client.update_weights(
+                state, version=self.version, transport=self.transport, streams=None
+            )
+            wall = time.perf_counter() - started
+            if result.transport != self.transport:  # type: ignore[attr-defined]
+                raise RuntimeError(f"asked for {self.transport}, got {result.transport}")  # type: ignore[attr-defined]
+            if index >= len(states):
+                walls.append(wall)
+                servers.append(result.server_seconds)  # type: ignore[attr-defined]
+        return median_ms(walls), median_ms(servers)
+
+
+def last_phases(log: str) -> str:
+    """The phases of the server's last update (its log line, weights/update.py)."""
+    return [line for line in log.splitlines() if "phases: " in line][-1].split("phases: ")[-1]
+
+
+def reordered(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same tensors in reverse order: another head (offsets and order differ)."""
+    return dict(reversed(list(state.items())))
+
+
+def on_cuda(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.cuda() for name, t in state.items()}
+
+
+def flat(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    copy = {name: t.clone() for name, t in state.items()}
+    flatten_weights(copy)
+    return copy
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--updates", type=int, default=20, help="measured updates per lane")
+    parser.add_argument("--phases", action="store_true", help="print each lane's last phases")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure (run without --device cuda)")
+        return 0
+    label = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    print(f"device: {label}; torch {torch.__version__}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="rollserve-update-latency-") as tmp:
+        state = save_model(Path(tmp), args.layers)
+        print(f"model: {len(state)} tensors, {sum(t.nbytes for t in state.values())} bytes")
+        proc, port = start_server_process(
+            "--device", args.device, "--actor", tmp, "--generation-path", "hf",
+            "--metrics-port", "0", "--log-level", "INFO", timeout_s=WAIT_S,
+        )  # fmt: skip
+        try:
+            with RolloutClient(f"127.0.0.1:{port}", timeout_s=WAIT_S) as client:
+                health = []
+                for _ in range(args.updates + 5):
+                    started = time.perf_counter()
+                    client.health()
+                    health.append(time.perf_counter() - started)
+                rtt = median_ms(health[5:])
+                print(f"baseline: Health round trip {rtt:.2f} ms (median of {args.updates})")
+                lanes: list[tuple[str, str, Callable[[dict], dict]]] = [
+                    ("grpc", "CPU tensors", lambda s: s),
+                    ("shm", "CPU tensors", lambda s: s),
+                ]
+                if args.device == "cuda":
+                    lanes += [
+                        ("cuda_ipc", "CUDA, per tensor", on_cuda),
+                        ("cuda_ipc", "CUDA, flat", lambda s: flat(on_cuda(s))),
+                    ]
+                version = client.health().policy_version
+                print("| lane | tensors | same head ms (server) | new head ms (server) | "
+                      "same head / Health RTT |\n| --- | --- | --- | --- | --- |")  # fmt: skip
+                for transport, where, make in lanes:
+                    lane = Lane(client, transport, version)
+                    same = lane.run([make(state)], args.updates)
+                    same_phases = last_phases(proc.log_text())
+                    new = lane.run([make(state), make(reordered(state))], args.updates)
+                    version = lane.version
+                    print(f"| {transport} | {where} | {same[0]:.2f} ({same[1]:.2f}) | "
+                          f"{new[0]:.2f} ({new[1]:.2f}) | {same[0] / rtt:.1f} |",
+                          flush=True)  # fmt: skip
+                    if args.phases:
+                        print(f"  same head, last update: {same_phases}")
+                        print(f"  new head, last update: {last_phases(proc.log_text())}")
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,37 @@
+"""bench/bench_update_latency.py must not rot between GPU sessions (gpu_checks.sh runs it with
+--device cuda): its CPU run against a real `rollserve serve` exits 0 and prints both lanes, and
+the server's phase lines show the head reused when it repeats and checked when it changes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "bench_update_latency.py"
+
+
+def test_cpu_run_prints_both_lanes_and_the_head_is_reused_only_when_it_repeats() -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--layers", "2", "--updates", "2", "--phases"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    out = result.stdout
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n{out[-3000:]}\n{result.stderr[-3000:]}"
+    )
+    assert re.search(r"Health round trip [\d.]+ ms", out)
+    for lane in ("grpc", "shm"):
+        assert re.search(
+            rf"\| {lane} \| CPU tensors \| [\d.]+ \([\d.]+\) \| [\d.]+ \([\d.]+\) \|", out
+        )
+    same = re.findall(r"same head, last update: (.*)", out)
+    new = re.findall(r"new head, last update: (.*)", out)
+    assert len(same) == len(new) == 2
+    assert all(" head_check " not in line for line in same)
+    assert all(" head_check " in line for line in new)
