@@ -28,6 +28,7 @@ __all__ = [
     "free_port",
     "greedy_snapshot",
     "rss_bytes",
+    "run_script",
     "serve_in_process",
     "start_server_process",
 ]
@@ -141,3 +142,19 @@ def serve_in_process(models: ModelSet, **config: object) -> RolloutServer:
     )
     server.start()
     return server
+
+
+def run_script(script: Path, *args: str, timeout_s: float = 170.0) -> str:
+    """Run a bench script with this interpreter from the repository root; its stdout, after
+    asserting it exited 0 (the failure shows the ends of both streams)."""
+    result = subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=script.resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
+    return result.stdout

@@ -26,6 +26,7 @@ from rollserve.v1 import rollout_pb2 as pb
 
 __all__ = [
     "in_place_updates",
+    "tiny_llama",
     "perturbed",
     "state_hash",
     "update_in_place",
@@ -90,3 +91,16 @@ def update_in_place(
 ) -> pb.UpdateWeightsResponse:
     """One update of `model` through `in_place_updates(model, **options)`; its reply."""
     return in_place_updates(model, **options).update(iter(requests))
+
+
+def tiny_llama(seed: int) -> torch.nn.Module:
+    """A random 2-layer Llama (untied lm_head, grouped KV heads), seeded: the weights tests'
+    sender and receiver."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)

@@ -5,26 +5,16 @@ the server's phase lines show the head reused when it repeats and checked when i
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers_server import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "bench_update_latency.py"
 
 
 def test_cpu_run_prints_both_lanes_and_the_head_is_reused_only_when_it_repeats() -> None:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--layers", "2", "--updates", "2", "--phases"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    out = result.stdout
-    assert result.returncode == 0, (
-        f"exit {result.returncode}\n{out[-3000:]}\n{result.stderr[-3000:]}"
-    )
+    out = run_script(SCRIPT, "--layers", "2", "--updates", "2", "--phases")
     assert re.search(r"Health round trip [\d.]+ ms", out)
     for lane in ("grpc", "shm"):
         assert re.search(

@@ -5,9 +5,9 @@ every section with its tables filled."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers_server import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "profile_gpu.py"
@@ -25,17 +25,7 @@ SECTIONS = (
 
 
 def test_cpu_quick_run_prints_every_section_and_its_tables() -> None:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--budget-s", "60"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    out = result.stdout
-    assert result.returncode == 0, (
-        f"exit {result.returncode}\n{out[-3000:]}\n{result.stderr[-3000:]}"
-    )
+    out = run_script(SCRIPT, "--device", "cpu", "--quick", "--budget-s", "60")
     lines = "\n" + out  # a header starts a line
     positions = [lines.find(f"\n{title}") for title in SECTIONS]
     assert -1 not in positions, f"missing {SECTIONS[positions.index(-1)]!r} in:\n{out}"

@@ -10,25 +10,22 @@ import math
 
 import pytest
 import torch
-from helpers_weights import in_place_updates, perturbed, state_hash, update_weights_requests
+from helpers_weights import (
+    in_place_updates,
+    perturbed,
+    state_hash,
+    tiny_llama,
+    update_weights_requests,
+)
 from rollserve.client.protocol.errors import FailedPrecondition, InvalidArgument
-from rollserve.server.weights import staging_arena
+from rollserve.server.weights import WeightUpdates, staging_arena
 from rollserve.server.weights.arena import StagingArena, set_staging_arena
 from rollserve.server.weights.pipeline import SlotRing
 from torch.multiprocessing.reductions import StorageWeakRef
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 Q = "model.layers.0.self_attn.q_proj.weight"
 UP = "model.layers.1.mlp.up_proj.weight"  # in the middle of the file
-
-
-def tiny_llama(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
 
 
 def receiver_with(arena: str) -> LlamaForCausalLM:
@@ -40,6 +37,15 @@ def receiver_with(arena: str) -> LlamaForCausalLM:
         ring = SlotRing(pin_memory=False, slots=3, slot_bytes=4093)
         set_staging_arena(model, StagingArena(device="cpu", ring=ring))
     return model
+
+
+def updated_once(arena: str) -> tuple[LlamaForCausalLM, LlamaForCausalLM, WeightUpdates]:
+    """A sender, a receiver staging in `arena` that took the sender's weights as version 1,
+    and the receiver's updater (versions rise from there)."""
+    sender, receiver = tiny_llama(1), receiver_with(arena)
+    updates = in_place_updates(receiver)
+    updates.update(iter(requests(sender, 1)))
+    return sender, receiver, updates
 
 
 def requests(state: object, version: int, **options: object) -> list:
@@ -54,9 +60,7 @@ def equal_bits(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("arena", ["host", "pipelined"])
 def test_a_repeated_head_is_reused_and_still_checks_every_value(arena: str) -> None:
-    sender, receiver = tiny_llama(1), receiver_with(arena)
-    updates = in_place_updates(receiver)
-    updates.update(iter(requests(sender, 1)))
+    sender, receiver, updates = updated_once(arena)
     head = staging_arena(receiver).verified_head
     assert head is not None
     moved = perturbed(sender, seed=3)
@@ -85,9 +89,7 @@ def test_a_repeated_head_is_reused_and_still_checks_every_value(arena: str) -> N
 
 @pytest.mark.parametrize("arena", ["host", "pipelined"])
 def test_another_head_is_checked_anew_and_remembered(arena: str) -> None:
-    sender, receiver = tiny_llama(1), receiver_with(arena)
-    updates = in_place_updates(receiver)
-    updates.update(iter(requests(sender, 1)))
+    sender, receiver, updates = updated_once(arena)
     full = staging_arena(receiver).verified_head
     partial = {Q: sender.state_dict()[Q] * 2}
     updates.update(iter(requests(partial, 2, mode="partial")))
@@ -103,9 +105,7 @@ def test_another_head_is_checked_anew_and_remembered(arena: str) -> None:
 
 
 def test_a_model_changed_under_a_remembered_head_is_caught_then_checked_anew() -> None:
-    sender, receiver = tiny_llama(1), receiver_with("pipelined")
-    updates = in_place_updates(receiver)
-    updates.update(iter(requests(sender, 1)))
+    sender, receiver, updates = updated_once("pipelined")
     receiver.to(torch.bfloat16)  # the remembered plan says float32 targets
     before = state_hash(receiver)
     moved = perturbed(sender, seed=5)

@@ -25,6 +25,7 @@ from helpers_weights import (
     in_place_updates,
     perturbed,
     state_hash,
+    tiny_llama,
     update_in_place,
     update_weights_requests,
 )
@@ -51,7 +52,7 @@ from rollserve.server.weights.stream import SafetensorsStager
 from rollserve.server.weights.verify import CheckGroup, DeferredValues, ValueRule, check_values
 from rollserve.v1 import rollout_pb2 as pb
 from test_weights_staging import FAILURES, cut_requests, make_requests, recut
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 KIB = 1024
 WAIT_S = 30.0
@@ -62,15 +63,6 @@ def cpu_arena(slot_bytes: int = 4093, slots: int = 3, **options: object) -> Stag
     """A pipelined arena on the CPU whose ring has a few small, odd-sized slots."""
     ring = SlotRing(pin_memory=False, slots=slots, slot_bytes=slot_bytes)
     return StagingArena(device="cpu", ring=ring, **options)  # type: ignore[arg-type]
-
-
-def tiny_llama(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
 
 
 def pipelined(model: torch.nn.Module, **options: object) -> StagingArena:
