@@ -63,7 +63,7 @@ _LOG = logging.getLogger(__name__)
 # takes a span in pieces of at most this many bytes: each piece is a device-to-host temporary.
 # A device arena takes each span whole: one device-to-device copy, whose value checks are
 # launched per check group behind it (the copy stream runs copies and checks in order anyway,
-# so pieces only added host launches: ~20 per GB).
+# so pieces only added host launches: 16 per GB).
 PIECE_BYTES = 64 << 20
 _REFUSED = "cuda_ipc: "  # the prefix of the refusals after which the client may go another way
 
