@@ -50,6 +50,7 @@ test-gpu: $(GPU_DEPS)
 bench-gpu: $(GPU_DEPS)
 	$(GPU_PY) bench/bench_gpu.py $(ARGS)
 	$(GPU_PY) bench/bench_gpu_weights.py $(WEIGHTS_ARGS)
+	$(GPU_PY) bench/bench_update_latency.py --device cuda --phases
 	$(GPU_PY) bench/profile_gpu.py $(PROFILE_ARGS)
 
 # `ruff format` clean over the whole tree, and the lint rules of pyproject.toml.
