@@ -77,11 +77,11 @@ class Lane:
                 state, version=self.version, transport=self.transport, streams=None
             )
             wall = time.perf_counter() - started
-            if result.transport != self.transport:  # type: ignore[attr-defined]
-                raise RuntimeError(f"asked for {self.transport}, got {result.transport}")  # type: ignore[attr-defined]
+            if result.transport != self.transport:
+                raise RuntimeError(f"asked for {self.transport}, got {result.transport}")
             if index >= len(states):
                 walls.append(wall)
-                servers.append(result.server_seconds)  # type: ignore[attr-defined]
+                servers.append(result.server_seconds)
         return median_ms(walls), median_ms(servers)
 
 

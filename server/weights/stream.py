@@ -596,23 +596,18 @@ class SafetensorsStager:
         """The head's entries, layout and checks: those of the arena's last head when this one
         is the same (VerifiedHead), else parsed and checked now (and kept by the arena)."""
         reusable = self._reusable_arena
-        key = None if reusable is None else self._checks.head_key()
+        key = None if reusable is None else self._checks.head_key()  # None: nowhere to keep it
         known = None if reusable is None else reusable.verified_head
-        if (
-            key is not None
-            and isinstance(known, VerifiedHead)
-            and known.matches(raw, data_bytes, key)
-        ):
+        if key is not None and known is not None and known.matches(raw, data_bytes, key):
             self._checks.reuse(known.verified)
             return known
         checking_s = time.perf_counter()
         entries = parse_header(raw, data_bytes)
         self._checks.check_header(entries)
         layout = plan_arena(entries, data_bytes)
-        if reusable is None or key is None:  # nowhere to keep it
-            head = VerifiedHead(raw, data_bytes, None, entries, layout, None)
-        else:
-            head = VerifiedHead(raw, data_bytes, key, entries, layout, self._checks.verified)
+        verified = None if key is None else self._checks.verified
+        head = VerifiedHead(raw, data_bytes, key, entries, layout, verified)
+        if reusable is not None and key is not None:
             reusable.verified_head = head
         self.timings.add("head_check", time.perf_counter() - checking_s)
         return head
@@ -644,15 +639,14 @@ class SafetensorsStager:
         """The staged tensors (views of the arena): those of the arena's last update when the
         head and the arena buffer are the same (~300 views made once, not per update)."""
         head = self._verified
+        assert head is not None  # set with the data
         buffer = (data.arena.untyped_storage().data_ptr(), data.arena.numel())
-        if head is not None and head.key is not None:
-            known = head.views.get(buffer)
-            if known is not None:
-                return known
-        views = MappingProxyType({e.name: data.tensor(i) for i, e in enumerate(data.entries)})
-        if head is not None and head.key is not None and self._reusable_arena is not None:
-            head.views.clear()  # views of one buffer at a time (arena.py drops them on a new one)
-            head.views[buffer] = views
+        views = head.views.get(buffer)
+        if views is None:
+            views = MappingProxyType({e.name: data.tensor(i) for i, e in enumerate(data.entries)})
+            if head.key is not None:  # the arena keeps this head: one buffer's views at a time
+                head.views.clear()
+                head.views[buffer] = views
         return views
 
     def _check_lane_boundaries(self, data: _Data) -> None:

@@ -51,7 +51,6 @@ __all__ = [
     "ValueRule",
     "check_values",
     "max_magnitude",
-    "needs_value_check",
     "plan_check_groups",
     "plan_update",
 ]
@@ -182,15 +181,19 @@ def _sum_is_finite(values: torch.Tensor) -> bool:
     return bool(np.isfinite(np.dot(flat, flat)))
 
 
+def _needs_check(dtype: torch.dtype, rule: ValueRule) -> bool:
+    """Whether check_values can refuse a tensor of `dtype` under `rule` (bools, or floats when
+    the rule checks finiteness)."""
+    return dtype == torch.bool or (rule.check_finite and dtype.is_floating_point)
+
+
 def check_values(name: str, tensor: torch.Tensor, rule: ValueRule) -> None:
     """Refuse bools other than 0/1, and (per rule) NaN, infinity or values out of range."""
-    if not tensor.numel():
+    if not tensor.numel() or not _needs_check(tensor.dtype, rule):
         return
     if tensor.dtype == torch.bool:
         if int(tensor.detach().contiguous().view(torch.uint8).numpy().max()) > 1:
             raise InvalidArgument(f"{name}: bool tensor holds bytes other than 0 and 1")
-        return
-    if not rule.check_finite or not tensor.dtype.is_floating_point:
         return
     if rule.max_abs is None and _sum_is_finite(tensor):
         return  # no NaN and no infinity (the fast path of the common, same-dtype update)
@@ -229,12 +232,6 @@ class CheckGroup:
     data_end: int
 
 
-def needs_value_check(dtype: torch.dtype, rule: ValueRule) -> bool:
-    """Whether check_values can refuse a tensor of `dtype` under `rule` (bools, or floats when
-    the rule checks finiteness)."""
-    return dtype == torch.bool or (rule.check_finite and dtype.is_floating_point)
-
-
 def plan_check_groups(
     entries: Sequence[StreamEntry], rules: Mapping[str, ValueRule], group_bytes: int | None = None
 ) -> tuple[CheckGroup, ...]:
@@ -243,41 +240,35 @@ def plan_check_groups(
     `group_bytes` (default GROUP_BYTES; 0: one group per tensor). Planned once per head, so
     receiving costs host work per group, not per tensor."""
     limit = GROUP_BYTES if group_bytes is None else group_bytes
-    groups: list[CheckGroup] = []
-    members: list[StreamEntry] = []
-
-    def close() -> None:
-        if members:
-            first = members[0]
-            groups.append(
-                CheckGroup(
-                    rules[first.name],
-                    first.dtype,
-                    tuple(m.name for m in members),
-                    tuple(m.nbytes for m in members),
-                    first.begin,
-                    members[-1].end,
-                )
-            )
-            members.clear()
-
+    runs: list[list[StreamEntry]] = []
+    run_bytes = 0
     for entry in entries:
         rule = rules[entry.name]
-        if not entry.nbytes or not needs_value_check(entry.dtype, rule):
+        if not entry.nbytes or not _needs_check(entry.dtype, rule):
             continue
-        if members:
-            last = members[-1]
-            joins = (
-                entry.begin == last.end
-                and entry.dtype == last.dtype
-                and rule == rules[last.name]
-                and sum(m.nbytes for m in members) < limit
-            )
-            if not joins:
-                close()
-        members.append(entry)
-    close()
-    return tuple(groups)
+        last = runs[-1][-1] if runs else None
+        if (
+            last is None
+            or entry.begin != last.end
+            or entry.dtype != last.dtype
+            or rule != rules[last.name]
+            or run_bytes >= limit
+        ):
+            runs.append([])
+            run_bytes = 0
+        runs[-1].append(entry)
+        run_bytes += entry.nbytes
+    return tuple(
+        CheckGroup(
+            rules[run[0].name],
+            run[0].dtype,
+            tuple(e.name for e in run),
+            tuple(e.nbytes for e in run),
+            run[0].begin,
+            run[-1].end,
+        )
+        for run in runs
+    )
 
 
 class DeferredValues:
