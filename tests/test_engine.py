@@ -6,6 +6,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from helpers_wait import wait_until
 from rollserve.client.protocol.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from rollserve.server.engine.worker import Engine
 
@@ -124,3 +125,77 @@ def test_a_failing_follow_up_is_logged_not_raised(engine: Engine, caplog) -> Non
     assert engine.call_then(lambda: 3, broken) == 3
     assert engine.call(lambda: "alive") == "alive"
     assert "probe exploded" in caplog.text
+
+
+def _hold(engine: Engine) -> threading.Event:
+    """Block the worker until the returned event is set (after the job has started)."""
+    gate, started = threading.Event(), threading.Event()
+    engine.submit(lambda: (started.set(), gate.wait(30)))
+    assert started.wait(30)
+    return gate
+
+
+def _queue_keyed(engine: Engine, order: list[str], name: str, key: str) -> threading.Thread:
+    """call_then(job `name`, follow-up `then name`, key) from a thread of its own (it blocks
+    until its job has run)."""
+    thread = threading.Thread(
+        target=engine.call_then,
+        args=(lambda: order.append(name), lambda _: order.append(f"then {name}")),
+        kwargs=dict(key=key),
+    )
+    thread.start()
+    return thread
+
+
+def _wait_for_depth(engine: Engine, depth: int) -> None:
+    wait_until(lambda: engine.queue_depth == depth, f"queue depth {depth}", within_s=30)
+
+
+def test_a_keyed_follow_up_is_replaced_by_a_newer_one_before_the_next_job() -> None:
+    # Two updates of one role back to back, then an experience job: the first update's probe
+    # never runs (its weights were replaced before anything used them), the second's runs
+    # before the job; another role's probe is kept, in the order the swaps came.
+    engine = Engine(follow_up_idle_s=60)  # only a job may flush them here
+    try:
+        order: list[str] = []
+        gate = _hold(engine)
+        threads = []
+        for depth, (name, key) in enumerate(
+            [("actor v1", "actor"), ("critic v1", "critic"), ("actor v2", "actor")], start=1
+        ):
+            threads.append(_queue_keyed(engine, order, name, key))
+            _wait_for_depth(engine, depth)
+        job = engine.submit(lambda: order.append("experience"))
+        gate.set()
+        job.result(timeout=30)
+        for thread in threads:
+            thread.join(30)
+        assert order == [
+            "actor v1", "critic v1", "actor v2", "then critic v1", "then actor v2", "experience"
+        ]  # fmt: skip
+    finally:
+        engine.close()
+
+
+def test_an_idle_engine_runs_a_waiting_follow_up_by_itself() -> None:
+    engine = Engine(follow_up_idle_s=0.01)
+    try:
+        ran = threading.Event()
+        assert engine.call_then(lambda: 5, lambda result: ran.set(), key="actor") == 5
+        assert ran.wait(30), "the follow-up never ran on an idle engine"
+    finally:
+        engine.close()
+
+
+def test_a_keyed_follow_up_that_fails_is_logged_and_the_job_after_it_runs(caplog) -> None:
+    engine = Engine(follow_up_idle_s=60)
+    try:
+
+        def broken(_: int) -> None:
+            raise RuntimeError("probe exploded")
+
+        assert engine.call_then(lambda: 3, broken, key="actor") == 3
+        assert engine.call(lambda: "alive", timeout_s=30) == "alive"
+        assert "probe exploded" in caplog.text
+    finally:
+        engine.close()

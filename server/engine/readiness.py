@@ -11,12 +11,15 @@ does not run, and weights that produce NaN (e.g. an update sent with allow_non_f
 it probes every loaded model, then warms the generation engine up (when the actor generates on
 it: one dummy request of the server's default shape, so that compiling the decode step and
 capturing its CUDA graphs happen before SERVING, on the thread where requests run). After an
-update it probes the updated model, on the engine right after the swap and before any other
-job (Engine.call_then), without delaying the update's reply: no experience is made on weights
-that were not probed, and the verdict lands in the health status and in the phase that
-MakeExperience jobs check on the engine. A failed post-update probe moves the server to
-WAITING_FOR_WEIGHTS (NOT_SERVING; MakeExperience answers FAILED_PRECONDITION) until an update
-whose probe passes.
+update it probes the updated model on the engine, before any job that is not another swap
+(Engine.call_then keyed by role), without delaying the update's reply: no experience is made on
+weights that were not probed, and the verdict lands in the health status (at most
+FOLLOW_UP_IDLE_S plus the probe after the swap, on an idle server) and in the phase that
+MakeExperience jobs check on the engine. Updates pushed back to back probe only the weights
+that are still there when something else needs the engine: a probe (an eager forward pass,
+10-20 ms on a GPU) per update would otherwise sit in front of every next swap. A failed
+post-update probe moves the server to WAITING_FOR_WEIGHTS (NOT_SERVING; MakeExperience answers
+FAILED_PRECONDITION) until an update whose probe passes.
 """
 
 from __future__ import annotations
@@ -90,8 +93,8 @@ class Readiness:
         engine.call(probe_all)
 
     def check_updated(self, role: str) -> None:
-        """Probe `role` after its weights were swapped; call on the engine thread, right after
-        the swap (Runtime does), so that no experience job runs on weights not yet probed."""
+        """Probe `role` after its weights were swapped; call on the engine thread after the swap
+        and before any experience job (Runtime does), so that none runs on weights not probed."""
         models = self._state.models
         model = None if models is None else getattr(models, role, None)
         if models is None or model is None:

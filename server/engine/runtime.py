@@ -34,8 +34,8 @@ class Runtime:
         *,
         after_update: Callable[[str], None] | None = None,
     ) -> None:
-        # after_update(role): runs on the engine right after a swap, before any other job (the
-        # readiness probe of the new weights); the update's reply does not wait for it.
+        # after_update(role): runs on the engine after a swap, before any job that is not a swap
+        # (the readiness probe of the new weights); the update's reply does not wait for it.
         self._after_update = after_update
         self.state = state
         self.maker = maker
@@ -65,7 +65,9 @@ class Runtime:
 
     def swap(self, role: str, apply: Callable[[], T]) -> T:
         """Run a verified update's `apply` on the engine thread, between two experience jobs;
-        then the probe of the new weights (after_update), before any other job."""
+        then the probe of the new weights (after_update), before any job that is not a swap
+        (Engine.call_then keyed by role: a newer update of the role replaces a probe not yet
+        run, and an idle engine runs it after FOLLOW_UP_IDLE_S)."""
 
         def job() -> T:
             applied = apply()
@@ -76,7 +78,7 @@ class Runtime:
         after_update = self._after_update
         if after_update is None:
             return self.engine.call(job)
-        return self.engine.call_then(job, lambda _: after_update(role))
+        return self.engine.call_then(job, lambda _: after_update(role), key=role)
 
     def close(self, timeout_s: float = 30.0) -> None:
         # Wait for the worker: a process that exits while it is inside a torch op (e.g. the
