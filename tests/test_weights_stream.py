@@ -89,6 +89,35 @@ def test_header_layout_is_aligned_and_tiles_the_data() -> None:
     assert len(b"".join(iter_safetensors_bytes(state_dict, 4096))) == len(header) + cursor
 
 
+def test_a_remembered_head_is_the_head_of_exactly_those_names_dtypes_and_shapes() -> None:
+    # The client keeps the heads of recent (name, dtype, shape) lists: the second call with the
+    # same tensors must give the bytes safetensors reads, and any change of a name, a dtype, a
+    # shape or the order must give the head of the new tensors, never the remembered one.
+    base = {"a": torch.ones(2, 3), "b": torch.ones(4, dtype=torch.float16), "c": torch.ones(5)}
+    variants = [
+        base,
+        {**base, "a": torch.ones(3, 2)},  # same size, another shape
+        {**base, "b": torch.ones(4, dtype=torch.bfloat16)},  # same itemsize, another dtype
+        {"c": base["c"], "b": base["b"], "a": base["a"]},  # another order
+        {"x": base["a"], "b": base["b"], "c": base["c"]},  # another name
+    ]
+    heads = set()
+    for _ in range(2):
+        for state_dict in variants:
+            header, specs = safetensors_header(state_dict)
+            document = json.loads(header[8:])
+            for spec in specs:
+                tensor = state_dict[spec.name]
+                entry = document[spec.name]
+                assert entry["shape"] == list(tensor.shape) == list(spec.shape)
+                assert entry["dtype"] == spec.dtype
+                assert entry["data_offsets"] == [spec.begin, spec.end]
+            data = b"".join(iter_safetensors_bytes(state_dict, 4096))
+            assert_same(safetensors.torch.load(data), state_dict)
+            heads.add(header)
+    assert len(heads) == len(variants)  # one head per variant, the same one on the second pass
+
+
 def test_a_module_streams_like_its_state_dict() -> None:
     torch.manual_seed(1)
     module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.LayerNorm(4))
