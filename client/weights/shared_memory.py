@@ -57,6 +57,9 @@ def _pieces(begin: int, tensor: torch.Tensor) -> list[tuple[int, np.ndarray | to
     ]
 
 
+Piece = tuple[int, np.ndarray | torch.Tensor]  # (file offset, source)
+
+
 def _write_piece(destination: np.ndarray, begin: int, source: np.ndarray | torch.Tensor) -> int:
     """Copy one piece to destination[begin:]; the bytes written."""
     nbytes = source.nbytes  # numpy and torch alike
@@ -66,6 +69,25 @@ def _write_piece(destination: np.ndarray, begin: int, source: np.ndarray | torch
         target = torch.from_numpy(destination[begin : begin + nbytes]).view(source.dtype)
         target.view(source.shape).copy_(source)  # device to host, into the mapping
     return nbytes
+
+
+def _write_batch(destination: np.ndarray, batch: list[Piece]) -> int:
+    return sum(_write_piece(destination, begin, source) for begin, source in batch)
+
+
+def _batches(pieces: list[Piece]) -> list[list[Piece]]:
+    """Pieces in file order, grouped into runs of about _WRITE_PIECE_BYTES: one thread task per
+    run, not per tensor (a model's ~150 norm weights and biases would each cost a task hand-off,
+    more than their copy)."""
+    batches: list[list[Piece]] = []
+    batch_bytes = 0
+    for piece in pieces:
+        if not batches or batch_bytes + piece[1].nbytes > _WRITE_PIECE_BYTES:
+            batches.append([])
+            batch_bytes = 0
+        batches[-1].append(piece)
+        batch_bytes += piece[1].nbytes
+    return batches
 
 
 def _lives_at(tensor: torch.Tensor, destination: np.ndarray, begin: int) -> bool:
@@ -130,19 +152,20 @@ class SharedMemoryFile:
             for piece in _pieces(begin, tensor)
         ]
         pieces.sort(key=lambda piece: piece[0])
-        # The end of the final prefix of the file once each piece is written.
-        prefix_ends = [begin for begin, _ in pieces[1:]] + [total]
+        batches = _batches(pieces)
+        # The end of the final prefix of the file once each batch is written.
+        prefix_ends = [batch[0][0] for batch in batches[1:]] + [total]
         done = total - sum(source.nbytes for _, source in pieces)
         if progress is not None:
             progress(done)  # the head and the tensors already in place (see share)
         if written is not None:
             written(pieces[0][0] if pieces else total)
-        if pieces:
+        if batches:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="shm-write")
-            write = functools.partial(_write_piece, destination)
-            # map yields in order: after the i-th piece every byte before the next is final.
-            results = self._pool.map(write, *zip(*pieces, strict=True))
+            write = functools.partial(_write_batch, destination)
+            # map yields in order: after the i-th batch every byte before the next is final.
+            results = self._pool.map(write, batches)
             for nbytes, prefix_end in zip(results, prefix_ends, strict=True):
                 done += nbytes
                 if progress is not None:

@@ -1,0 +1,55 @@
+"""The client's shared-memory writer (client/weights/shared_memory.py): tensors copied into the
+memfd in file order by a few threads, small ones grouped into one task, and `written(end)` only
+ever reporting a prefix of the file that is already final."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollserve.client.weights import shared_memory
+from rollserve.client.weights.shared_memory import SharedMemoryFile
+
+
+def _file_bytes(file: SharedMemoryFile, total: int) -> bytes:
+    with open(f"/proc/self/fd/{file.fd}", "rb") as handle:
+        return handle.read(total)
+
+
+@pytest.mark.parametrize("piece_bytes", [64, 1000, 1 << 20])
+def test_every_reported_prefix_is_final_and_the_file_is_exact(
+    monkeypatch: pytest.MonkeyPatch, piece_bytes: int
+) -> None:
+    # Many tiny tensors (a model's norms and biases), some larger than a piece (sliced) and an
+    # empty one; piece sizes from "every tensor its own task" to "everything in one".
+    monkeypatch.setattr(shared_memory, "_WRITE_PIECE_BYTES", piece_bytes)
+    torch.manual_seed(0)
+    sizes = [3, 1, 40, 0, 7, 300, 2, 2, 90, 1, 5, 16, 1000, 3]
+    tensors, offset = [], 0
+    for size in sizes:
+        tensors.append((offset, torch.randn(size)))
+        offset += 4 * size
+    head = b"head-bytes"
+    want = head + b"".join(t.numpy().tobytes() for _, t in tensors)
+    file = SharedMemoryFile()
+    try:
+        for _ in range(2):  # the second write reuses the memfd: stale bytes must not count
+            ends: list[int] = []
+
+            def written(end: int, ends: list[int] = ends, want: bytes = want) -> None:
+                # What the server would copy now: it must already be the file's bytes.
+                assert _file_bytes(file, end) == want[:end], f"prefix {end} not final"
+                ends.append(end)
+
+            file.write(head, tensors, written=written)
+            assert ends == sorted(ends) and ends[0] >= len(head) and ends[-1] == len(want)
+            assert _file_bytes(file, len(want)) == want
+            tensors = [(o, t * -1) for o, t in tensors]
+            want = head + b"".join(t.numpy().tobytes() for _, t in tensors)
+    finally:
+        file.close()
+
+
+def test_small_tensors_share_a_task() -> None:
+    tiny = [(4 * i, torch.ones(1)) for i in range(200)]
+    batches = shared_memory._batches([(begin, t.numpy()) for begin, t in tiny])
+    assert len(batches) == 1 and [p[0] for p in batches[0]] == [b for b, _ in tiny]
