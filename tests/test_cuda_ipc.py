@@ -14,6 +14,7 @@ old weights serving.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 from collections.abc import Iterator
 from pathlib import Path
@@ -307,15 +308,25 @@ def _assert_serves(server: RolloutServer, weights: dict[str, torch.Tensor]) -> N
         assert torch.equal(served[name].cpu(), tensor), name
 
 
+def _update_line(caplog: pytest.LogCaptureFixture, version: int) -> str:
+    """The server's log line of the update to `version` (weights/update.py)."""
+    lines = [
+        r.getMessage() for r in caplog.records if f" to version {version} over " in r.getMessage()
+    ]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
 @pytest.mark.gpu
 def test_a_trainer_process_updates_a_cuda_server_device_to_device(
-    cuda_server: RolloutServer, trainer, tmp_path: Path
+    cuda_server: RolloutServer, trainer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     commands, results = trainer
     actor = cuda_server.state.models.actor.module
     with RolloutClient(cuda_server.address, timeout_s=WAIT_S) as client:
         assert "cuda_ipc" in client.health().weight_transports
     pointers = {name: p.data_ptr() for name, p in actor.state_dict().items()}
+    caplog.set_level(logging.INFO, logger="rollserve.server.weights.update")
     for version, transport, flat in ((1, "cuda_ipc", False), (2, "auto", False),
                                      (3, "cuda_ipc", True)):  # fmt: skip
         path, weights = _weights_file(cuda_server, tmp_path, version)
@@ -324,6 +335,12 @@ def test_a_trainer_process_updates_a_cuda_server_device_to_device(
         assert not isinstance(answer, str), answer
         sent_as, served_version, storages = answer
         assert (sent_as, served_version) == ("cuda_ipc", version)
+        # A flat buffer (one span on the server's GPU) is staged in place (cuda_ipc.py):
+        # checked and applied from the trainer's memory, no staging copy; per-tensor buffers
+        # are copied into the device arena.
+        line = _update_line(caplog, version)
+        assert ("staged in place" in line) == flat, line
+        assert ("arena_take" in line) != flat, line
         if flat:
             assert storages == 1  # one buffer, one handle
         _assert_serves(cuda_server, weights)

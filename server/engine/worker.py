@@ -174,6 +174,7 @@ class Engine:
                 entry.future.set_result(entry.job())
             except BaseException as error:  # the submitter decides what to do with it
                 entry.future.set_exception(error)
+            entry = None  # a finished job's closure must not live on while the worker waits
         if self._follow_ups:  # closing: nothing will use the device again
             log.debug("engine closed with %d follow-ups not run", len(self._follow_ups))
             self._follow_ups.clear()

@@ -38,7 +38,8 @@ So:
   wire dtype (a float32 update into a bfloat16 model stages twice the model's size); the host
   holds only the ring, at most RING_SLOTS x SLOT_BYTES of pinned memory (pipeline.py), plus the
   chunk being received (and, when a value check fails, a host copy of that one tensor to word
-  the refusal). Applying needs no further device memory (copy_ casts in its kernel).
+  the refusal). Applying needs no further device memory (copy_ casts in its kernel). An update
+  staged in place (CUDA IPC weights flattened on the model's GPU, stream.py) takes no buffer.
   After a fall back to the host, the bound is the CPU model's, in pinned memory.
 
 `release` gives all of it back.

@@ -17,6 +17,16 @@ Order, so that nothing is opened for an update that will be refused:
    is waited for), the spans copied, and, in `__exit__` (after the swap, before the reply), the
    storages dropped, which closes the handles.
 
+In place. A data section that is one span of one buffer on the models' GPU (weights flattened
+on the trainer's side, flat_weights.py) is offered to the stager in place (stream.py): when the
+head allows it, nothing is copied into a staging arena at all; the value checks read the
+trainer's buffer, and apply copies it straight into the model's parameters between batches.
+That is one device-to-device pass per update instead of two, and no staging copy of the
+weights on the GPU (which a trainer sharing the GPU would otherwise pay for). The lifetime
+contract is the same as for a staged copy (the memory stays allocated and unchanged until the
+reply), it is only read later: by apply rather than by receive. ROLLSERVE_CUDA_IPC_IN_PLACE=0
+stages every update (for comparing the two).
+
 A handle that does not open (the trainer exited or freed the memory) is FAILED_PRECONDITION
 starting "cuda_ipc: ", like every refusal that says this plane cannot work here (the client's
 "auto" then sends another way; nothing was staged). The old weights keep serving either way.
@@ -34,6 +44,7 @@ finds no file of that (empty) name and does nothing.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 from types import TracebackType
@@ -54,6 +65,7 @@ from ...client.protocol.transports import CUDA_IPC
 from ...v1 import rollout_pb2 as pb
 from .header import PREFIX_BYTES
 from .staging import Request, UpdateStager, receive_head_only
+from .stream import Lane
 from .timings import UpdateTimings
 
 __all__ = ["PIECE_BYTES", "CudaIpcPlane", "can_open_cuda_ipc", "check_source"]
@@ -66,6 +78,7 @@ _LOG = logging.getLogger(__name__)
 # so pieces only added host launches: 16 per GB).
 PIECE_BYTES = 64 << 20
 _REFUSED = "cuda_ipc: "  # the prefix of the refusals after which the client may go another way
+IN_PLACE_ENV = "ROLLSERVE_CUDA_IPC_IN_PLACE"  # "0": stage every update (see the module)
 
 
 def can_open_cuda_ipc(device: torch.device) -> bool:
@@ -216,10 +229,13 @@ class CudaIpcPlane:
     def receive(self, stager: UpdateStager, requests: Iterator[Request]) -> None:
         """The head from the stream, then every span device to device into the stager."""
         self._timings = stager.timings
-        lane = receive_head_only(stager, requests, CUDA_IPC)
+        spans = self._source.spans
+        if self._in_place_candidate():
+            stager.offer_in_place(self._model_device(), spans[0].offset)
+        lane: Lane | None = receive_head_only(stager, requests, CUDA_IPC)
+        assert lane is not None
         data_start = lane.file_data.data_start
         stager.timings.lap("head")
-        spans = self._source.spans
         first = spans[0].begin if spans else self._total_bytes
         if first != data_start:
             raise InvalidArgument(
@@ -237,6 +253,9 @@ class CudaIpcPlane:
                 assert storage is not None
                 whole = torch.empty(0, dtype=torch.uint8, device=storage.device)
                 whole.set_(storage, 0, (storage.nbytes(),))
+                if lane.file_data.in_place:  # the one span: checked and applied where it is
+                    lane.place(whole[span.offset : span.offset + span.end - span.begin])
+                    continue
                 for begin in range(span.begin, span.end, piece_bytes):
                     size = min(piece_bytes, span.end - begin)
                     start = span.offset + begin - span.begin
@@ -244,7 +263,18 @@ class CudaIpcPlane:
         finally:
             # No reference of this frame may outlive the call (a traceback keeps the frame):
             # the handles close when __exit__ drops the storages.
-            storage = whole = None
+            storage = whole = lane = None
+
+    def _in_place_candidate(self) -> bool:
+        """Whether to offer the data section in place: one span of one buffer on the models'
+        GPU (the stager decides with the head whether it takes it), unless switched off."""
+        if os.environ.get(IN_PLACE_ENV, "1") == "0" or len(self._source.spans) != 1:
+            return False
+        buffer = self._source.buffers[self._source.spans[0].buffer]
+        return buffer.device_uuid == device_uuid(self._device_index())
+
+    def _model_device(self) -> torch.device:
+        return torch.device("cuda", self._device_index())
 
     # ---- opening and closing ----------------------------------------------------------------
 

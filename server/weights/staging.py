@@ -60,11 +60,19 @@ class StagedUpdate:
     lora_state: LoraState | None
     arena: StagingArena | None = None  # the leased arena the tensors are views of
     on_device: bool = False  # the tensors are in a device arena (pipeline.py)
+    in_place: bool = False  # ... or views of the plane's own device memory (stream.py)
     timings: UpdateTimings | None = None  # the update's timings: apply adds its parts
 
     @property
     def total_bytes(self) -> int:
         return self.options.total_bytes
+
+    @property
+    def where(self) -> str:
+        """Where the tensors were staged, as the update's log line says it."""
+        if self.in_place:
+            return "in place"
+        return "on the device" if self.on_device else "in host memory"
 
     def apply(self, model: torch.nn.Module) -> AppliedUpdate:
         """Copy the staged tensors into the model (casting floats to each parameter's dtype).
@@ -260,6 +268,11 @@ class UpdateStager:
         """A lane for file bytes [begin, end), fed in order by one thread (stream.py)."""
         return self._stager.lane(begin, end)
 
+    def offer_in_place(self, device: torch.device, storage_offset: int) -> None:
+        """Before the head: the plane will hold the whole data section on `device` and may hand
+        it over in place (stream.py, `SafetensorsStager.offer_in_place`, `Lane.place`)."""
+        self._stager.offer_in_place(device, storage_offset)
+
     def fail(self, error: BaseException) -> None:
         """Stop every lane: the update failed (lanes waiting for the head wake up and raise)."""
         self._stager.fail(error)
@@ -276,6 +289,7 @@ class UpdateStager:
             lora_state=self._lora_state,
             arena=self._arena,
             on_device=staged.on_device,
+            in_place=staged.in_place,
             timings=self.timings,
         )
 

@@ -22,6 +22,14 @@ the elements that lie wholly inside its range as soon as they arrive (the bytes 
 CPU cache), and `finish` checks the few elements that straddle two lanes. Copies go through
 numpy, which releases the GIL, so lanes on different threads copy and check in parallel.
 
+In place. A plane that already holds the whole data section in device memory that stays
+unchanged until the update is applied (CUDA IPC buffers of a trainer on this host) offers it
+before the head (`offer_in_place`); when the head allows (`_in_place_allowed`: a device arena on
+that device, no shifted segment, aligned, no sha256) no arena is taken at all, the plane hands
+the memory over (`Lane.place`), the checks run on it and the staged tensors are its views, so
+apply copies it straight into the model: one device-to-device pass instead of two, and no
+staging copy of the weights on the device.
+
 The arena mirrors the data section byte for byte, so a run of bytes lands with one memcpy,
 except where a tensor would start at an offset that is not a multiple of its itemsize
 (safetensors does not require alignment, and torch cannot view misaligned bytes as wider
@@ -63,6 +71,9 @@ __all__ = [
 ]
 
 Bytes = bytes | bytearray | memoryview | np.ndarray
+# The widest itemsize safetensors has (F64, I64, U64): memory offered in place at a multiple of
+# it keeps every tensor of a shift-free layout aligned to its own itemsize.
+_MAX_ITEMSIZE = 8
 
 
 class StreamChecks(Protocol):
@@ -112,6 +123,7 @@ class StagedFile:
     tensors: Mapping[str, torch.Tensor]
     total_bytes: int
     on_device: bool = False  # staged in a device arena (pipeline.py), not in host memory
+    in_place: bool = False  # the tensors are views of a plane's own memory (Lane.place)
 
 
 class _Data:
@@ -124,6 +136,8 @@ class _Data:
         arena: torch.Tensor,
         layout: ArenaLayout,
         pipeline: DevicePipeline | None = None,
+        *,
+        in_place: bool = False,
     ) -> None:
         self.entries = entries
         self.data_start = data_start  # file offset of the data section
@@ -131,13 +145,22 @@ class _Data:
         self.arena = arena
         # pipeline: the arena is a device arena, written through it (pipeline.py).
         self.pipeline = pipeline
-        self.arena_np = arena.numpy() if pipeline is None else None
+        # in_place: the "arena" is the plane's own memory, handed over by Lane.place (until
+        # then an empty placeholder, and no pipeline).
+        self.in_place = in_place
+        self.arena_np = arena.numpy() if pipeline is None and not in_place else None
         self.segment_begins = [begin for begin, _, _ in layout.segments]
         self.entry_ends = [entry.end for entry in entries]
 
     @property
     def on_device(self) -> bool:
         return self.pipeline is not None
+
+    def let_go(self) -> None:
+        """Drop every reference to memory staged in place (after a refusal)."""
+        if self.in_place:
+            self.arena = torch.empty(0, dtype=torch.uint8, device=self.arena.device)
+            self.pipeline = None
 
     def route(self, position: int, source: np.ndarray) -> None:
         """Copy data-section bytes [position, position + len(source)) into the arena (through
@@ -340,6 +363,19 @@ class Lane:
         data_state.route_tensor(position, data, held_host)
         self._cursor.advance(position + size)
 
+    def place(self, source: torch.Tensor) -> None:
+        """The whole data section, where the plane that offered it in place holds it (1-D
+        uint8, at the device and storage offset offered; unchanged until the update is
+        applied): checked there and staged as its views, no copy (see the module). Only for the
+        lane over the whole file, right after the head, when `file_data.in_place`."""
+        data = self._stager.data
+        whole = self.begin == 0 and self.end == self._stager.total_bytes
+        if not (data.in_place and whole and self.position == data.data_start):
+            raise AssertionError("place: only the whole file's lane, after the head, in place")
+        self._stager.check_open()
+        self._stager.place(source)
+        self.position = self.end
+
     def _copied_directly(self, data: torch.Tensor) -> bool:
         """Held host bytes past the head that the device arena copies as they are (page-locked
         memory, pipeline.py `copies_directly`) rather than through `feed`'s ring."""
@@ -453,6 +489,8 @@ class SafetensorsStager:
         self._head_ready = threading.Event()  # set when the head is parsed, or on failure
         self._failure: BaseException | None = None
         self._single: Lane | None = None
+        # (device, storage offset) of the data section a plane offered in place, if any.
+        self._in_place_offer: tuple[torch.device, int] | None = None
 
     # ---- lanes ---------------------------------------------------------------------------
 
@@ -533,9 +571,37 @@ class SafetensorsStager:
         """Bytes the head still needs before the next step of its parsing (0 once parsed)."""
         return 0 if self._data is not None else self._head_target() - len(self._head)
 
+    def offer_in_place(self, device: torch.device, storage_offset: int) -> None:
+        """A plane that will hold the whole data section in memory of `device`, at byte
+        `storage_offset` of its storage, offers to hand it over (`Lane.place`) instead of
+        feeding it; whether it is taken shows in `data.in_place` once the head is parsed.
+        Before the head only."""
+        assert self._data is None, "offer_in_place before the head"
+        self._in_place_offer = (torch.device(device), storage_offset)
+
+    def place(self, source: torch.Tensor) -> None:
+        """Lane.place's work: the data section's memory becomes the arena; every check group
+        is launched on it (it is all there)."""
+        data = self.data
+        offer = self._in_place_offer
+        assert offer is not None and self._reusable_arena is not None
+        _check_byte_tensor(source)
+        data_bytes = self.total_bytes - data.data_start
+        if (source.device, source.storage_offset()) != offer or len(source) != data_bytes:
+            raise InvalidArgument(
+                f"in place: {len(source)} bytes on {source.device} at storage offset "
+                f"{source.storage_offset()}, but {data_bytes} bytes on {offer[0]} at "
+                f"{offer[1]} were offered"
+            )
+        placing_s = time.perf_counter()
+        data.arena = source
+        data.pipeline = self._pipeline(source, data, self._reusable_arena)
+        data.pipeline.written(0, data_bytes)
+        self.timings.add("in_place", time.perf_counter() - placing_s)
+
     def cursor(self, lane: Lane) -> _CheckCursor | _DeviceChecks:
         data = self.data
-        if data.on_device:
+        if data.on_device or data.in_place:
             return _DeviceChecks()
         low = max(lane.begin - data.data_start, 0)
         return _CheckCursor(data, self._checks, low, lane.end - data.data_start)
@@ -568,29 +634,55 @@ class SafetensorsStager:
         head = self._verify_head(bytes(self._head[PREFIX_BYTES:]), data_bytes)
         entries, layout = head.entries, head.layout
         reusable = self._reusable_arena
-        taking_s = time.perf_counter()
-        if reusable is not None:
-            arena = reusable.take(layout.arena_bytes)
+        if self._in_place_allowed(layout, data_bytes):
+            assert self._in_place_offer is not None
+            placeholder = torch.empty(0, dtype=torch.uint8, device=self._in_place_offer[0])
+            data = _Data(entries, data_start, placeholder, layout, in_place=True)
         else:
-            arena = torch.empty(layout.arena_bytes, dtype=torch.uint8)
-        self.timings.add("arena_take", time.perf_counter() - taking_s)
-        pipeline = None
-        if reusable is not None and reusable.staged_on_device:
-            checks = self._checks
-            groups = checks.device_groups()
-            pipeline = DevicePipeline(
-                arena,
-                layout.segments,
-                [(group.data_begin, group.data_end) for group in groups],
-                ring=reusable.ring,
-                stream=reusable.copy_stream,
-                complete=lambda index: data.launch_check(checks, groups[index], index),
-                timings=self.timings,
-            )
-        data = _Data(entries, data_start, arena, layout, pipeline)
+            taking_s = time.perf_counter()
+            if reusable is not None:
+                arena = reusable.take(layout.arena_bytes)
+            else:
+                arena = torch.empty(layout.arena_bytes, dtype=torch.uint8)
+            self.timings.add("arena_take", time.perf_counter() - taking_s)
+            data = _Data(entries, data_start, arena, layout)
+            if reusable is not None and reusable.staged_on_device:
+                data.pipeline = self._pipeline(arena, data, reusable)
         self._verified = head
         self._data = data
         self._head_ready.set()
+
+    def _pipeline(self, arena: torch.Tensor, data: _Data, reusable: StagingArena) -> DevicePipeline:
+        """The device pipeline into `arena` (the arena's buffer, or memory staged in place),
+        whose completed ranges launch the device check groups."""
+        checks = self._checks
+        groups = checks.device_groups()
+        return DevicePipeline(
+            arena,
+            data.layout.segments,
+            [(group.data_begin, group.data_end) for group in groups],
+            ring=reusable.ring,
+            stream=reusable.copy_stream,
+            complete=lambda index: data.launch_check(checks, groups[index], index),
+            timings=self.timings,
+        )
+
+    def _in_place_allowed(self, layout: ArenaLayout, data_bytes: int) -> bool:
+        """Whether the offered memory can be staged in place: a device arena on its device
+        (the checks and apply are the device path's), every tensor viewable where it lies (no
+        shifted segment, an offset that keeps each tensor aligned to its itemsize), no SHA-256
+        (it hashes bytes as they are fed), and something to stage."""
+        offer, reusable = self._in_place_offer, self._reusable_arena
+        if offer is None or reusable is None or reusable.device is None or not data_bytes:
+            return False
+        device, storage_offset = offer
+        return (
+            device == reusable.device
+            and layout.arena_bytes == data_bytes
+            and all(shift == 0 for _, _, shift in layout.segments)
+            and storage_offset % _MAX_ITEMSIZE == 0
+            and self._sha256_hex is None
+        )
 
     def _verify_head(self, raw: bytes, data_bytes: int) -> VerifiedHead:
         """The head's entries, layout and checks: those of the arena's last head when this one
@@ -624,7 +716,13 @@ class SafetensorsStager:
             waiting_s = time.perf_counter()
             data.pipeline.synchronize()  # every copy and check issued: one wait for all
             settling_s = time.perf_counter()
-            self._checks.settle()
+            try:
+                self._checks.settle()
+            except InvalidArgument:
+                # The refusal's traceback keeps this frame, so `data`: it lets go of memory
+                # staged in place (a trainer's, unmapped when the plane closes).
+                data.let_go()
+                raise
             self.timings.add("finish_sync", settling_s - waiting_s)
             self.timings.add("settle", time.perf_counter() - settling_s)
         else:
@@ -632,7 +730,11 @@ class SafetensorsStager:
         if self._sha256_hex is not None and self._sha256() != self._sha256_hex:
             raise InvalidArgument("sha256 of the received file does not match header.sha256")
         return StagedFile(
-            data.entries, self._staged_views(data), self.total_bytes, on_device=data.on_device
+            data.entries,
+            self._staged_views(data),
+            self.total_bytes,
+            on_device=data.on_device,
+            in_place=data.in_place,
         )
 
     def _staged_views(self, data: _Data) -> Mapping[str, torch.Tensor]:
@@ -641,10 +743,12 @@ class SafetensorsStager:
         head = self._verified
         assert head is not None  # set with the data
         buffer = (data.arena.untyped_storage().data_ptr(), data.arena.numel())
-        views = head.views.get(buffer)
+        views = None if data.in_place else head.views.get(buffer)
         if views is None:
             views = MappingProxyType({e.name: data.tensor(i) for i, e in enumerate(data.entries)})
-            if head.key is not None:  # the arena keeps this head: one buffer's views at a time
+            # The arena keeps this head: one buffer's views at a time; never views of memory
+            # staged in place (they would keep the plane's memory, e.g. a trainer's, mapped).
+            if head.key is not None and not data.in_place:
                 head.views.clear()
                 head.views[buffer] = views
         return views

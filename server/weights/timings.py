@@ -16,7 +16,8 @@ check_group (per value-check reduction launched, once its tensors' bytes were al
 page_lock (shm into a CUDA arena: registering the client's mapping, once per mapping),
 ipc_event_wait, ipc_handle_open and ipc_handle_close (per CUDA IPC buffer), head_check (the
 head parsed and planned against the model; absent when the arena's last head was reused),
-arena_take,
+arena_take (absent when staged in place), in_place (the data section staged where a plane
+holds it, stream.py: its checks launched, once),
 finish_sync and settle (finish's wait and its verdict), apply_resolve, apply_launch (per tensor
 copied) and apply_wait.
 

@@ -88,14 +88,14 @@ class WeightUpdates:
             timings.lap("turn")
             started_s = time.monotonic()
             with plane:
-                role, staged, applied = self._stage_and_swap(header, requests, plane, timings)
+                role, staged_where, applied = self._stage_and_swap(header, requests, plane, timings)
             seconds = time.monotonic() - started_s
             timings.lap("close")
         response = pb.UpdateWeightsResponse(
             target=header.target or pb.MODEL_ROLE_ACTOR,
             version=header.version,
             tensors=applied.tensors,
-            bytes=staged.total_bytes,
+            bytes=applied.bytes,
             seconds=seconds,
             transport=plane.name,
         )
@@ -109,10 +109,10 @@ class WeightUpdates:
             header.version,
             plane.name,
             applied.tensors,
-            staged.total_bytes,
+            applied.bytes,
             seconds,
-            staged.total_bytes / max(seconds, 1e-9) / 1e9,
-            "on the device" if staged.on_device else "in host memory",
+            applied.bytes / max(seconds, 1e-9) / 1e9,
+            staged_where,
             timings.line(),
         )
         self._observe(timings)
@@ -137,34 +137,44 @@ class WeightUpdates:
         requests: Iterator[Request],
         plane: DataPlane,
         timings: UpdateTimings,
-    ) -> tuple[str, StagedUpdate, AppliedUpdate]:
-        """Check target and version, receive into the target's arena, verify, swap."""
+    ) -> tuple[str, str, AppliedUpdate]:
+        """Check target and version, receive into the target's arena, verify, swap; the role,
+        where it was staged (StagedUpdate.where), what apply did."""
         role, module = self._target(header)
         self._check_version(role, header.version)  # before receiving any bulk bytes
+        stager: UpdateStager | None = None
+        staged: StagedUpdate | None = None
         # Warm, reused staging memory; held until the swap: staged tensors are its views.
         with staging_arena(module).lease() as arena:
-            stager = UpdateStager(
-                header,
-                module,
-                self.lora[role],
-                max_header_bytes=self._max_header_bytes,
-                arena=arena,
-                timings=timings,
-            )
-            plane.receive(stager, requests)
-            timings.lap("receive")
-            staged = stager.finish()
-            timings.lap("finish")
+            try:
+                stager = UpdateStager(
+                    header,
+                    module,
+                    self.lora[role],
+                    max_header_bytes=self._max_header_bytes,
+                    arena=arena,
+                    timings=timings,
+                )
+                plane.receive(stager, requests)
+                timings.lap("receive")
+                staged = stager.finish()
+                timings.lap("finish")
 
-            def apply() -> AppliedUpdate:  # on the engine thread, while this one waits
-                timings.lap("swap_wait")
-                applied = self._apply(role, module, staged)
-                timings.lap("apply")
-                return applied
+                def apply() -> AppliedUpdate:  # on the engine thread, while this one waits
+                    timings.lap("swap_wait")
+                    assert staged is not None
+                    applied = self._apply(role, module, staged)
+                    timings.lap("apply")
+                    return applied
 
-            applied = self._swap(role, apply)
-            timings.lap("swap_return")
-            return role, staged, applied
+                applied = self._swap(role, apply)
+                timings.lap("swap_return")
+                return role, staged.where, applied
+            finally:
+                # Nothing of this frame (kept by a traceback) or of `apply` (kept by the
+                # engine's last job) may hold the staged views past the plane's exit: staged in
+                # place, they are the plane's memory (a trainer's CUDA IPC buffer).
+                stager = staged = None
 
     @contextlib.contextmanager
     def _update_turn(self) -> Iterator[None]:

@@ -307,6 +307,20 @@ class DeferredValues:
         launches each once all its bytes arrived, and `finish` runs once they all did)."""
         with self._lock:
             launched, self._launched = self._launched, {}
+        refusal = None
+        try:
+            self._judge(launched)
+        except InvalidArgument as error:
+            # Raised anew below, without the traceback whose frames hold the arena bytes
+            # (staged in place, they are a trainer's CUDA IPC memory, unmapped at the plane's
+            # exit: no reference may outlive it).
+            refusal = InvalidArgument(str(error))
+        finally:
+            launched = {}
+        if refusal is not None:
+            raise refusal
+
+    def _judge(self, launched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         unchecked = [g.names[0] for i, g in enumerate(self._groups) if i not in launched]
         if unchecked:
             raise AssertionError(f"the value checks of {unchecked[0]} never ran")

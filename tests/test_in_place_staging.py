@@ -1,0 +1,206 @@
+"""Staging in place (server/weights/stream.py): a plane that holds the whole data section in
+memory of the model's device (CUDA IPC buffers of a trainer) hands it over instead of copying
+it into the staging arena; the checks read it there and apply copies it into the model.
+
+On the CPU the stager runs its device path with a "device" arena on the CPU (as the device
+staging tests do), so everything but the CUDA IPC mapping itself runs here: the bits applied,
+no arena buffer taken, refusals that leave the model as it was, the cases that must fall back
+to a staged copy, and no reference to the plane's memory left once the update is done. The
+plane's own use of it (one span on the model's GPU) runs in tests/test_cuda_ipc.py (gpu).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from helpers_weights import perturbed, state_hash, tiny_llama
+from rollserve.client.protocol.errors import InvalidArgument
+from rollserve.client.weights.update_file import prepare_update
+from rollserve.server.weights import UpdateStager
+from rollserve.server.weights.arena import StagingArena
+from rollserve.server.weights.pipeline import SlotRing
+from torch.multiprocessing.reductions import StorageWeakRef
+
+CPU = torch.device("cpu")
+
+
+def _arena(device: str | None = "cpu") -> StagingArena:
+    """A pipelined ("device") arena on the CPU, or a host arena (device None)."""
+    ring = SlotRing(pin_memory=False, slots=3, slot_bytes=4093)
+    return StagingArena(device=device, ring=ring)
+
+
+def _file(weights: dict[str, torch.Tensor], **options: object) -> tuple[object, bytes, bytes]:
+    """The update's header, its file's head, its data section."""
+    update = prepare_update(weights, version=1, **options)  # type: ignore[arg-type]
+    head, specs = update.layout()
+    data = bytearray()
+    for spec in specs:
+        data += weights[spec.name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return update.header, head, bytes(data)
+
+
+def _memory(data: bytes, storage_offset: int = 0) -> torch.Tensor:
+    """The data section in memory of its own, `storage_offset` bytes into its storage."""
+    backing = torch.zeros(storage_offset + len(data), dtype=torch.uint8)
+    backing[storage_offset:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return backing[storage_offset:]
+
+
+def _stage(
+    model: torch.nn.Module,
+    arena: StagingArena | None,
+    header: object,
+    head: bytes,
+    source: torch.Tensor,
+    *,
+    offer_offset: int | None = None,
+) -> tuple[UpdateStager, bool]:
+    """Offer `source` in place, feed the head, then place it (or feed it when the stager did
+    not take the offer); the stager, and whether it staged in place."""
+    stager = UpdateStager(header, model, None, arena=arena)  # type: ignore[arg-type]
+    offset = source.storage_offset() if offer_offset is None else offer_offset
+    stager.offer_in_place(source.device, offset)
+    lane = stager.lane(0, stager.options.total_bytes)
+    lane.feed(0, head)
+    in_place = lane.file_data.in_place
+    if in_place:
+        lane.place(source)
+    else:
+        lane.feed_tensor(len(head), source)
+    return stager, in_place
+
+
+def test_in_place_applies_the_same_bits_without_a_staging_buffer() -> None:
+    model, trainer = tiny_llama(0), tiny_llama(1)
+    weights = {name: t.detach().clone() for name, t in trainer.state_dict().items()}
+    header, head, data = _file(weights)
+    source = _memory(data, storage_offset=64)
+    arena = _arena()
+    stager, in_place = _stage(model, arena, header, head, source)
+    assert in_place
+    staged = stager.finish()
+    assert staged.in_place and staged.on_device and staged.where == "in place"
+    # The staged tensors are views of the plane's memory: nothing was copied.
+    begin = source.data_ptr()
+    for tensor in staged.tensors.values():
+        if tensor.numel():
+            assert begin <= tensor.data_ptr() < begin + len(source)
+    assert arena.allocations == 0 and arena.capacity_bytes == 0
+    pointers = {name: t.data_ptr() for name, t in model.state_dict().items()}
+    staged.apply(model)
+    assert state_hash(model) == state_hash(trainer)
+    # Copied into the parameters' own storages (a device model is never rebound).
+    assert {name: t.data_ptr() for name, t in model.state_dict().items()} == pointers
+    timings = staged.timings
+    assert timings is not None and "in_place" in timings.line()
+    assert "arena_take" not in timings.line()
+
+
+def test_bad_values_in_place_are_refused_and_the_model_keeps_its_weights() -> None:
+    model, trainer = tiny_llama(0), tiny_llama(1)
+    weights = {name: t.detach().clone() for name, t in trainer.state_dict().items()}
+    name = "model.layers.1.mlp.up_proj.weight"
+    weights[name][3, 5] = float("nan")
+    header, head, data = _file(weights)
+    before = state_hash(model)
+    source = _memory(data)
+    memory = StorageWeakRef(source.untyped_storage())
+    stager, in_place = _stage(model, _arena(), header, head, source)
+    assert in_place
+    with pytest.raises(InvalidArgument, match=name) as refusal:
+        stager.finish()
+    assert state_hash(model) == before
+    # The refusal (kept here, as a server's error handling may keep it a while) and its
+    # traceback hold no reference to the memory: a trainer's is unmapped at the plane's exit.
+    del stager, source
+    gc.collect()
+    assert memory.expired(), "the refusal keeps the staged memory"
+    assert refusal.value is not None
+
+
+@pytest.mark.parametrize(
+    ("case", "options", "storage_offset"),
+    [
+        ("an offset that misaligns 8-byte elements", {}, 4),
+        ("a SHA-256 to verify (hashed as bytes are fed)", {"sha256": True}, 0),
+    ],
+)
+def test_what_cannot_be_staged_in_place_is_staged_as_a_copy(
+    case: str, options: dict, storage_offset: int
+) -> None:
+    model, trainer = tiny_llama(0), tiny_llama(1)
+    weights = {name: t.detach().clone() for name, t in trainer.state_dict().items()}
+    weights["model.norm.weight"] = weights["model.norm.weight"].double()  # an 8-byte dtype
+    model.model.norm.double()
+    header, head, data = _file(weights, **options)
+    arena = _arena()
+    stager, in_place = _stage(model, arena, header, head, _memory(data, storage_offset))
+    assert not in_place, case
+    staged = stager.finish()
+    assert not staged.in_place and arena.allocations == 1
+    staged.apply(model)
+    _assert_holds(model, weights)
+
+
+def _assert_holds(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    served = model.state_dict()
+    for name, tensor in weights.items():
+        assert torch.equal(served[name], tensor), name
+
+
+@pytest.mark.parametrize("arena", [None, "host"])
+def test_without_a_device_arena_nothing_is_staged_in_place(arena: str | None) -> None:
+    # No arena (a bare stager) or a host arena: the device path that checks and applies in
+    # place is not there.
+    model, trainer = tiny_llama(0), tiny_llama(1)
+    weights = {name: t.detach().clone() for name, t in trainer.state_dict().items()}
+    header, head, data = _file(weights)
+    staging = None if arena is None else _arena(device=None)
+    stager, in_place = _stage(model, staging, header, head, _memory(data))
+    assert not in_place
+    stager.finish().apply(model)
+    assert state_hash(model) == state_hash(trainer)
+
+
+def test_memory_that_is_not_what_was_offered_is_refused() -> None:
+    model = tiny_llama(0)
+    weights = perturbed(model, seed=3)
+    header, head, data = _file(weights)
+    stager = UpdateStager(header, model, None, arena=_arena())  # type: ignore[arg-type]
+    stager.offer_in_place(CPU, 0)
+    lane = stager.lane(0, stager.options.total_bytes)
+    lane.feed(0, head)
+    assert lane.file_data.in_place
+    with pytest.raises(InvalidArgument, match="were offered"):
+        lane.place(_memory(data[:-8]))  # 8 bytes short
+    with pytest.raises(InvalidArgument, match="were offered"):
+        lane.place(_memory(data, storage_offset=8))  # another place than offered
+
+
+def test_no_reference_to_the_memory_outlives_the_update() -> None:
+    # A trainer's CUDA IPC buffer is unmapped when the plane drops it: neither the arena (its
+    # remembered head and views) nor anything else may keep it, after an applied update or a
+    # refused one.
+    model, trainer = tiny_llama(0), tiny_llama(1)
+    arena = _arena()
+    for bad in (False, True):
+        weights = {name: t.detach().clone() for name, t in trainer.state_dict().items()}
+        if bad:
+            weights["lm_head.weight"][0, 0] = float("inf")
+        header, head, data = _file(weights)
+        source = _memory(data)
+        memory = StorageWeakRef(source.untyped_storage())
+        stager, in_place = _stage(model, arena, header, head, source)
+        assert in_place
+        try:
+            stager.finish().apply(model)
+        except InvalidArgument:
+            assert bad
+        del stager, source
+        gc.collect()
+        assert memory.expired(), "the staged memory is still referenced"
+    assert arena.verified_head is not None  # the head is remembered, without those views
+    assert state_hash(model) == state_hash(trainer)
