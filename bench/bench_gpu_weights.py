@@ -54,6 +54,7 @@ from bench_generation import build_model  # noqa: E402
 from helpers_server import start_server_process  # noqa: E402
 from rollserve.client import RolloutClient, WeightsGroup  # noqa: E402
 from rollserve.client.weights.flat_weights import flatten_weights  # noqa: E402
+from rollserve.server.weights.cuda_ipc import IN_PLACE_ENV  # noqa: E402
 
 ROUNDS = 3
 WAIT_S = 120.0
@@ -67,6 +68,7 @@ CARRIED_AS = {"grpc": ("grpc", "grpc-parallel")}
 _BUFFER = re.compile(r"staging buffer of (\d+) bytes (on \S+|in pinned host memory|in host memory)")
 _FALLBACK = re.compile(r"staging \d+ bytes on \S+ (does not fit|failed)")
 # The server's line per update (weights/update.py): its version and its phases (timings.py).
+_STAGED_IN_PLACE = re.compile(r"updated \S+ to version \d+ over \S+: .*?; staged in place;")
 _PHASES = re.compile(r"updated \S+ to version (\d+) over \S+: .*?; phases: (.*)$", re.MULTILINE)
 _PHASE = re.compile(r"([a-z_]+) ([0-9.]+)")
 
@@ -121,6 +123,8 @@ def staged_where(log: str, lane_start: int) -> str:
     it logged since `lane_start` (an offset into `log`); "?" without a buffer line."""
     buffers = _BUFFER.findall(log)
     where = "?" if not buffers else buffers[-1][1].removeprefix("on ").removeprefix("in ")
+    if _STAGED_IN_PLACE.search(log, lane_start):  # the lane's updates took no staging buffer
+        where = "in place"
     fallbacks = sorted({match.group(1) for match in _FALLBACK.finditer(log, lane_start)})
     return where if not fallbacks else f"{where} (device {', '.join(fallbacks)})"
 
@@ -250,6 +254,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="a small Llama (smoke test)")
     parser.add_argument("--no-cpu-reference", action="store_true")
+    parser.add_argument(
+        "--staged-baseline",
+        action="store_true",
+        help="also the cuda_ipc flat lane into a second server that stages every update "
+        "(ROLLSERVE_CUDA_IPC_IN_PLACE=0): in place against staged in one run",
+    )
     args = parser.parse_args(argv)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -280,6 +290,16 @@ def main(argv: list[str]) -> int:
             trainer = Trainer(f"127.0.0.1:{port}", proc.log_text)
             rows += gpu_server_lanes(trainer, weights, total_bytes, ceilings, on_cuda)
             trainer.close()
+            if on_cuda and args.staged_baseline:
+                proc.terminate_and_wait()  # one 0.5B server on the GPU at a time
+                env = {IN_PLACE_ENV: "0"}
+                proc, port = start_server_process(
+                    "--device", device, *common, env=env, timeout_s=WAIT_S
+                )
+                servers.append(proc)
+                staged = Trainer(f"127.0.0.1:{port}", proc.log_text)
+                rows += staged_baseline_lane(staged, weights, total_bytes, ceilings)
+                staged.close()
             if on_cuda and not args.no_cpu_reference:
                 proc, port = start_server_process("--device", "cpu", *common, timeout_s=WAIT_S)
                 servers.append(proc)
@@ -364,6 +384,23 @@ def gpu_server_lanes(
         limit = ceilings.get(ceiling)
         run_lane(row, lambda t=transport, w=tensors: trainer.lane(w, t, total_bytes), limit)
     return rows
+
+
+def staged_baseline_lane(
+    trainer: Trainer,
+    weights: dict[str, torch.Tensor],
+    total_bytes: int,
+    ceilings: dict[str, float | None],
+) -> list[Row]:
+    """The cuda_ipc flat lane into a server with ROLLSERVE_CUDA_IPC_IN_PLACE=0: the staged copy
+    that the in-place path saves (server/weights/cuda_ipc.py)."""
+    print("cuda_ipc flat into a server that stages every update:", flush=True)
+    flat = {k: v.cuda() for k, v in weights.items()}
+    flatten_weights(flat)
+    row = Row("cuda_ipc", "CUDA, flat", ceiling="D2D", target=f">= {TARGETS['cuda_ipc']}",
+              note=f"{IN_PLACE_ENV}=0 (baseline)")  # fmt: skip
+    run_lane(row, lambda: trainer.lane(flat, "cuda_ipc", total_bytes), ceilings.get("D2D"))
+    return [row]
 
 
 def cpu_reference_lanes(

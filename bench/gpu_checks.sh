@@ -16,11 +16,13 @@
 # start costs ~30 s of it):
 #
 #     SKIP_STEPS="profile bench-weights bench-gpu" TEST_GPU_S=300 bash bench/gpu_checks.sh
-#     SKIP_STEPS=test-gpu PROFILE_GPU_S=100 WEIGHTS_ARGS=--no-cpu-reference BENCH_WEIGHTS_S=45 \
-#         BENCH_GPU_S=220 bash bench/gpu_checks.sh
+#     SKIP_STEPS="test-gpu update-latency" PROFILE_GPU_S=100 BENCH_WEIGHTS_S=75 \
+#         WEIGHTS_ARGS="--no-cpu-reference --staged-baseline" BENCH_GPU_S=220 bash bench/gpu_checks.sh
 #
 # with PROFILE_BASELINE_ENV="ROLLSERVE_FUSED_PROJECTIONS=0 ROLLSERVE_DECODE_ATTENTION=sdpa" in the
-# second to profile the engine's levers off as well (another PROFILE_GPU_S: 100 s more).
+# second to profile the engine's levers off as well (another PROFILE_GPU_S: 100 s more; the
+# second call's bounds are then 100 + 100 + 75 + 240 = 515 s). --staged-baseline adds the
+# cuda_ipc flat lane into a second server that stages (ROLLSERVE_CUDA_IPC_IN_PLACE=0): ~30 s.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
