@@ -8,8 +8,10 @@ the per-tensor checks), then applied, and the per-phase timings the server logs
 (weights/timings.py) are printed for each plane:
 
 * grpc: the stager fed 1 MiB chunks in order (one lane, as one stream);
-* cuda_ipc's feed_tensor path: the head as chunks, then the data section as one tensor (as
-  the plane feeds a device arena);
+* tensor, cuda_ipc's feed_tensor path: the head as chunks, then the data section as one tensor
+  (as the plane feeds a device arena);
+* in_place, cuda_ipc's path for a flat buffer on the model's device: the data section offered
+  before the head and placed after it (stream.py): no arena, checks and apply read it;
 * shm: receive_shared_memory from a sealed memfd of this process, with --lanes threads.
 
     python bench/profile_update_host.py                 # the full size (~5 GB of host memory)
@@ -103,13 +105,20 @@ def run(plane: str, model: torch.nn.Module, header: pb.WeightsHeader, file: byte
     with arena.lease():
         stager = UpdateStager(header, model, LoraState(), arena=arena, timings=timings)
         view = memoryview(file)
+        head = 8 + int.from_bytes(file[:8], "little")
+        if plane == "in_place":  # cuda_ipc's flat buffer: offered, then placed (stream.py)
+            stager.offer_in_place(data.device, head)
         if plane == "grpc":
             for offset in range(0, len(file), CHUNK_BYTES):
                 stager.feed(offset, view[offset : offset + CHUNK_BYTES])
         elif plane == "tensor":
-            head = 8 + int.from_bytes(file[:8], "little")
             stager.feed(0, view[:head])
             stager.feed_tensor(head, data[head:])  # a device arena takes the span whole
+        elif plane == "in_place":
+            lane = stager.lane(0, len(file))
+            lane.feed(0, view[:head])
+            assert lane.file_data.in_place, "the head did not allow staging in place"
+            lane.place(data[head:])
         else:
             source = pb.SharedMemorySource(pid=os.getpid(), fd=fd)
             receive_shared_memory(stager, source, iter(()), lanes=lanes)
@@ -127,7 +136,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--shape", default="896,4864,151936,128", help="hidden,intermediate,vocab,kv width"
     )
-    parser.add_argument("--planes", default="grpc,tensor,shm")
+    parser.add_argument("--planes", default="grpc,tensor,in_place,shm")
     parser.add_argument("--lanes", type=int, default=4, help="shm copy lanes (threads)")
     parser.add_argument("--slots", type=int, default=RING_SLOTS, help="ring slots")
     parser.add_argument("--slot-mib", type=int, default=SLOT_BYTES >> 20, help="ring slot size")
