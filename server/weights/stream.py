@@ -235,6 +235,30 @@ class _Data:
             return torch.empty(entry.shape, dtype=entry.dtype, device=self.arena.device)
         return self.elements(index, 0, entry.nbytes // entry.dtype.itemsize).view(entry.shape)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every entry as a view of the arena, by name: `tensor(i)` for all of them, one
+        as_strided each over one view of the arena per dtype (a third of the cost of three
+        view ops per tensor: ~0.3 ms instead of ~0.9 ms for 291 tensors, paid by every update
+        whose views are not remembered, e.g. one staged in place)."""
+        arena, offsets = self.arena, self.layout.offsets
+        base = arena.storage_offset()  # as_strided's offset counts from the storage's start
+        flats: dict[torch.dtype, torch.Tensor] = {}
+        views = {}
+        for index, entry in enumerate(self.entries):
+            dtype, itemsize = entry.dtype, entry.dtype.itemsize
+            if entry.nbytes == 0 or base % itemsize:
+                views[entry.name] = self.tensor(index)
+                continue
+            flat = flats.get(dtype)
+            if flat is None:
+                flat = flats[dtype] = arena[: len(arena) - len(arena) % itemsize].view(dtype)
+            strides = [1] * len(entry.shape)
+            for axis in range(len(entry.shape) - 2, -1, -1):
+                strides[axis] = strides[axis + 1] * entry.shape[axis + 1]
+            start = (base + offsets[index]) // itemsize
+            views[entry.name] = flat.as_strided(entry.shape, strides, start)
+        return views
+
 
 class _CheckCursor:
     """Checks the elements lying wholly inside data-section range [low, high) as bytes arrive."""
@@ -745,7 +769,7 @@ class SafetensorsStager:
         buffer = (data.arena.untyped_storage().data_ptr(), data.arena.numel())
         views = None if data.in_place else head.views.get(buffer)
         if views is None:
-            views = MappingProxyType({e.name: data.tensor(i) for i, e in enumerate(data.entries)})
+            views = MappingProxyType(data.tensors())
             # The arena keeps this head: one buffer's views at a time; never views of memory
             # staged in place (they would keep the plane's memory, e.g. a trainer's, mapped).
             if head.key is not None and not data.in_place:
