@@ -308,6 +308,24 @@ def _assert_serves(server: RolloutServer, weights: dict[str, torch.Tensor]) -> N
         assert torch.equal(served[name].cpu(), tensor), name
 
 
+def test_runs_merge_only_where_they_continue_in_the_file_and_in_one_buffer() -> None:
+    from rollserve.client.weights.cuda_ipc import Run, merged_runs
+
+    # A flat buffer: every tensor right after the previous one, in file and in memory.
+    assert merged_runs([Run(64, 80, 0, 0), Run(80, 96, 0, 16), Run(96, 100, 0, 32)]) == [
+        Run(64, 100, 0, 0)
+    ]
+    kept = [
+        Run(64, 80, 0, 0),
+        Run(80, 96, 1, 16),  # another buffer
+        Run(96, 100, 1, 48),  # a gap in memory
+        Run(100, 104, 1, 48 + 4),  # ... continued: merges with the previous one
+        Run(108, 112, 1, 56),  # a gap in the file (not produced by export, still kept apart)
+    ]
+    assert merged_runs(kept) == [kept[0], kept[1], Run(96, 104, 1, 48), kept[4]]
+    assert merged_runs([]) == []
+
+
 def _update_line(caplog: pytest.LogCaptureFixture, version: int) -> str:
     """The server's log line of the update to `version` (weights/update.py)."""
     lines = [
