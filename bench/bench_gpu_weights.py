@@ -13,7 +13,11 @@ measure). The trainer is this process. Measured in the same run:
   device copy), shm (CPU tensors; CUDA tensors), grpc (CPU tensors) and
   dist (a gloo WeightsGroup, CPU tensors), each host lane with its ratio to the pinned copy;
 * a CPU server of the same model (unless --no-cpu-reference): grpc and dist into it, so that
-  the GPU server's host lanes can be compared with what the same lanes do into host memory.
+  the GPU server's host lanes can be compared with what the same lanes do into host memory;
+* on a node with two GPUs or more: a server on cuda:1 and the trainer's tensors on cuda:0,
+  dist over an NCCL WeightsGroup (per tensor, and flattened: plain slices of one run) and
+  cuda_ipc of the flattened weights across the two GPUs, against a cuda:0 -> cuda:1 copy of
+  the same bytes ("P2P"); one GPU prints the lanes as skipped.
 
 Targets (issue 20, one H100): cuda_ipc >= 0.3 x device copy, shm >= 0.5 x pinned copy, grpc and
 dist no slower than into the CPU server. A failing lane prints its error; the run goes on.
@@ -89,7 +93,8 @@ class Row:
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        for index in range(torch.cuda.device_count()):  # a P2P copy involves two
+            torch.cuda.synchronize(index)
 
 
 def best_copy_gbps(source: torch.Tensor, target: torch.Tensor, device: str) -> float:
@@ -187,14 +192,23 @@ class Trainer:
         return best, server_s, transport
 
     def lane(
-        self, weights: dict[str, torch.Tensor], transport: str, total_bytes: int
+        self,
+        weights: dict[str, torch.Tensor],
+        transport: str,
+        total_bytes: int,
+        *,
+        backend: str = "gloo",
+        flat: bool = False,
     ) -> tuple[float, float, str, str, str]:
         """GB/s, the server's seconds, the transport that carried it, where it staged, its best
-        round's largest phase (the phases are printed)."""
+        round's largest phase (the phases are printed). dist: over a WeightsGroup of `backend`,
+        the weights flattened by it first with `flat`."""
         lane_start = len(self.log())
         warm_up = self.version + 1  # its line is left out of the medians
         if transport == "dist":
-            with WeightsGroup([self.client], backend="gloo", timeout_s=WAIT_S) as group:
+            with WeightsGroup([self.client], backend=backend, timeout_s=WAIT_S) as group:
+                if flat:
+                    group.flatten_weights(weights)
                 gbps, server_s, sent_as = self.best_gbps(
                     lambda v: self.client.update_weights(weights, version=v, group=group),
                     total_bytes,
@@ -300,6 +314,8 @@ def main(argv: list[str]) -> int:
                 staged = Trainer(f"127.0.0.1:{port}", proc.log_text)
                 rows += staged_baseline_lane(staged, weights, total_bytes, ceilings)
                 staged.close()
+            if on_cuda:
+                rows += two_gpu_lanes(common, weights, total_bytes, servers)
             if on_cuda and not args.no_cpu_reference:
                 proc, port = start_server_process("--device", "cpu", *common, timeout_s=WAIT_S)
                 servers.append(proc)
@@ -383,6 +399,47 @@ def gpu_server_lanes(
         assert tensors is not None
         limit = ceilings.get(ceiling)
         run_lane(row, lambda t=transport, w=tensors: trainer.lane(w, t, total_bytes), limit)
+    return rows
+
+
+def two_gpu_lanes(
+    common: tuple[str, ...], weights: dict[str, torch.Tensor], total_bytes: int, servers: list
+) -> list[Row]:
+    """A server on cuda:1, the trainer's tensors on cuda:0 (the module's last lanes)."""
+    rows = [
+        Row("dist", "cuda:0 -> cuda:1, NCCL", ceiling="P2P", target="-"),
+        Row("dist", "cuda:0 -> cuda:1, NCCL, flat", ceiling="P2P", target="-"),
+        Row("cuda_ipc", "cuda:0 -> cuda:1, flat", ceiling="P2P", target="-"),
+    ]
+    if torch.cuda.device_count() < 2:
+        print("two-GPU lanes: skipped (one GPU)", flush=True)
+        for row in rows:
+            row.note = "skipped: needs 2 GPUs"
+        return rows
+    print("two GPUs: server on cuda:1, trainer on cuda:0:", flush=True)
+    proc, port = start_server_process("--device", "cuda:1", *common, timeout_s=WAIT_S)
+    servers.append(proc)
+    torch.cuda.set_device(0)  # NCCL's rank 0 (the trainer) on cuda:0
+    source = torch.empty(total_bytes, dtype=torch.uint8, device="cuda:0")
+    target = torch.empty(total_bytes, dtype=torch.uint8, device="cuda:1")
+    peer = best_copy_gbps(source, target, "cuda")
+    del source, target
+    print(f"ceiling P2P (cuda:0 -> cuda:1): {_cell(peer)} GB/s", flush=True)
+    trainer = Trainer(f"127.0.0.1:{port}", proc.log_text)
+    try:
+        on_first = {k: v.to("cuda:0") for k, v in weights.items()}
+        run_lane(rows[0], lambda: trainer.lane(on_first, "dist", total_bytes, backend="nccl"), peer)
+        flat = {k: v.clone() for k, v in on_first.items()}
+        run_lane(
+            rows[1],
+            lambda: trainer.lane(flat, "dist", total_bytes, backend="nccl", flat=True),
+            peer,
+        )
+        ipc_flat = {k: v.clone() for k, v in on_first.items()}
+        flatten_weights(ipc_flat)
+        run_lane(rows[2], lambda: trainer.lane(ipc_flat, "cuda_ipc", total_bytes), peer)
+    finally:
+        trainer.close()
     return rows
 
 
