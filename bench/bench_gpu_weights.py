@@ -10,7 +10,8 @@ measure). The trainer is this process. Measured in the same run:
 * lanes, each one warm-up update then best of 3, applied GB/s = file bytes / wall seconds of
   `update_weights` (until the server replied: received, verified, swapped in): cuda_ipc (CUDA
   tensors, one handle per tensor; and flattened by flatten_weights, one handle; ratio to the
-  device copy), shm (CPU tensors; CUDA tensors), grpc (CPU tensors) and
+  device copy), shm (CPU tensors; CUDA tensors; CPU tensors that live in the client's memfd,
+  client.share_weights: only the server's copy), grpc (CPU tensors) and
   dist (a gloo WeightsGroup, CPU tensors), each host lane with its ratio to the pinned copy;
 * a CPU server of the same model (unless --no-cpu-reference): grpc and dist into it, so that
   the GPU server's host lanes can be compared with what the same lanes do into host memory;
@@ -382,6 +383,7 @@ def gpu_server_lanes(
         ("cuda_ipc", "CUDA, flat", "D2D"),
         ("shm", "CPU", "pinned H2D"),
         ("shm", "CUDA", "pinned H2D"),
+        ("shm", "CPU, share_weights", "pinned H2D"),
         ("grpc", "CPU", "pinned H2D"),
         ("dist", "CPU", "pinned H2D"),
     ]
@@ -396,6 +398,9 @@ def gpu_server_lanes(
             print(f"  {transport} ({where}): skipped (needs CUDA)", flush=True)
             continue
         tensors = {"CUDA": cuda_weights, "CUDA, flat": flat_weights}.get(where, weights)
+        if where == "CPU, share_weights":  # the tensors live in the client's memfd: no copy
+            tensors = {k: v.clone() for k, v in weights.items()}
+            trainer.client.share_weights(tensors)
         assert tensors is not None
         limit = ceilings.get(ceiling)
         run_lane(row, lambda t=transport, w=tensors: trainer.lane(w, t, total_bytes), limit)
