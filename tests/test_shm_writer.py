@@ -53,3 +53,17 @@ def test_small_tensors_share_a_task() -> None:
     tiny = [(4 * i, torch.ones(1)) for i in range(200)]
     batches = shared_memory._batches([(begin, t.numpy()) for begin, t in tiny])
     assert len(batches) == 1 and [p[0] for p in batches[0]] == [b for b, _ in tiny]
+
+
+def test_a_device_tensor_is_written_in_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A GPU tensor's bytes go in _WRITE_PIECE_BYTES slices (so that the server copies the first
+    # to its device while the next leave the trainer's): here a "meta" tensor stands in for
+    # the device (no bytes needed to check offsets and sizes).
+    monkeypatch.setattr(shared_memory, "_WRITE_PIECE_BYTES", 1000)
+    tensor = torch.empty(3, 1001, dtype=torch.bfloat16, device="meta")  # 6,006 bytes
+    pieces = shared_memory._pieces(64, tensor)
+    assert [begin for begin, _ in pieces] == [64 + 1000 * i for i in range(7)]
+    assert [piece.nbytes for _, piece in pieces] == [1000] * 6 + [6]
+    assert all(isinstance(p, torch.Tensor) and p.dtype == torch.uint8 for _, p in pieces)
+    assert all(p.device.type == "meta" for _, p in pieces)
+    assert shared_memory._pieces(0, torch.empty(0, device="meta")) == []

@@ -43,16 +43,17 @@ _WRITE_PIECE_BYTES = 8 << 20
 
 def _pieces(begin: int, tensor: torch.Tensor) -> list[tuple[int, np.ndarray | torch.Tensor]]:
     """(file offset, source) pieces that write `tensor`'s elements (C order) at `begin`: its
-    bytes in _WRITE_PIECE_BYTES slices for a CPU tensor, the whole tensor for a GPU one."""
+    bytes in _WRITE_PIECE_BYTES slices, numpy arrays for a CPU tensor, uint8 tensors on the
+    device for a GPU one. A GPU tensor in slices too: the server copies each slice to its
+    device as soon as it is written, so a large tensor's device-to-host and host-to-device
+    copies overlap instead of running one after the other (an embedding is ~20 % of a model)."""
     nbytes = tensor.numel() * tensor.element_size()
     if not nbytes:
         return []
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        return [(begin, tensor)]
-    flat = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    source = flat.numpy() if flat.device.type == "cpu" else flat
     return [
-        (begin + offset, flat[offset : offset + _WRITE_PIECE_BYTES])
+        (begin + offset, source[offset : offset + _WRITE_PIECE_BYTES])
         for offset in range(0, nbytes, _WRITE_PIECE_BYTES)
     ]
 
