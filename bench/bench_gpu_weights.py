@@ -9,10 +9,11 @@ measure). The trainer is this process. Measured in the same run:
   and a device -> device copy of them (what cuda_ipc must do), best of 3 each;
 * lanes, each one warm-up update then best of 3, applied GB/s = file bytes / wall seconds of
   `update_weights` (until the server replied: received, verified, swapped in): cuda_ipc (CUDA
-  tensors, one handle per tensor; and flattened by flatten_weights, one handle; ratio to the
-  device copy), shm (CPU tensors; CUDA tensors; CPU tensors that live in the client's memfd,
-  client.share_weights: only the server's copy), grpc (CPU tensors) and
-  dist (a gloo WeightsGroup, CPU tensors), each host lane with its ratio to the pinned copy;
+  tensors, one handle per tensor; flattened by flatten_weights, one handle; the per-tensor
+  ones with pack=True, copied into one buffer of the client first; ratio to the device copy),
+  shm (CPU tensors; CUDA tensors; CPU tensors that live in the client's memfd,
+  client.share_weights: only the server's copy), grpc (CPU tensors) and dist (a gloo
+  WeightsGroup, CPU tensors), each host lane with its ratio to the pinned copy;
 * a CPU server of the same model (unless --no-cpu-reference): grpc and dist into it, so that
   the GPU server's host lanes can be compared with what the same lanes do into host memory;
 * on a node with two GPUs or more: a server on cuda:1 and the trainer's tensors on cuda:0,
@@ -200,6 +201,7 @@ class Trainer:
         *,
         backend: str = "gloo",
         flat: bool = False,
+        pack: bool = False,
     ) -> tuple[float, float, str, str, str]:
         """GB/s, the server's seconds, the transport that carried it, where it staged, its best
         round's largest phase (the phases are printed). dist: over a WeightsGroup of `backend`,
@@ -216,7 +218,9 @@ class Trainer:
                 )
         else:
             gbps, server_s, sent_as = self.best_gbps(
-                lambda v: self.client.update_weights(weights, version=v, transport=transport),
+                lambda v: self.client.update_weights(
+                    weights, version=v, transport=transport, pack=pack
+                ),
                 total_bytes,
             )
         if sent_as not in CARRIED_AS.get(transport, (transport,)):
@@ -381,6 +385,7 @@ def gpu_server_lanes(
     lanes = [
         ("cuda_ipc", "CUDA", "D2D"),
         ("cuda_ipc", "CUDA, flat", "D2D"),
+        ("cuda_ipc", "CUDA, pack=True", "D2D"),
         ("shm", "CPU", "pinned H2D"),
         ("shm", "CUDA", "pinned H2D"),
         ("shm", "CPU, share_weights", "pinned H2D"),
@@ -397,13 +402,19 @@ def gpu_server_lanes(
             row.note = "skipped: needs CUDA"
             print(f"  {transport} ({where}): skipped (needs CUDA)", flush=True)
             continue
-        tensors = {"CUDA": cuda_weights, "CUDA, flat": flat_weights}.get(where, weights)
+        tensors = {"CUDA": cuda_weights, "CUDA, flat": flat_weights,
+                   "CUDA, pack=True": cuda_weights}.get(where, weights)  # fmt: skip
         if where == "CPU, share_weights":  # the tensors live in the client's memfd: no copy
             tensors = {k: v.clone() for k, v in weights.items()}
             trainer.client.share_weights(tensors)
         assert tensors is not None
         limit = ceilings.get(ceiling)
-        run_lane(row, lambda t=transport, w=tensors: trainer.lane(w, t, total_bytes), limit)
+        pack = where.endswith("pack=True")  # copied into one buffer of the client first
+        run_lane(
+            row,
+            lambda t=transport, w=tensors, p=pack: trainer.lane(w, t, total_bytes, pack=p),
+            limit,
+        )
     return rows
 
 

@@ -60,10 +60,13 @@ def median_ms(samples: list[float]) -> float:
 class Lane:
     """Updates of one transport: (client wall seconds, server seconds) per update."""
 
-    def __init__(self, client: RolloutClient, transport: str, version: int) -> None:
+    def __init__(
+        self, client: RolloutClient, transport: str, version: int, pack: bool = False
+    ) -> None:
         self.client = client
         self.transport = transport
         self.version = version
+        self.pack = pack  # cuda_ipc: copied into one buffer of the client first
 
     def run(self, states: list[dict[str, torch.Tensor]], updates: int) -> tuple[float, float]:
         """Median client and server ms over `updates` updates cycling through `states`, after
@@ -74,7 +77,7 @@ class Lane:
             state = states[index % len(states)]
             started = time.perf_counter()
             result = self.client.update_weights(
-                state, version=self.version, transport=self.transport, streams=None
+                state, version=self.version, transport=self.transport, streams=None, pack=self.pack
             )
             wall = time.perf_counter() - started
             if result.transport != self.transport:
@@ -141,12 +144,13 @@ def main(argv: list[str]) -> int:
                     lanes += [
                         ("cuda_ipc", "CUDA, per tensor", on_cuda),
                         ("cuda_ipc", "CUDA, flat", lambda s: flat(on_cuda(s))),
+                        ("cuda_ipc", "CUDA, pack=True", on_cuda),
                     ]
                 version = client.health().policy_version
                 print("| lane | tensors | same head ms (server) | new head ms (server) | "
                       "same head / Health RTT |\n| --- | --- | --- | --- | --- |")  # fmt: skip
                 for transport, where, make in lanes:
-                    lane = Lane(client, transport, version)
+                    lane = Lane(client, transport, version, pack=where.endswith("pack=True"))
                     same = lane.run([make(state)], args.updates)
                     same_phases = last_phases(proc.log_text())
                     new = lane.run([make(state), make(reordered(state))], args.updates)

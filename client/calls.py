@@ -272,7 +272,7 @@ class BaseClient:
         with typed_errors():
             reply = self._uploads.send(
                 update, call, transport=options.transport, streams=options.streams,
-                progress=progress,
+                progress=progress, pack=options.pack,
             )  # fmt: skip
         return UpdateResult.from_proto(reply, wall_s=time.monotonic() - started_s)
 

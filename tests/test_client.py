@@ -322,6 +322,8 @@ def test_experience_options_are_one_dataclass_or_its_keywords_for_every_client(s
         ({"mode": "sideways"}, "mode"),
         ({"target": "policy"}, "target: unknown name 'policy'"),
         ({"target": 42}, "target"),
+        ({"pack": True, "transport": "grpc"}, "pack: for transport 'cuda_ipc'"),
+        ({"pack": True, "transport": "shm"}, "pack: for transport 'cuda_ipc'"),
     ],
 )
 def test_bad_update_options_are_refused_when_made(fields: dict, match: str) -> None:

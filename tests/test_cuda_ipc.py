@@ -242,13 +242,15 @@ def _trainer(commands: multiprocessing.Queue, results: multiprocessing.Queue) ->
                 header.cuda_ipc.CopyFrom(export.source)
                 results.put(list(update.messages(header, 0, len(update.layout()[0]))))
                 return  # exits with the handles unopened: the memory goes with the process
+            pack = False  # an "update" command's 8th item, when given: pack=True
             if command[0] == "again":
                 _, version, scale = command
                 for tensor in weights.values():
                     tensor.mul_(scale)
                 transport, mode = "cuda_ipc", "full"
             else:
-                _, address, path, version, transport, flat, mode = command
+                _, address, path, version, transport, flat, mode, *packed = command
+                pack = bool(packed)
                 weights = {k: v.cuda() for k, v in load_file(path).items()}
                 if flat:
                     flatten_weights(weights)
@@ -256,7 +258,9 @@ def _trainer(commands: multiprocessing.Queue, results: multiprocessing.Queue) ->
                     client = RolloutClient(address, timeout_s=WAIT_S)
             assert client is not None
             storages = len({t.untyped_storage().data_ptr() for t in weights.values()})
-            result = client.update_weights(weights, version=version, transport=transport, mode=mode)
+            result = client.update_weights(
+                weights, version=version, transport=transport, mode=mode, pack=pack
+            )
             results.put((result.transport, result.version, storages))
         except Exception as error:  # the test reads it
             results.put(f"{type(error).__name__}: {error}")
@@ -388,6 +392,15 @@ def test_a_trainer_process_updates_a_cuda_server_device_to_device(
     answer = results.get(timeout=120)
     assert not isinstance(answer, str) and answer[:2] == ("cuda_ipc", 5), answer
     _assert_serves(cuda_server, {**weights, **one})
+    # pack=True: the trainer's own (per-storage) tensors copied into one buffer of its client,
+    # so one handle, staged in place by the server.
+    path, weights = _weights_file(cuda_server, tmp_path, 6)
+    commands.put(("update", cuda_server.address, path, 6, "cuda_ipc", False, "full", "pack"))
+    answer = results.get(timeout=120)
+    assert not isinstance(answer, str) and answer[:2] == ("cuda_ipc", 6), answer
+    assert answer[2] > 1  # the trainer's tensors are many storages
+    assert "staged in place" in _update_line(caplog, 6)
+    _assert_serves(cuda_server, weights)
 
 
 @pytest.mark.gpu

@@ -19,7 +19,7 @@ from ...v1 import rollout_pb2 as pb
 from .errors import InvalidArgument
 from .reward_moments import RunningRewardMoments
 from .roles import wire_role
-from .transports import AUTO, CLIENT_TRANSPORTS
+from .transports import AUTO, CLIENT_TRANSPORTS, CUDA_IPC
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -208,6 +208,10 @@ class UpdateOptions:
     sha256: bool = False  # the whole file's SHA-256 in the header (reads every tensor twice)
     allow_non_finite: bool = False  # let NaN and infinity through the server's value checks
     manifest: bool = True  # every tensor's name, dtype and shape in the header
+    # "cuda_ipc" (or "auto" when it picks it): copy the tensors into one buffer on their GPU
+    # first (client/weights/packing.py): one handle, which a server on that GPU checks and
+    # applies in place, for one more copy of the weights on the trainer's GPU.
+    pack: bool = False
 
     def __post_init__(self) -> None:
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
@@ -218,6 +222,10 @@ class UpdateOptions:
         if self.transport not in CLIENT_TRANSPORTS:
             raise InvalidArgument(
                 f"transport: one of {', '.join(CLIENT_TRANSPORTS)}, got {self.transport!r}"
+            )
+        if self.pack and self.transport not in (AUTO, CUDA_IPC):
+            raise InvalidArgument(
+                f"pack: for transport 'cuda_ipc' (or 'auto'), not {self.transport!r}"
             )
         if self.streams is not None and not 1 <= self.streams <= MAX_STREAMS:
             raise InvalidArgument(f"streams: 1 to {MAX_STREAMS}, got {self.streams}")

@@ -11,7 +11,9 @@ verifies, versions and swaps the same way (server/weights/). What differs is the
   as it is written;
 * "cuda_ipc": CUDA tensors of a trainer on the server's host, handed over as CUDA IPC handles
   (cuda_ipc.py); the server copies them device to device. The call carries the header and the
-  file's head only, and the tensors are held until the reply;
+  file's head only, and the tensors are held until the reply. With pack=True they are first
+  copied into one buffer of this client's on their GPU (packing.py): one handle, which a server
+  on that GPU stages in place;
 * "auto": "cuda_ipc" when every tensor is on CUDA and the server offers it on this host, else
   "shm" when the server says it shares this host (Health.shm_host_id), else "grpc". Auto is the
   only mode that falls back: when CUDA IPC or shared memory fails before any byte is staged (the
@@ -41,6 +43,7 @@ from ..protocol.requests import Progress
 from ..protocol.shared_memory import shm_host_id
 from ..protocol.transports import AUTO, CUDA_IPC, SHM
 from .cuda_ipc import CudaIpcExports, all_on_cuda, check_on_cuda, export_cuda_ipc
+from .packing import PackBuffer
 from .server_calls import CallOptions, ServerCalls
 from .shared_memory import SharedMemoryFile
 from .update_file import UpdateFile, prepare_update
@@ -92,6 +95,9 @@ class Uploads:
         # host (Health, asked once), or False once it failed in a way that means it cannot work.
         self._server_takes: dict[str, bool] = {}
         self._cuda_ipc_exports = CudaIpcExports()  # each storage exported once (cuda_ipc.py)
+        # pack=True (packing.py): held, like the memfd, from packing to the server's reply.
+        self._pack = PackBuffer()
+        self._pack_lock = threading.Lock()
 
     def send(
         self,
@@ -101,12 +107,14 @@ class Uploads:
         transport: str,
         streams: int | None,
         progress: Progress | None,
+        pack: bool = False,
     ) -> pb.UpdateWeightsResponse:
         """Send one update over `transport` ("auto", "grpc", "shm" or "cuda_ipc", checked by
-        UpdateOptions) and return the server's reply."""
+        UpdateOptions) and return the server's reply; `pack`: cuda_ipc from one buffer
+        (packing.py)."""
         if transport == CUDA_IPC or (transport == AUTO and self._auto_cuda_ipc(update, streams)):
             try:
-                return self._send_cuda_ipc(update, options, progress)
+                return self._send_cuda_ipc(update, options, progress, pack)
             except grpc.RpcError as error:
                 if transport == CUDA_IPC or not _unreachable(error, _CUDA_IPC_UNREACHABLE):
                     raise
@@ -144,6 +152,8 @@ class Uploads:
     def close(self) -> None:
         with self._shm_lock:
             self._shm.close()
+        with self._pack_lock:
+            self._pack.release()
         for channel in self._extra_channels:
             channel.close()
         self._extra_channels.clear()
@@ -216,7 +226,7 @@ class Uploads:
         return self._takes_same_host(CUDA_IPC, timeout_s=10.0)
 
     def _send_cuda_ipc(
-        self, update: UpdateFile, options: CallOptions, progress: Progress | None
+        self, update: UpdateFile, options: CallOptions, progress: Progress | None, pack: bool
     ) -> pb.UpdateWeightsResponse:
         check_on_cuda(update.state_dict)  # before asking the server anything
         if not self._takes_same_host(CUDA_IPC, options.timeout_s):
@@ -225,6 +235,14 @@ class Uploads:
                 "namespace, and a server on a CUDA device that accepts it (Health.shm_host_id "
                 "differs or 'cuda_ipc' is not in Health.weight_transports); use 'auto'"
             )
+        if not pack:
+            return self._export_and_call(update, options, progress)
+        with self._pack_lock:  # the server reads the buffer until it replies
+            return self._export_and_call(self._pack.packed(update), options, progress)
+
+    def _export_and_call(
+        self, update: UpdateFile, options: CallOptions, progress: Progress | None
+    ) -> pb.UpdateWeightsResponse:
         # Exported only now: a storage exported to nobody stays allocated after the trainer
         # frees it (torch's ref counter waits for a consumer that never comes).
         try:
