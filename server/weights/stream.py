@@ -43,10 +43,9 @@ import bisect
 import hashlib
 import threading
 import time
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -54,11 +53,11 @@ import torch
 from ...client.protocol.errors import InvalidArgument
 from .arena import StagingArena
 from .checksum import crc32 as crc32_of
+from .file_data import CheckCursor, DeviceChecks, FileData, StreamChecks, check_byte_tensor
 from .header import PREFIX_BYTES, StreamEntry, parse_header
 from .layout import ArenaLayout, VerifiedHead, plan_arena
 from .pipeline import DevicePipeline
 from .timings import UpdateTimings
-from .verify import CheckGroup
 
 __all__ = [
     "ArenaLayout",
@@ -76,45 +75,6 @@ Bytes = bytes | bytearray | memoryview | np.ndarray
 _MAX_ITEMSIZE = 8
 
 
-class StreamChecks(Protocol):
-    """Verification hooks; each raises InvalidArgument to stop the stream."""
-
-    def check_header(self, entries: Sequence[StreamEntry]) -> None:
-        """Called once the header is parsed, before the arena is allocated."""
-
-    def check_elements(self, entry: StreamEntry, values: torch.Tensor) -> None:
-        """Called on runs of a tensor's elements (1-D, wire dtype) as soon as they arrived.
-
-        The runs of one tensor cover each element exactly once; they may come from several
-        threads at once (one per lane), never twice for the same element. Host arenas only.
-        """
-
-    def device_groups(self) -> Sequence[CheckGroup]:
-        """Device arenas (pipeline.py), after check_header: the value checks, each a run of
-        tensors in data order that is checked once every byte of [data_begin, data_end)
-        arrived (verify.py, plan_check_groups)."""
-
-    def launch_check(self, index: int, raw: torch.Tensor) -> None:
-        """Device arenas: enqueue the checks of device_groups()[index] over `raw`, its arena
-        bytes (1-D uint8 on the arena's device), with the copy stream current, without waiting
-        for them. Called from any lane's thread."""
-
-    def settle(self) -> None:
-        """Device arenas: called once by `finish` after the copy stream was synchronised;
-        raises the first failure of the launched checks, in data order."""
-
-    def head_key(self) -> Hashable:
-        """What the header's checks depend on besides the head's bytes (and the model, which
-        is the arena's): a head seen before with an equal key is not checked again."""
-
-    @property
-    def verified(self) -> object:
-        """What check_header derived, for `reuse` by a later update of the same head."""
-
-    def reuse(self, verified: object) -> None:
-        """Instead of check_header: take what it derived for the same head and head_key."""
-
-
 @dataclass(frozen=True)
 class StagedFile:
     """A completely received and verified file: tensors are views into one arena."""
@@ -124,186 +84,6 @@ class StagedFile:
     total_bytes: int
     on_device: bool = False  # staged in a device arena (pipeline.py), not in host memory
     in_place: bool = False  # the tensors are views of a plane's own memory (Lane.place)
-
-
-class _Data:
-    """The parsed head and the arena: what every lane writes into once the head is known."""
-
-    def __init__(
-        self,
-        entries: tuple[StreamEntry, ...],
-        data_start: int,
-        arena: torch.Tensor,
-        layout: ArenaLayout,
-        pipeline: DevicePipeline | None = None,
-        *,
-        in_place: bool = False,
-    ) -> None:
-        self.entries = entries
-        self.data_start = data_start  # file offset of the data section
-        self.layout = layout
-        self.arena = arena
-        # pipeline: the arena is a device arena, written through it (pipeline.py).
-        self.pipeline = pipeline
-        # in_place: the "arena" is the plane's own memory, handed over by Lane.place (until
-        # then an empty placeholder, and no pipeline).
-        self.in_place = in_place
-        self.arena_np = arena.numpy() if pipeline is None and not in_place else None
-        self.segment_begins = [begin for begin, _, _ in layout.segments]
-        self.entry_ends = [entry.end for entry in entries]
-
-    @property
-    def on_device(self) -> bool:
-        return self.pipeline is not None
-
-    def let_go(self) -> None:
-        """Drop every reference to memory staged in place (after a refusal)."""
-        if self.in_place:
-            self.arena = torch.empty(0, dtype=torch.uint8, device=self.arena.device)
-            self.pipeline = None
-
-    def route(self, position: int, source: np.ndarray) -> None:
-        """Copy data-section bytes [position, position + len(source)) into the arena (through
-        the pipeline's ring for a device arena; the values are checked there)."""
-        if self.pipeline is not None:
-            self.pipeline.host_bytes(position, source)
-            return
-        assert self.arena_np is not None
-        segments = self.layout.segments
-        index = bisect.bisect_right(self.segment_begins, position) - 1
-        done = 0
-        while done < len(source):
-            _, segment_end, shift = segments[index]
-            take = min(len(source) - done, segment_end - position)
-            start = position + shift
-            np.copyto(self.arena_np[start : start + take], source[done : done + take])
-            done += take
-            position += take
-            index += 1
-
-    def route_tensor(self, position: int, source: torch.Tensor, held_host: bool = False) -> None:
-        """`route` for bytes in a 1-D uint8 tensor on any device: device to device into a device
-        arena (page-locked host bytes too, with `held_host`: pipeline.py); a host arena takes a
-        host copy of device bytes."""
-        if self.pipeline is not None:
-            self.pipeline.tensor_bytes(position, source, held_host)
-        else:
-            self.route(position, source.cpu().numpy())
-
-    def written(self, position: int, size: int) -> None:
-        """Bytes a data plane wrote into `run`'s memory itself (see Lane.commit)."""
-        if self.pipeline is not None:
-            self.pipeline.written(position, size)
-
-    def host_bytes(self, begin: int, end: int) -> Iterator[np.ndarray]:
-        """Arena bytes [begin, end) in host memory, in order (read back from a device arena)."""
-        if self.pipeline is not None:
-            yield from self.pipeline.read_back(begin, end)
-        else:
-            assert self.arena_np is not None
-            yield self.arena_np[begin:end]
-
-    def launch_check(self, checks: StreamChecks, group: CheckGroup, index: int) -> None:
-        """The pipeline's hook: every byte of `group` (checks' device_groups()[index]) was
-        copied; enqueue its checks."""
-        raw = self.run(group.data_begin, group.data_end - group.data_begin)
-        assert raw is not None, "a check group lies in one segment (verify.CheckGroup)"
-        checks.launch_check(index, raw)
-
-    def run(self, position: int, size: int) -> torch.Tensor | None:
-        """Arena bytes of data-section bytes [position, position + size) if one segment holds
-        them all (one contiguous run), else None."""
-        index = bisect.bisect_right(self.segment_begins, position) - 1
-        if index < 0:
-            return None
-        _, segment_end, shift = self.layout.segments[index]
-        if position + size > segment_end:
-            return None
-        return self.arena[position + shift : position + shift + size]
-
-    def elements(self, index: int, first: int, stop: int) -> torch.Tensor:
-        """Elements [first, stop) of entries[index] in the arena, 1-D, wire dtype."""
-        entry = self.entries[index]
-        itemsize = entry.dtype.itemsize
-        start = self.layout.offsets[index]
-        flat = self.arena[start + first * itemsize : start + stop * itemsize]
-        return flat.view(entry.dtype)
-
-    def tensor(self, index: int) -> torch.Tensor:
-        entry = self.entries[index]
-        if entry.nbytes == 0:
-            return torch.empty(entry.shape, dtype=entry.dtype, device=self.arena.device)
-        return self.elements(index, 0, entry.nbytes // entry.dtype.itemsize).view(entry.shape)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every entry as a view of the arena, by name: `tensor(i)` for all of them, one
-        as_strided each over one view of the arena per dtype (a third of the cost of three
-        view ops per tensor: ~0.3 ms instead of ~0.9 ms for 291 tensors, paid by every update
-        whose views are not remembered, e.g. one staged in place)."""
-        arena, offsets = self.arena, self.layout.offsets
-        base = arena.storage_offset()  # as_strided's offset counts from the storage's start
-        flats: dict[torch.dtype, torch.Tensor] = {}
-        views = {}
-        for index, entry in enumerate(self.entries):
-            dtype, itemsize = entry.dtype, entry.dtype.itemsize
-            if entry.nbytes == 0 or base % itemsize:
-                views[entry.name] = self.tensor(index)
-                continue
-            flat = flats.get(dtype)
-            if flat is None:
-                flat = flats[dtype] = arena[: len(arena) - len(arena) % itemsize].view(dtype)
-            strides = [1] * len(entry.shape)
-            for axis in range(len(entry.shape) - 2, -1, -1):
-                strides[axis] = strides[axis + 1] * entry.shape[axis + 1]
-            start = (base + offsets[index]) // itemsize
-            views[entry.name] = flat.as_strided(entry.shape, strides, start)
-        return views
-
-
-class _CheckCursor:
-    """Checks the elements lying wholly inside data-section range [low, high) as bytes arrive."""
-
-    def __init__(self, data: _Data, checks: StreamChecks, low: int, high: int) -> None:
-        self._data = data
-        self._checks = checks
-        self._high = high
-        self._index = bisect.bisect_right(data.entry_ends, low)  # first entry ending after low
-        self._next_element = self._first_element(low)
-
-    def _first_element(self, low: int) -> int:
-        if self._index >= len(self._data.entries):
-            return 0
-        entry = self._data.entries[self._index]
-        itemsize = entry.dtype.itemsize
-        return max(
-            0, -(-(low - entry.begin) // itemsize)
-        )  # ceil: an element cut at low is not ours
-
-    def advance(self, arrived: int) -> None:
-        """Check every element of the range whose last byte is below data offset `arrived`."""
-        limit = min(arrived, self._high)
-        entries = self._data.entries
-        while self._index < len(entries):
-            entry = entries[self._index]
-            if entry.begin >= self._high:
-                return
-            itemsize = entry.dtype.itemsize
-            stop = (min(limit, entry.end) - entry.begin) // itemsize
-            if stop > self._next_element:
-                values = self._data.elements(self._index, self._next_element, stop)
-                self._checks.check_elements(entry, values)
-                self._next_element = stop
-            if limit < entry.end:
-                return
-            self._index += 1
-            self._next_element = 0
-
-
-class _DeviceChecks:
-    """The cursor of a lane into a device arena: the pipeline checks whole tensors instead."""
-
-    def advance(self, arrived: int) -> None:
-        return None
 
 
 class Lane:
@@ -317,7 +97,7 @@ class Lane:
         self.position = begin  # file offset of the next byte
         self._stager = stager
         self._digest = hashlib.sha256() if hash_bytes else None
-        self._cursor: _CheckCursor | _DeviceChecks | None = None
+        self._cursor: CheckCursor | DeviceChecks | None = None
 
     @property
     def complete(self) -> bool:
@@ -365,7 +145,7 @@ class Lane:
         held_host: host bytes in page-locked memory that the caller keeps unchanged until the
         update finishes (the shared-memory plane's registered mapping): a CUDA arena copies
         them by DMA, without the ring; otherwise host bytes are copied before this returns."""
-        _check_byte_tensor(data)
+        check_byte_tensor(data)
         if data.device.type == "cpu" and not (held_host and self._copied_directly(data)):
             self.feed(offset, data.numpy())
             return
@@ -421,7 +201,7 @@ class Lane:
             )
 
     @property
-    def file_data(self) -> _Data:
+    def file_data(self) -> FileData:
         """The parsed head (entries, where the data section starts) and the arena."""
         return self._stager.data
 
@@ -471,14 +251,6 @@ class Lane:
         return None if self._digest is None else self._digest.hexdigest()
 
 
-def _check_byte_tensor(data: torch.Tensor) -> None:
-    if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
-        raise InvalidArgument(
-            f"tensor bytes must be a 1-D contiguous uint8 tensor, got {data.dtype} of shape "
-            f"{list(data.shape)}"
-        )
-
-
 class SafetensorsStager:
     """Takes the file's bytes as lanes; `finish` returns the staged tensors once all arrived.
 
@@ -506,7 +278,7 @@ class SafetensorsStager:
         self._sha256_hex = sha256_hex
         self._head = bytearray()  # the length prefix and JSON header, until parsed
         self._header_bytes: int | None = None
-        self._data: _Data | None = None
+        self._data: FileData | None = None
         self._verified: VerifiedHead | None = None  # the head's, once parsed (or reused)
         self._lanes: list[Lane] = []
         self._lanes_lock = threading.Lock()
@@ -569,7 +341,7 @@ class SafetensorsStager:
         return self._data is not None
 
     @property
-    def data(self) -> _Data:
+    def data(self) -> FileData:
         assert self._data is not None
         return self._data
 
@@ -609,7 +381,7 @@ class SafetensorsStager:
         data = self.data
         offer = self._in_place_offer
         assert offer is not None and self._reusable_arena is not None
-        _check_byte_tensor(source)
+        check_byte_tensor(source)
         data_bytes = self.total_bytes - data.data_start
         if (source.device, source.storage_offset()) != offer or len(source) != data_bytes:
             raise InvalidArgument(
@@ -623,12 +395,12 @@ class SafetensorsStager:
         data.pipeline.written(0, data_bytes)
         self.timings.add("in_place", time.perf_counter() - placing_s)
 
-    def cursor(self, lane: Lane) -> _CheckCursor | _DeviceChecks:
+    def cursor(self, lane: Lane) -> CheckCursor | DeviceChecks:
         data = self.data
         if data.on_device or data.in_place:
-            return _DeviceChecks()
+            return DeviceChecks()
         low = max(lane.begin - data.data_start, 0)
-        return _CheckCursor(data, self._checks, low, lane.end - data.data_start)
+        return CheckCursor(data, self._checks, low, lane.end - data.data_start)
 
     def _head_target(self) -> int:
         return PREFIX_BYTES if self._header_bytes is None else PREFIX_BYTES + self._header_bytes
@@ -661,7 +433,7 @@ class SafetensorsStager:
         if self._in_place_allowed(layout, data_bytes):
             assert self._in_place_offer is not None
             placeholder = torch.empty(0, dtype=torch.uint8, device=self._in_place_offer[0])
-            data = _Data(entries, data_start, placeholder, layout, in_place=True)
+            data = FileData(entries, data_start, placeholder, layout, in_place=True)
         else:
             taking_s = time.perf_counter()
             if reusable is not None:
@@ -669,14 +441,16 @@ class SafetensorsStager:
             else:
                 arena = torch.empty(layout.arena_bytes, dtype=torch.uint8)
             self.timings.add("arena_take", time.perf_counter() - taking_s)
-            data = _Data(entries, data_start, arena, layout)
+            data = FileData(entries, data_start, arena, layout)
             if reusable is not None and reusable.staged_on_device:
                 data.pipeline = self._pipeline(arena, data, reusable)
         self._verified = head
         self._data = data
         self._head_ready.set()
 
-    def _pipeline(self, arena: torch.Tensor, data: _Data, reusable: StagingArena) -> DevicePipeline:
+    def _pipeline(
+        self, arena: torch.Tensor, data: FileData, reusable: StagingArena
+    ) -> DevicePipeline:
         """The device pipeline into `arena` (the arena's buffer, or memory staged in place),
         whose completed ranges launch the device check groups."""
         checks = self._checks
@@ -761,7 +535,7 @@ class SafetensorsStager:
             in_place=data.in_place,
         )
 
-    def _staged_views(self, data: _Data) -> Mapping[str, torch.Tensor]:
+    def _staged_views(self, data: FileData) -> Mapping[str, torch.Tensor]:
         """The staged tensors (views of the arena): those of the arena's last update when the
         head and the arena buffer are the same (~300 views made once, not per update)."""
         head = self._verified
@@ -777,7 +551,7 @@ class SafetensorsStager:
                 head.views[buffer] = views
         return views
 
-    def _check_lane_boundaries(self, data: _Data) -> None:
+    def _check_lane_boundaries(self, data: FileData) -> None:
         """Check the elements cut in two by a boundary between lanes (no lane checked them)."""
         for lane in self._lanes:
             boundary = lane.begin - data.data_start
