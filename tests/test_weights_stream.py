@@ -18,6 +18,7 @@ from rollserve.client.weights.update_file import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
     iter_safetensors_bytes,
+    prepare_update,
     safetensors_header,
     update_weights_messages,
 )
@@ -115,6 +116,11 @@ def test_a_remembered_head_is_the_head_of_exactly_those_names_dtypes_and_shapes(
             data = b"".join(iter_safetensors_bytes(state_dict, 4096))
             assert_same(safetensors.torch.load(data), state_dict)
             heads.add(header)
+            # The header's manifest is remembered with the head: the same tensors, in file order.
+            manifest = prepare_update(state_dict, version=1).header.manifest
+            assert [(m.name, tuple(m.shape)) for m in manifest] == [
+                (spec.name, spec.shape) for spec in specs
+            ]
     assert len(heads) == len(variants)  # one head per variant, the same one on the second pass
 
 

@@ -102,33 +102,47 @@ def _as_state_dict(weights: StateDict | torch.nn.Module) -> StateDict:
 
 def safetensors_header(state_dict: StateDict) -> tuple[bytes, list[WeightSpec]]:
     """The bytes before the data section (length prefix + JSON) and the tensors in file order."""
-    state_dict = _as_state_dict(state_dict)
-    # A trainer sends the same names, dtypes and shapes at every step: the head is remembered
-    # by them (~0.05 ms to key 300 tensors, ~1 ms to build their JSON).
+    layout = _layout(_as_state_dict(state_dict))
+    return layout.head, list(layout.specs)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a (name, dtype, shape) list makes of an update file: its head, its tensors in file
+    order, and the header's manifest of them, serialized (merged into each header: parsing it
+    from bytes is ~10x faster than building ~300 TensorSpec messages)."""
+
+    head: bytes
+    specs: tuple[WeightSpec, ...]
+    manifest: bytes
+
+
+def _layout(state_dict: StateDict) -> _Layout:
+    """The layout of a checked state dict. A trainer sends the same names, dtypes and shapes at
+    every step: layouts are remembered by them (~0.05 ms to key 300 tensors, ~1.3 ms to build
+    their JSON and manifest)."""
     key = tuple((name, tensor.dtype, tuple(tensor.shape)) for name, tensor in state_dict.items())
-    with _HEADS_LOCK:
-        known = _HEADS.get(key)
+    with _LAYOUTS_LOCK:
+        known = _LAYOUTS.get(key)
         if known is not None:
-            _HEADS.move_to_end(key)
+            _LAYOUTS.move_to_end(key)
     if known is None:
-        known = _build_header(key)
-        with _HEADS_LOCK:
-            _HEADS[key] = known
-            while len(_HEADS) > _HEADS_KEPT:
-                _HEADS.popitem(last=False)
-    return known[0], list(known[1])
+        known = _build_layout(key)
+        with _LAYOUTS_LOCK:
+            _LAYOUTS[key] = known
+            while len(_LAYOUTS) > _LAYOUTS_KEPT:
+                _LAYOUTS.popitem(last=False)
+    return known
 
 
-# The heads of the last few (name, dtype, shape) lists (a trainer's actor and critic, a LoRA
+# The layouts of the last few (name, dtype, shape) lists (a trainer's actor and critic, a LoRA
 # adapter and its merged model, ...), newest last.
-_HEADS: OrderedDict[tuple, tuple[bytes, tuple[WeightSpec, ...]]] = OrderedDict()
-_HEADS_LOCK = threading.Lock()
-_HEADS_KEPT = 8
+_LAYOUTS: OrderedDict[tuple, _Layout] = OrderedDict()
+_LAYOUTS_LOCK = threading.Lock()
+_LAYOUTS_KEPT = 8
 
 
-def _build_header(
-    tensors: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...],
-) -> tuple[bytes, tuple[WeightSpec, ...]]:
+def _build_layout(tensors: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]) -> _Layout:
     # Wider dtypes first (stable within a width): every tensor then starts at a multiple of its
     # itemsize, so a receiver can view its bytes in place. safetensors.torch.save does the same.
     ordered = sorted(tensors, key=lambda entry: -entry[1].itemsize)
@@ -148,7 +162,13 @@ def _build_header(
     text = json.dumps(entries, separators=(",", ":")).encode("utf-8")
     # Pad with spaces (valid JSON whitespace) so the data section starts 8-byte aligned.
     text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, tuple(specs)
+    manifest = pb.WeightsHeader(
+        manifest=[
+            pb.TensorSpec(name=s.name, dtype=PROTO_DTYPES[s.dtype], shape=s.shape) for s in specs
+        ]
+    )
+    head = len(text).to_bytes(8, "little") + text
+    return _Layout(head, tuple(specs), manifest.SerializeToString())
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> tuple[memoryview, bool]:
@@ -317,7 +337,8 @@ def prepare_update(
     if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**64:
         raise InvalidArgument(f"version must be an unsigned 64-bit int, got {version!r}")
     state_dict = _as_state_dict(weights)
-    header_bytes, specs = safetensors_header(state_dict)
+    layout = _layout(state_dict)
+    header_bytes, specs = layout.head, layout.specs
     header = pb.WeightsHeader(
         target=options.role,
         version=version,
@@ -326,16 +347,12 @@ def prepare_update(
         allow_non_finite=options.allow_non_finite,
     )
     if options.manifest:
-        header.manifest.extend(
-            pb.TensorSpec(name=s.name, dtype=PROTO_DTYPES[s.dtype], shape=s.shape) for s in specs
-        )
+        header.MergeFromString(layout.manifest)  # the repeated field: appended
     if options.lora is not None:
         header.lora.CopyFrom(options.lora)
     if options.sha256:
-        header.sha256 = _sha256_hex(state_dict, header_bytes, specs)
-    return UpdateFile(
-        header, state_dict, options.chunk_bytes, options.crc32, header_bytes, tuple(specs)
-    )
+        header.sha256 = _sha256_hex(state_dict, header_bytes, list(specs))
+    return UpdateFile(header, state_dict, options.chunk_bytes, options.crc32, header_bytes, specs)
 
 
 def update_weights_messages(
