@@ -12,15 +12,19 @@ plane's own use of it (one span on the model's GPU) runs in tests/test_cuda_ipc.
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 
 import pytest
 import torch
 from helpers_weights import perturbed, state_hash, tiny_llama
 from rollserve.client.protocol.errors import InvalidArgument
 from rollserve.client.weights.update_file import prepare_update
-from rollserve.server.weights import UpdateStager
-from rollserve.server.weights.arena import StagingArena
+from rollserve.server.config import ServerConfig
+from rollserve.server.state import ServerState
+from rollserve.server.weights import UpdateStager, WeightUpdates
+from rollserve.server.weights.arena import StagingArena, set_staging_arena
 from rollserve.server.weights.pipeline import SlotRing
+from rollserve.v1 import rollout_pb2 as pb
 from torch.multiprocessing.reductions import StorageWeakRef
 
 CPU = torch.device("cpu")
@@ -180,27 +184,91 @@ def test_memory_that_is_not_what_was_offered_is_refused() -> None:
         lane.place(_memory(data, storage_offset=8))  # another place than offered
 
 
-def test_no_reference_to_the_memory_outlives_the_update() -> None:
-    # A trainer's CUDA IPC buffer is unmapped when the plane drops it: neither the arena (its
-    # remembered head and views) nor anything else may keep it, after an applied update or a
-    # refused one.
+class HeldMemoryPlane:
+    """A data plane that holds the data section in memory of its own, as the CUDA IPC plane
+    holds a trainer's buffer: offered in place before the head, placed after it. At its exit
+    it drops its own reference and records whether anything else still holds the memory (the
+    CUDA IPC plane closes the handles there: the memory must be unmapped then, not at the
+    garbage collector's next run)."""
+
+    name = "held-memory"
+
+    def __init__(self, head: bytes, data: bytes) -> None:
+        self._head = head
+        self._source: torch.Tensor | None = _memory(data, storage_offset=8)
+        self.memory = StorageWeakRef(self._source.untyped_storage())
+        self.in_place = False
+        self.referenced_at_exit: bool | None = None
+
+    def __enter__(self) -> HeldMemoryPlane:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._source = None
+        self.referenced_at_exit = not self.memory.expired()
+
+    def receive(self, stager: UpdateStager, requests: object) -> None:
+        assert self._source is not None
+        stager.offer_in_place(CPU, self._source.storage_offset())
+        lane = stager.lane(0, stager.options.total_bytes)
+        lane.feed(0, self._head)
+        self.in_place = lane.file_data.in_place
+        lane.place(self._source)
+
+    def finished(self, response: object) -> None:
+        return None
+
+
+class OnePlane:
+    """Planes that pick one plane for every update."""
+
+    def __init__(self, plane: HeldMemoryPlane) -> None:
+        self.plane = plane
+
+    def pick(self, header: object) -> HeldMemoryPlane:
+        return self.plane
+
+    def close(self, wait_s: float = 0.0) -> bool:
+        return True
+
+
+@pytest.fixture
+def no_garbage_collector() -> Iterator[None]:
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_no_reference_to_the_memory_outlives_the_plane(no_garbage_collector: None) -> None:
+    # Through the server's updater (weights/update.py), an applied update and a refused one:
+    # neither the arena (its remembered head and views), nor the stager and its lanes (which
+    # refer to each other), nor a refusal's traceback may keep the plane's memory past its exit.
     model, trainer = tiny_llama(0), tiny_llama(1)
-    arena = _arena()
-    for bad in (False, True):
+    set_staging_arena(model, _arena())
+    updates = WeightUpdates(
+        {"actor": model},
+        ServerState(ServerConfig()),
+        OnePlane(None),
+        lambda role, apply: apply(),  # type: ignore[arg-type]
+    )
+    for version, bad in ((1, False), (2, True), (3, False)):
         weights = {name: t.detach().clone() for name, t in trainer.state_dict().items()}
         if bad:
             weights["lm_head.weight"][0, 0] = float("inf")
         header, head, data = _file(weights)
-        source = _memory(data)
-        memory = StorageWeakRef(source.untyped_storage())
-        stager, in_place = _stage(model, arena, header, head, source)
-        assert in_place
-        try:
-            stager.finish().apply(model)
-        except InvalidArgument:
-            assert bad
-        del stager, source
-        gc.collect()
-        assert memory.expired(), "the staged memory is still referenced"
-    assert arena.verified_head is not None  # the head is remembered, without those views
+        header.version = version  # type: ignore[attr-defined]
+        plane = HeldMemoryPlane(head, data)
+        updates.planes = OnePlane(plane)  # type: ignore[assignment]
+        requests = iter([pb.UpdateWeightsRequest(header=header)])
+        if bad:
+            with pytest.raises(InvalidArgument, match="lm_head.weight") as refusal:
+                updates.update(requests)
+            assert refusal.value is not None  # the refusal, kept alive while we look
+        else:
+            assert updates.update(requests).version == version
+        assert plane.in_place
+        assert plane.referenced_at_exit is False, f"v{version}: the memory outlived the plane"
     assert state_hash(model) == state_hash(trainer)

@@ -277,6 +277,10 @@ class UpdateStager:
         """Stop every lane: the update failed (lanes waiting for the head wake up and raise)."""
         self._stager.fail(error)
 
+    def let_go(self) -> None:
+        """After the update (applied or failed): no reference to memory staged in place."""
+        self._stager.let_go()
+
     def finish(self) -> StagedUpdate:
         staged = self._stager.finish()
         assert self._checks.plan is not None

@@ -375,6 +375,14 @@ class SafetensorsStager:
         assert self._data is None, "offer_in_place before the head"
         self._in_place_offer = (torch.device(device), storage_offset)
 
+    def let_go(self) -> None:
+        """Drop the references to memory staged in place (once the update is applied or has
+        failed; the staged views, if any, hold their own). The stager and its lanes refer to
+        each other: left to the garbage collector, a trainer's CUDA IPC memory would stay
+        mapped past the plane's exit."""
+        if self._data is not None:
+            self._data.let_go()
+
     def place(self, source: torch.Tensor) -> None:
         """Lane.place's work: the data section's memory becomes the arena; every check group
         is launched on it (it is all there)."""

@@ -174,6 +174,8 @@ class WeightUpdates:
                 # Nothing of this frame (kept by a traceback) or of `apply` (kept by the
                 # engine's last job) may hold the staged views past the plane's exit: staged in
                 # place, they are the plane's memory (a trainer's CUDA IPC buffer).
+                if stager is not None:
+                    stager.let_go()
                 stager = staged = None
 
     @contextlib.contextmanager
