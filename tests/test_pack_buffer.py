@@ -79,3 +79,12 @@ def test_tensors_on_two_devices_are_not_packed(second_device: str) -> None:
     weights = {"a": torch.ones(4), "b": torch.ones(4, device=second_device)}
     update = prepare_update(weights, version=1)
     assert PackBuffer().packed(update) is update
+
+
+def test_a_packed_copy_that_cannot_be_allocated_is_resource_exhausted() -> None:
+    from rollserve.client.protocol.errors import ResourceExhausted
+
+    pack = PackBuffer()
+    with pytest.raises(ResourceExhausted, match="pack=True: the packed copy"):
+        pack._take(torch.device("cpu"), 1 << 62)  # no machine has it
+    assert pack.allocated_bytes == 0

@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 
+from ..protocol.errors import ResourceExhausted
 from .flat_weights import data_section_run
 from .update_file import UpdateFile
 
@@ -66,5 +67,13 @@ class PackBuffer:
         buffer = self._buffer
         if buffer is None or buffer.device != device or buffer.numel() < nbytes:
             self._buffer = None  # the old one goes first: never two at once
-            buffer = self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            try:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError included
+                raise ResourceExhausted(
+                    f"pack=True: the packed copy of the weights needs {nbytes} bytes on "
+                    f"{device}, which cannot be allocated now ({type(error).__name__}); send "
+                    "without pack, or flatten the weights once (flatten_weights)"
+                ) from None
+            self._buffer = buffer
         return buffer[:nbytes]
