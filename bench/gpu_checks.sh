@@ -13,16 +13,18 @@
 # command limit. The
 # whole gpu suite outgrew 150 s (49 tests stopped at the 31st at 170 s on an H100, 16:55 UTC
 # 2026-11-26: more of it compiles), so a 15-minute lease is better spent as two calls (each
-# start costs ~30 s of it):
+# start costs ~30-60 s of it; 15 minutes of device time per task, starts and idle included):
 #
-#     SKIP_STEPS="profile bench-weights bench-gpu" TEST_GPU_S=300 bash bench/gpu_checks.sh
-#     SKIP_STEPS="test-gpu update-latency" PROFILE_GPU_S=100 BENCH_WEIGHTS_S=75 \
+#     SKIP_STEPS="profile bench-weights bench-gpu" TEST_GPU_S=280 bash bench/gpu_checks.sh
+#     SKIP_STEPS="test-gpu update-latency" PROFILE_GPU_S=60 BENCH_WEIGHTS_S=90 \
 #         WEIGHTS_ARGS="--no-cpu-reference --staged-baseline" BENCH_GPU_S=220 bash bench/gpu_checks.sh
 #
-# with PROFILE_BASELINE_ENV="ROLLSERVE_FUSED_PROJECTIONS=0 ROLLSERVE_DECODE_ATTENTION=sdpa" in the
-# second to profile the engine's levers off as well (another PROFILE_GPU_S: 100 s more; the
-# second call's bounds are then 100 + 100 + 75 + 240 = 515 s). --staged-baseline adds the
-# cuda_ipc flat lane into a second server that stages (ROLLSERVE_CUDA_IPC_IN_PLACE=0): ~30 s.
+# (280 + 40 and 60 + 90 + 240 s of bounds, ~750 s with the installs: what 15 minutes hold).
+# --staged-baseline adds the cuda_ipc flat lane into a second server that stages
+# (ROLLSERVE_CUDA_IPC_IN_PLACE=0): ~30 s. With time left, a third call profiles the engine's
+# levers off, PROFILE_BASELINE_ENV="ROLLSERVE_FUSED_PROJECTIONS=0 ROLLSERVE_DECODE_ATTENTION=sdpa"
+# with SKIP_STEPS="test-gpu bench-weights update-latency bench-gpu" (profile and
+# profile-baseline: 2 x PROFILE_GPU_S).
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
