@@ -35,6 +35,9 @@ except where a tensor would start at an offset that is not a multiple of its ite
 (safetensors does not require alignment, and torch cannot view misaligned bytes as wider
 elements). From such a tensor on, the arena is shifted by a few bytes; each run of constant
 shift is a "segment", and a run is copied once per segment it touches.
+
+This module is the lanes and the stager (the head, the order of bytes, the end);
+file_data.py is what they write into and check with (`FileData`, the check cursors).
 """
 
 from __future__ import annotations
