@@ -118,7 +118,9 @@ def test_bad_values_in_place_are_refused_and_the_model_keeps_its_weights() -> No
         stager.finish()
     assert state_hash(model) == before
     # The refusal (kept here, as a server's error handling may keep it a while) and its
-    # traceback hold no reference to the memory: a trainer's is unmapped at the plane's exit.
+    # traceback hold no reference to the memory once the stager let go of it (update.py does,
+    # after every update): a trainer's is unmapped at the plane's exit.
+    stager.let_go()
     del stager, source
     gc.collect()
     assert memory.expired(), "the refusal keeps the staged memory"

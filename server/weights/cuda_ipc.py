@@ -65,7 +65,6 @@ from ...client.protocol.transports import CUDA_IPC
 from ...v1 import rollout_pb2 as pb
 from .header import PREFIX_BYTES
 from .staging import Request, UpdateStager, receive_head_only
-from .stream import Lane
 from .timings import UpdateTimings
 
 __all__ = ["PIECE_BYTES", "CudaIpcPlane", "can_open_cuda_ipc", "check_source"]
@@ -232,8 +231,7 @@ class CudaIpcPlane:
         spans = self._source.spans
         if self._in_place_candidate():
             stager.offer_in_place(self._model_device(), spans[0].offset)
-        lane: Lane | None = receive_head_only(stager, requests, CUDA_IPC)
-        assert lane is not None
+        lane = receive_head_only(stager, requests, CUDA_IPC)
         data_start = lane.file_data.data_start
         stager.timings.lap("head")
         first = spans[0].begin if spans else self._total_bytes
@@ -263,7 +261,7 @@ class CudaIpcPlane:
         finally:
             # No reference of this frame may outlive the call (a traceback keeps the frame):
             # the handles close when __exit__ drops the storages.
-            storage = whole = lane = None
+            storage = whole = None
 
     def _in_place_candidate(self) -> bool:
         """Whether to offer the data section in place: one span of one buffer on the models'

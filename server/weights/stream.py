@@ -381,8 +381,8 @@ class SafetensorsStager:
     def let_go(self) -> None:
         """Drop the references to memory staged in place (once the update is applied or has
         failed; the staged views, if any, hold their own). The stager and its lanes refer to
-        each other: left to the garbage collector, a trainer's CUDA IPC memory would stay
-        mapped past the plane's exit."""
+        each other, and a refusal's traceback holds them: left to the garbage collector, a
+        trainer's CUDA IPC memory would stay mapped past the plane's exit."""
         if self._data is not None:
             self._data.let_go()
 
@@ -487,8 +487,7 @@ class SafetensorsStager:
         device, storage_offset = offer
         return (
             device == reusable.device
-            and layout.arena_bytes == data_bytes
-            and all(shift == 0 for _, _, shift in layout.segments)
+            and layout.arena_bytes == data_bytes  # shifts only grow: no segment is shifted
             and storage_offset % _MAX_ITEMSIZE == 0
             and self._sha256_hex is None
         )
@@ -525,13 +524,7 @@ class SafetensorsStager:
             waiting_s = time.perf_counter()
             data.pipeline.synchronize()  # every copy and check issued: one wait for all
             settling_s = time.perf_counter()
-            try:
-                self._checks.settle()
-            except InvalidArgument:
-                # The refusal's traceback keeps this frame, so `data`: it lets go of memory
-                # staged in place (a trainer's, unmapped when the plane closes).
-                data.let_go()
-                raise
+            self._checks.settle()
             self.timings.add("finish_sync", settling_s - waiting_s)
             self.timings.add("settle", time.perf_counter() - settling_s)
         else:
