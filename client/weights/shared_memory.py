@@ -66,9 +66,8 @@ def _write_piece(destination: np.ndarray, begin: int, source: np.ndarray | torch
     nbytes = source.nbytes  # numpy and torch alike
     if isinstance(source, np.ndarray):
         np.copyto(destination[begin : begin + nbytes], source)
-    else:
-        target = torch.from_numpy(destination[begin : begin + nbytes]).view(source.dtype)
-        target.view(source.shape).copy_(source)  # device to host, into the mapping
+    else:  # 1-D uint8 on a device (_pieces): device to host, into the mapping
+        torch.from_numpy(destination[begin : begin + nbytes]).copy_(source)
     return nbytes
 
 
