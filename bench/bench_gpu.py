@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generation import build_model, grouped_prompts  # noqa: E402
 from bench_make_experience import save_tokenizer  # noqa: E402
 from rollserve.server.experience.generation import SamplingParams, generate, left_pad  # noqa: E402
-from rollserve.server.experience.timing import PHASES, phase_key  # noqa: E402
+from rollserve.server.experience.timing import PHASES, PhaseClock, phase_key  # noqa: E402
 from rollserve.server.generation import Engine, engine_for, read_family  # noqa: E402
 
 MEMORY_KINDS = ("allocated", "reserved", "peak_allocated", "peak_reserved")
@@ -406,6 +406,67 @@ def phase_seconds(experience) -> dict[str, float]:
     return out
 
 
+@dataclass(frozen=True)
+class PhaseMemory:
+    """Device bytes of one maker phase: allocated when it began, the allocator's peak during it."""
+
+    start: int
+    peak: int
+
+
+@dataclass(frozen=True)
+class MemoryCounters:
+    """The allocator's figures phase_memory reads: bytes allocated now, reset the peak, the peak."""
+
+    allocated: Callable[[], int]
+    reset_peak: Callable[[], None]
+    peak: Callable[[], int]
+
+
+def cuda_counters(device: str) -> MemoryCounters | None:
+    """The CUDA caching allocator's counters of the current device; None off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    cuda = torch.cuda
+    return MemoryCounters(cuda.memory_allocated, cuda.reset_peak_memory_stats,
+                          cuda.max_memory_allocated)  # fmt: skip
+
+
+@contextmanager
+def phase_memory(counters: MemoryCounters | None) -> Iterator[dict[str, PhaseMemory]]:
+    """While inside, every maker phase run in this process (timing.PhaseClock.phase, on any
+    thread) records the device memory allocated at its start and the allocator's peak during
+    it, keeping each phase's call with the largest peak: which phase sets a request's peak,
+    and how far above what it started from (the server's memory target: peak <= 1.25 x
+    weights + KV of the batch). Nothing is recorded without counters (off CUDA).
+
+    A phase boundary synchronises the device (PhaseClock), and the allocator counts at
+    allocation time, on the host: the peak is the phase's own, not its neighbours'."""
+    peaks: dict[str, PhaseMemory] = {}
+    if counters is None:
+        yield peaks
+        return
+    original = PhaseClock.phase
+
+    @contextmanager
+    def measured(clock: PhaseClock, name: str) -> Iterator[None]:
+        with original(clock, name):
+            start = counters.allocated()
+            counters.reset_peak()
+            try:
+                yield
+            finally:
+                peak = counters.peak()
+                if name not in peaks or peak > peaks[name].peak:
+                    peaks[name] = PhaseMemory(start, peak)
+
+    PhaseClock.phase = measured
+    try:
+        yield peaks
+    finally:
+        PhaseClock.phase = original
+
+
 @dataclass
 class Lane:
     """A measured end-to-end lane: first call, steady calls, the steady best's phases."""
@@ -417,6 +478,7 @@ class Lane:
     first_phases: dict[str, float] = field(default_factory=dict)
     error: str = ""
     note: str = ""
+    memory: dict[str, PhaseMemory] = field(default_factory=dict)  # by phase (phase_memory)
 
     @property
     def best_s(self) -> float | None:
@@ -532,7 +594,9 @@ def in_process_lanes(
             return concat_experiences(list(parts), pad_token_id=maker.pad_token_id)
 
         common = dict(args=args, budget=budget, device=device)
-        lane = measure("in-process", on_this_thread, reps=args.reps, **common)
+        with phase_memory(cuda_counters(device)) as peaks:
+            lane = measure("in-process", on_this_thread, reps=args.reps, **common)
+        lane.memory = peaks
         lane.note = "; ".join(filter(None, (
             f"server start to SERVING {start_s:.1f} s; peak alloc/reserved {memory(device)} "
             "(this process: the generation lanes' model and engine included)", lane.note,
@@ -742,6 +806,26 @@ def print_summary(
         f"{'/'.join(gib(server.memory_after, k) for k in MEMORY_KINDS)}; weights "
         f"{server.weights_bytes / GIB:.2f} GiB (every loaded model), KV of the batch "
         f"{kv_bytes / GIB:.2f} GiB"
+    )
+    print(phase_memory_line(local.memory if local else {}, server.weights_bytes + kv_bytes))
+
+
+def phase_memory_line(memory: dict[str, PhaseMemory], need: int) -> str:
+    """Where the in-process lane's device memory peaked, phase by phase (phase_memory)."""
+    if not memory:
+        return "in-process phases' device memory: n/a (CUDA only)"
+    cells = [
+        f"{name.removeprefix('score_')} {m.start / GIB:.2f} -> {m.peak / GIB:.2f} "
+        f"(+{(m.peak - m.start) / GIB:.2f})"
+        for name, m in memory.items()
+    ]
+    top_name, top = max(memory.items(), key=lambda item: item[1].peak)
+    share = f", {top.peak / need:.2f} x weights + KV of the batch" if need else ""
+    return (
+        "in-process phases' device memory GiB (allocated at the phase's start -> the "
+        f"allocator's peak during it, its call with the largest peak): {', '.join(cells)}; "
+        f"the peak is {top_name}'s{share} (this process: what the generation lanes left "
+        "included, so read the + figures)"
     )
 
 

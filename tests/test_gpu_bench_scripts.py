@@ -1,0 +1,122 @@
+"""bench/bench_gpu.py and bench/bench_gpu_weights.py must not rot between GPU sessions (a lease
+is minutes of device time, none to spare on a script that no longer runs): their CPU smoke runs
+exit 0 and fill every lane that can run without CUDA; bench_gpu.py's per-phase memory record
+sees every phase of a real maker's request and leaves the maker's clock as it was."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_server import run_script
+from rollserve.server.config import ServerConfig
+from rollserve.server.experience.maker import NaiveExperienceMaker
+from rollserve.server.experience.request import RequestDefaults
+from rollserve.server.experience.rewards import RewardRegistry
+from rollserve.server.experience.timing import PhaseClock
+from rollserve.server.models import load_models
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+
+def test_bench_gpu_cpu_quick_run_fills_every_lane() -> None:
+    out = run_script(BENCH / "bench_gpu.py", "--device", "cpu", "--quick")
+    for title in ("## Generation", "## Scoring", "## MakeExperience end to end", "## Ratios",
+                  "## Small request"):  # fmt: skip
+        assert f"\n{title}" in out, f"missing {title!r} in:\n{out}"
+    assert "FAILED" not in out and "skipped" not in out, out
+    for lane in ("hf", "engine"):
+        assert re.search(rf"^\| quick 8x4 \| {lane} \| [\d,]+ \|", out, re.M), lane
+    for lane in ("in-process", "engine thread", "grpc, same process", "grpc"):
+        assert re.search(rf"^\| {lane} \| [\d,]+ \| ", out, re.M), lane
+    assert re.search(r"^\| generation alone: engine / HF generate \| [\d.]+ \|", out, re.M)
+    assert "in-process phases' device memory: n/a (CUDA only)" in out
+    assert re.search(r"^medians: in-process [\d.]+ s, grpc [\d.]+ s", out, re.M)
+
+
+def test_bench_gpu_weights_cpu_quick_run_fills_the_host_lanes() -> None:
+    out = run_script(BENCH / "bench_gpu_weights.py", "--device", "cpu", "--quick")
+    assert "failed:" not in out, out
+    for lane, tensors in (("shm", "CPU"), ("shm", "CPU, share_weights"), ("grpc", "CPU"),
+                          ("dist", "CPU")):  # fmt: skip
+        assert re.search(rf"^\| {lane} \| {re.escape(tensors)} \| [\d.]+ \| [\d.]+ \|", out, re.M)
+    for tensors in ("CUDA", "CUDA, flat", "CUDA, pack=True"):
+        row = rf"^\| cuda_ipc \| {re.escape(tensors)} \| - \|.*skipped: needs CUDA"
+        assert re.search(row, out, re.M), tensors
+
+
+@pytest.fixture(scope="module")
+def bench_gpu():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_gpu
+
+        yield bench_gpu
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+class _Counters:
+    """Allocator counters that grow by 10 bytes a read: every phase sees its own figures."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.resets = 0
+
+    def allocated(self) -> int:
+        self.reads += 1
+        return 10 * self.reads
+
+    def reset_peak(self) -> None:
+        self.resets += 1
+
+    def peak(self) -> int:
+        return self.allocated() + 5
+
+
+def test_phase_memory_records_each_phase_of_a_real_request_and_restores_the_clock(
+    bench_gpu, tiny_actor_dir: Path
+) -> None:
+    models = load_models(ServerConfig(actor=str(tiny_actor_dir), device="cpu"))
+    defaults = RequestDefaults(
+        default_preset="openrlhf", max_new_tokens=4, generate_batch_size=8,
+        forward_batch_size=8, micro_batch_size=8, max_request_rows=64,
+    )  # fmt: skip
+    maker = NaiveExperienceMaker(models, RewardRegistry.from_specs([]), defaults)
+    fake = _Counters()
+    counters = bench_gpu.MemoryCounters(fake.allocated, fake.reset_peak, fake.peak)
+    original = PhaseClock.phase
+    with bench_gpu.phase_memory(counters) as memory:
+        maker.make_experience(
+            [[5, 6, 7], [8, 9]], samples_per_prompt=2, max_new_tokens=4, rewards=["exact_match"],
+            gt_answers=["a", "b"], generate_batch_size=2,  # two generation batches
+        )  # fmt: skip
+    assert PhaseClock.phase is original
+    # The phases a request with an actor and a rule reward runs, each recorded; no critic and
+    # no reward model: those phases never ran.
+    assert {"generate", "score_actor", "decode", "rewards", "shape"} <= set(memory)
+    assert not {"score_critic", "score_reward_model"} & set(memory)
+    for figures in memory.values():
+        assert figures.peak == figures.start + 15  # its own start, its own peak
+    assert fake.resets == fake.reads // 2  # one reset per phase call, two reads
+    # Two batches ran the generate phase: the call with the larger peak is kept, the second
+    # (the first was the request's first phase, whose start was the first read: 10).
+    assert memory["generate"].start > 10
+    line = bench_gpu.phase_memory_line(memory, need=0)
+    assert len(re.findall(r"[\d.]+ -> [\d.]+ \(\+", line)) == len(memory)
+    assert "x weights" not in line  # no need given: no ratio
+    # Without counters (off CUDA) nothing is patched or recorded.
+    with bench_gpu.phase_memory(None) as memory:
+        assert PhaseClock.phase is original
+        with PhaseClock(torch.device("cpu")).phase("generate"):
+            pass
+    assert memory == {}
+    # The clock is restored after a phase that raises, too.
+    with pytest.raises(RuntimeError), bench_gpu.phase_memory(counters):
+        with PhaseClock(torch.device("cpu")).phase("generate"):
+            raise RuntimeError("a failing request")
+    assert PhaseClock.phase is original
