@@ -42,15 +42,18 @@ many-core node), which the server reports as "grpc-parallel"; the note says whic
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 _HERE = Path(__file__).resolve().parent
@@ -60,10 +63,14 @@ from bench_generation import build_model  # noqa: E402
 from helpers_server import start_server_process  # noqa: E402
 from rollserve.client import RolloutClient, WeightsGroup  # noqa: E402
 from rollserve.client.weights.flat_weights import flatten_weights  # noqa: E402
+from rollserve.client.weights.shared_memory import WRITE_THREADS_ENV  # noqa: E402
 from rollserve.server.weights.cuda_ipc import IN_PLACE_ENV  # noqa: E402
 
 ROUNDS = 3
 WAIT_S = 120.0
+# Threads of the host copy ceilings: the shm client's writers (client/weights/shared_memory.py:
+# 4 by default) against one and twice as many.
+HOST_COPY_THREADS = (1, 4, 8)
 # Issue 20's targets: the lane's ratio to its ceiling ("cpu": to the same lane into a CPU server).
 TARGETS = {"cuda_ipc": 0.3, "shm": 0.5, "grpc": 1.0, "dist": 1.0}
 # What the server may answer for a transport asked for: the client carries "grpc" over parallel
@@ -353,18 +360,46 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def host_copy_gbps(total_bytes: int, threads: int) -> float:
+    """Best of ROUNDS of one host copy of `total_bytes` into a page-locked buffer (pinned when
+    CUDA is there) by `threads` numpy threads, each a contiguous share: what the shm client's
+    writing threads can do at most (they copy CPU tensors with numpy into a page-locked memfd)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    source = torch.ones(total_bytes, dtype=torch.uint8).numpy()
+    target = torch.empty(total_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    target_array = target.numpy()
+    target_array[:] = 0  # every page touched before the timed copies
+    bounds = [total_bytes * i // threads for i in range(threads + 1)]
+    shares = list(zip(bounds, bounds[1:], strict=False))
+
+    def copy(share: tuple[int, int]) -> None:
+        np.copyto(target_array[share[0] : share[1]], source[share[0] : share[1]])
+
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(ROUNDS + 1):
+            started = time.perf_counter()
+            list(pool.map(copy, shares))
+            best = max(best, total_bytes / (time.perf_counter() - started) / 1e9)
+    return best
+
+
 def measure_ceilings(total_bytes: int, on_cuda: bool) -> dict[str, float | None]:
-    """Pinned host -> device and device -> device copies of the file's bytes (None off CUDA)."""
+    """Host copies of the file's bytes by 1, 4 and 8 threads; pinned host -> device and device
+    -> device copies of them (None off CUDA)."""
+    host = {f"host copy, {n} threads": host_copy_gbps(total_bytes, n) for n in HOST_COPY_THREADS}
     if not on_cuda:
-        return {"pinned H2D": None, "D2D": None}
-    host = torch.empty(total_bytes, dtype=torch.uint8, pin_memory=True)
+        return {**host, "pinned H2D": None, "D2D": None}
+    pinned = torch.empty(total_bytes, dtype=torch.uint8, pin_memory=True)
     first = torch.empty(total_bytes, dtype=torch.uint8, device="cuda")
     second = torch.empty_like(first)
     ceilings = {
-        "pinned H2D": best_copy_gbps(host, first, "cuda"),
+        **host,
+        "pinned H2D": best_copy_gbps(pinned, first, "cuda"),
         "D2D": best_copy_gbps(first, second, "cuda"),
     }
-    del host, first, second
+    del pinned, first, second
     torch.cuda.empty_cache()
     return ceilings
 
@@ -387,6 +422,7 @@ def gpu_server_lanes(
         ("cuda_ipc", "CUDA, flat", "D2D"),
         ("cuda_ipc", "CUDA, pack=True", "D2D"),
         ("shm", "CPU", "pinned H2D"),
+        ("shm", "CPU, 8 write threads", "pinned H2D"),
         ("shm", "CUDA", "pinned H2D"),
         ("shm", "CPU, share_weights", "pinned H2D"),
         ("grpc", "CPU", "pinned H2D"),
@@ -410,12 +446,31 @@ def gpu_server_lanes(
         assert tensors is not None
         limit = ceilings.get(ceiling)
         pack = where.endswith("pack=True")  # copied into one buffer of the client first
-        run_lane(
-            row,
-            lambda t=transport, w=tensors, p=pack: trainer.lane(w, t, total_bytes, pack=p),
-            limit,
-        )
+        threads = "8" if where.endswith("8 write threads") else os.environ.get(WRITE_THREADS_ENV)
+        with _environment(WRITE_THREADS_ENV, threads):  # the client reads it at each write
+            run_lane(
+                row,
+                lambda t=transport, w=tensors, p=pack: trainer.lane(w, t, total_bytes, pack=p),
+                limit,
+            )
     return rows
+
+
+@contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """os.environ[name] = value inside (unset for None), as it was after."""
+    before = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def two_gpu_lanes(

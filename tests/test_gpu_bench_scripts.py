@@ -41,8 +41,11 @@ def test_bench_gpu_cpu_quick_run_fills_every_lane() -> None:
 def test_bench_gpu_weights_cpu_quick_run_fills_the_host_lanes() -> None:
     out = run_script(BENCH / "bench_gpu_weights.py", "--device", "cpu", "--quick")
     assert "failed:" not in out, out
-    for lane, tensors in (("shm", "CPU"), ("shm", "CPU, share_weights"), ("grpc", "CPU"),
-                          ("dist", "CPU")):  # fmt: skip
+    for threads in (1, 4, 8):
+        assert re.search(rf"^- ceiling host copy, {threads} threads: [\d.]+ GB/s", out, re.M)
+    host_lanes = (("shm", "CPU"), ("shm", "CPU, 8 write threads"), ("shm", "CPU, share_weights"),
+                  ("grpc", "CPU"), ("dist", "CPU"))  # fmt: skip
+    for lane, tensors in host_lanes:
         assert re.search(rf"^\| {lane} \| {re.escape(tensors)} \| [\d.]+ \| [\d.]+ \|", out, re.M)
     for tensors in ("CUDA", "CUDA, flat", "CUDA, pack=True"):
         row = rf"^\| cuda_ipc \| {re.escape(tensors)} \| - \|.*skipped: needs CUDA"

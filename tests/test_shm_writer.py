@@ -67,3 +67,32 @@ def test_a_device_tensor_is_written_in_slices(monkeypatch: pytest.MonkeyPatch) -
     assert all(isinstance(p, torch.Tensor) and p.dtype == torch.uint8 for _, p in pieces)
     assert all(p.device.type == "meta" for _, p in pieces)
     assert shared_memory._pieces(0, torch.empty(0, device="meta")) == []
+
+
+def test_the_writing_threads_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ROLLSERVE_SHM_WRITE_THREADS is read at each write (a trainer or a bench may change it
+    # between updates); the file is exact whatever the count; a value that is not 1 to 64 is a
+    # ValueError naming the variable, not a silent default.
+    monkeypatch.setattr(shared_memory, "_WRITE_PIECE_BYTES", 64)
+    tensors = [(400 * i, torch.full((100,), float(i))) for i in range(16)]  # 16 pieces or more
+    want = b"h" + b"".join(t.numpy().tobytes() for _, t in tensors)
+    file = SharedMemoryFile()
+    pools = []
+    try:
+        for threads in ("2", "3", "3", ""):
+            if threads:
+                monkeypatch.setenv(shared_memory.WRITE_THREADS_ENV, threads)
+            else:
+                monkeypatch.delenv(shared_memory.WRITE_THREADS_ENV, raising=False)
+            file.write(b"h", tensors)
+            assert _file_bytes(file, len(want)) == want
+            expected = int(threads) if threads else shared_memory.write_threads()
+            assert file._pool is not None and file._pool._max_workers == expected
+            pools.append(file._pool)
+        assert pools[0] is not pools[1] and pools[1] is pools[2]  # kept while the count holds
+        for bad in ("0", "65", "four", "-1"):
+            monkeypatch.setenv(shared_memory.WRITE_THREADS_ENV, bad)
+            with pytest.raises(ValueError, match=shared_memory.WRITE_THREADS_ENV):
+                file.write(b"h", tensors)
+    finally:
+        file.close()

@@ -29,16 +29,33 @@ import torch
 from ..protocol.page_lock import register_host_range, unregister_host_range
 from ..protocol.shared_memory import REQUIRED_SEALS
 
-__all__ = ["SharedMemoryFile"]
+__all__ = ["WRITE_THREADS_ENV", "SharedMemoryFile", "write_threads"]
 
 # Files are sized up to this granularity, so that updates of slightly different sizes (partial
 # updates, LoRA) reuse one memfd.
 _SIZE_STEP_BYTES = 2 * 1024 * 1024
-# Threads writing tensors into the mapping: memory-bound copies scale to about two per socket.
-_WRITE_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Threads writing CPU tensors into the mapping, unless ROLLSERVE_SHM_WRITE_THREADS says (read
+# at each write). On the H100 node the shm lane of CPU tensors spent 54 ms of 66 receiving 1.26
+# GB (bench/RESULTS.md, 17:11 UTC 2026-11-26), more than twice the server's host-to-device copy
+# of it (~23 ms at the pinned ceiling): most likely waiting for these four threads' copies (~23
+# GB/s). Whether more threads copy faster there is bench_gpu_weights.py's to measure: the host
+# copy at 1, 4 and 8 threads, and a lane of 8 writing threads.
+WRITE_THREADS_ENV = "ROLLSERVE_SHM_WRITE_THREADS"
+_DEFAULT_WRITE_THREADS = max(1, min(4, os.cpu_count() or 1))
 # Tensors are written in slices of this size, in file order: the threads share a large tensor,
 # and a streamed update's server copies each slice soon after it is written.
 _WRITE_PIECE_BYTES = 8 << 20
+
+
+def write_threads() -> int:
+    """The writing threads: ROLLSERVE_SHM_WRITE_THREADS (1 to 64) when set, else 4 (fewer on a
+    smaller host); ValueError for a value that is not such a number."""
+    value = os.environ.get(WRITE_THREADS_ENV, "").strip()
+    if not value:
+        return _DEFAULT_WRITE_THREADS
+    if not value.isdigit() or not 1 <= int(value) <= 64:
+        raise ValueError(f"{WRITE_THREADS_ENV} must be a number from 1 to 64, got {value!r}")
+    return int(value)
 
 
 def _pieces(begin: int, tensor: torch.Tensor) -> list[tuple[int, np.ndarray | torch.Tensor]]:
@@ -106,7 +123,8 @@ class SharedMemoryFile:
         self._mapping: mmap.mmap | None = None
         self._size = 0
         self._shared = False  # some tensors are views of the mapping (share)
-        self._pool: ThreadPoolExecutor | None = None  # the writing threads, started once
+        self._pool: ThreadPoolExecutor | None = None  # the writing threads, kept between writes
+        self._pool_threads = 0
         # The mapping page-locked for the CUDA device tensors come from (page_lock.py): their
         # device-to-host copies then go by DMA straight into it. Kept with the mapping.
         self._locked: tuple[np.ndarray, torch.device] | None = None
@@ -161,8 +179,12 @@ class SharedMemoryFile:
         if written is not None:
             written(pieces[0][0] if pieces else total)
         if batches:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="shm-write")
+            threads = write_threads()
+            if self._pool is None or self._pool_threads != threads:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)
+                self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shm-write")
+                self._pool_threads = threads
             write = functools.partial(_write_batch, destination)
             # map yields in order: after the i-th batch every byte before the next is final.
             results = self._pool.map(write, batches)
