@@ -760,6 +760,84 @@ def kv_bytes_of_batch(config, case: Case, bytes_per_value: int) -> int:
     return case.rows * (case.prompt_len + case.new_tokens) * per_token
 
 
+@dataclass(frozen=True)
+class ScoringWork:
+    """The matmul work of scoring one model over the end-to-end case's rows, and this device's
+    rate for it: what any scoring path must at least spend."""
+
+    body_tflop: float  # the decoder body's matmuls over every token (a group's prompt once)
+    head_tflop: float  # lm_head over every action position
+    gemm_tflops: float  # bf16 (the run's dtype) rate of the model's MLP GEMM, measured here
+    gemm_shape: tuple[int, int, int]  # (tokens, in, out) of that GEMM
+
+    @property
+    def floor_s(self) -> float:
+        return (self.body_tflop + self.head_tflop) / self.gemm_tflops
+
+
+def scoring_tflop(model: torch.nn.Module, case: Case) -> tuple[float, float]:
+    """TFLOP of the matmuls of scoring the case's rows with `model` (2 x weights x tokens): its
+    decoder body's weight matrices over every token (a GRPO group's prompt once, as the engine
+    runs it), its lm_head over every action position. Attention's own matmuls (~1 % here)
+    and the element-wise work are left out."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    body_params = matrices - embed.numel() - (0 if head is embed else head.numel())
+    tokens = case.prompts * case.prompt_len + case.rows * case.new_tokens
+    actions = case.rows * case.new_tokens
+    return 2 * body_params * tokens / 1e12, 2 * head.numel() * actions / 1e12
+
+
+def scoring_work(model: torch.nn.Module, case: Case, device: str, reps: int = 20) -> ScoringWork:
+    """The case's scoring_tflop and the device's rate on one chunk of the model's gate/up GEMM
+    (MLP_CHUNK_TOKENS tokens: the scoring forward's largest matmul), timed over `reps`
+    back-to-back calls."""
+    from rollserve.server.generation.model import MLP_CHUNK_TOKENS
+
+    config = model.config
+    dtype = model.get_input_embeddings().weight.dtype
+    shape = (MLP_CHUNK_TOKENS, config.hidden_size, 2 * config.intermediate_size)
+    x = torch.randn(shape[0], shape[1], dtype=dtype, device=device)
+    w = torch.randn(shape[2], shape[1], dtype=dtype, device=device)
+    torch.nn.functional.linear(x, w)  # warm: the library picks its kernel
+    seconds = timed(lambda: [torch.nn.functional.linear(x, w) for _ in range(reps)], device)
+    rate = 2 * shape[0] * shape[1] * shape[2] * reps / seconds / 1e12
+    return ScoringWork(*scoring_tflop(model, case), rate, shape)
+
+
+def print_scoring_room(
+    case: Case, rates: dict[tuple[str, str], float], remote: Lane, work: ScoringWork | None
+) -> None:
+    """What the end-to-end target (3x HF generate alone) leaves for scoring, given the best
+    gRPC request's other phases, against the floor of scoring's matmuls on this device."""
+    print("\n## Room for scoring under the end-to-end target\n")
+    hf = rates.get((case.name, "hf"))
+    scored = [name for name in remote.phases if name.startswith("score_")]
+    if hf is None or remote.best_s is None or work is None or not scored:
+        print("n/a: needs the HF generate lane, the gRPC lane and the scoring work", flush=True)
+        return
+    target_s = case.tokens / hf / 3
+    scoring_s = sum(remote.phases[name] for name in scored)
+    others_s = remote.best_s - scoring_s
+    room_s = (target_s - others_s) / len(scored)
+    tokens, inner, outer = work.gemm_shape
+    print(
+        f"HF generate alone takes {case.tokens / hf:.2f} s, so the target (>= 3x) is a request "
+        f"of {target_s:.2f} s. The best gRPC request spent {others_s:.2f} s outside scoring "
+        f"(its other phases and the transfer), which leaves {room_s:.3f} s for each of its "
+        f"{len(scored)} scored models ({', '.join(n.removeprefix('score_') for n in scored)}; "
+        f"measured: {scoring_s / len(scored):.3f} s each). Scoring one model is "
+        f"{work.body_tflop + work.head_tflop:.3g} TFLOP of matmuls ({work.body_tflop:.3g} "
+        f"body, {work.head_tflop:.3g} lm_head); at this device's rate on the model's MLP GEMM "
+        f"({tokens} x {inner} x {outer}: {work.gemm_tflops:.3g} TFLOP/s, measured here) the "
+        f"matmuls alone take {work.floor_s:.3f} s per model: the target is "
+        f"{'within reach of' if work.floor_s <= room_s else 'out of reach for'} scoring at "
+        "that rate.",
+        flush=True,
+    )
+
+
 # ---- 3. ratios --------------------------------------------------------------------------------
 
 
@@ -961,6 +1039,11 @@ def main(argv: list[str] | None = None) -> int:
     if "scoring" not in args.skip:
         scoring_section(model, args, budget)
     case, batching = end_to_end_case(args.quick)
+    work = None
+    try:
+        work = scoring_work(model, case, args.device)
+    except Exception as error:  # noqa: BLE001 - a figure of the summary, not a lane
+        print(f"scoring work: {failure(error)}", flush=True)
     lanes: dict[str, Lane] = {}
     server = ServerFigures(Lane("grpc", error="skipped"))
     with tempfile.TemporaryDirectory(prefix="bench-gpu-model-") as tmp:
@@ -987,6 +1070,7 @@ def main(argv: list[str] | None = None) -> int:
         if "grpc" not in args.skip:
             server = grpc_lane(directory, case, batching, args, budget)
     print_summary(case, rates, lanes, server, kv_bytes_of_batch(config, case, dtype.itemsize))
+    print_scoring_room(case, rates, server.lane, work)
     if "small" not in args.skip:
         gc.collect()
         reset_memory(args.device)

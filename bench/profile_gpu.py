@@ -57,7 +57,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generation import build_model, grouped_prompts  # noqa: E402
-from bench_gpu import Case, scoring_rows  # noqa: E402
+from bench_gpu import Case, scoring_rows, scoring_tflop  # noqa: E402
 from rollserve.server.experience.generation import SamplingParams, left_pad  # noqa: E402
 from rollserve.server.experience.scoring import (  # noqa: E402
     action_log_probs,
@@ -575,13 +575,7 @@ def scoring_calls(model: torch.nn.Module, case: Case) -> Scoring:
     def body() -> object:
         return forward.hidden_states(sequences, mask, positions, case.prompt_len)
 
-    embed = model.get_input_embeddings().weight
-    head = forward.family.lm_head.weight
-    body_params = sum(p.numel() for p in model.parameters()) - embed.numel() - head.numel()
-    tokens = case.prompts * case.prompt_len + case.rows * actions  # a group's prompt runs once
-    return Scoring(
-        whole, body, 2 * body_params * tokens / 1e12, 2 * head.numel() * case.rows * actions / 1e12
-    )
+    return Scoring(whole, body, *scoring_tflop(model, case))
 
 
 def scoring_timings(scoring: Scoring, timer: Timer, figures: dict[str, float]) -> None:

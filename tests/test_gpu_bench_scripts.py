@@ -16,8 +16,11 @@ from rollserve.server.config import ServerConfig
 from rollserve.server.experience.maker import NaiveExperienceMaker
 from rollserve.server.experience.request import RequestDefaults
 from rollserve.server.experience.rewards import RewardRegistry
+from rollserve.server.experience.scoring import action_log_probs
 from rollserve.server.experience.timing import PhaseClock
 from rollserve.server.models import load_models
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -35,6 +38,9 @@ def test_bench_gpu_cpu_quick_run_fills_every_lane() -> None:
         assert re.search(rf"^\| {lane} \| [\d,]+ \| ", out, re.M), lane
     assert re.search(r"^\| generation alone: engine / HF generate \| [\d.]+ \|", out, re.M)
     assert "in-process phases' device memory: n/a (CUDA only)" in out
+    room = out[out.index("\n## Room for scoring under the end-to-end target") :]
+    assert re.search(r"Scoring one model is [\d.e+-]+ TFLOP of matmuls", room), room
+    assert re.search(r"the target is (within reach of|out of reach for) scoring", room), room
     assert re.search(r"^medians: in-process [\d.]+ s, grpc [\d.]+ s", out, re.M)
 
 
@@ -123,3 +129,35 @@ def test_phase_memory_records_each_phase_of_a_real_request_and_restores_the_cloc
         with PhaseClock(torch.device("cpu")).phase("generate"):
             raise RuntimeError("a failing request")
     assert PhaseClock.phase is original
+
+
+def _tiny_qwen2() -> torch.nn.Module:
+    """Biases on q/k/v (addmm, not mm) and an untied lm_head: what the GPU bench's model has."""
+    config = Qwen2Config(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_scoring_tflop_counts_every_matmul_of_the_engine_scoring(bench_gpu, family: str) -> None:
+    # The room-for-scoring verdict sets scoring_tflop against a GEMM rate: it must count what
+    # scoring on the engine runs (a group's prompt once, lm_head over the actions only), no
+    # more and no less, as torch's own FLOP counter sees it on the CPU.
+    if family == "llama":
+        from bench_generation import build_model
+
+        model = build_model("small", 512, 64, 2, torch.float32, "cpu").eval().requires_grad_(False)
+    else:
+        model = _tiny_qwen2()
+    case = bench_gpu.Case("tiny", 2, 4, 12, 8)
+    sequences, mask = bench_gpu.scoring_rows(case, model.config.vocab_size, "cpu")
+    with FlopCounterMode(display=False) as counter:
+        action_log_probs(model, sequences, mask, case.new_tokens, forward_batch_size=case.rows,
+                         path="rollserve")  # fmt: skip
+    counts = {str(op): flops for op, flops in counter.get_flop_counts()["Global"].items()}
+    matmuls = counts.get("aten.mm", 0) + counts.get("aten.addmm", 0)
+    body, head = bench_gpu.scoring_tflop(model, case)
+    assert matmuls > 0 and (body + head) * 1e12 == pytest.approx(matmuls, rel=1e-9)
