@@ -127,6 +127,21 @@ def timed(fn: Callable[[], object], device: str) -> float:
     return time.perf_counter() - start
 
 
+@contextmanager
+def environment(name: str, value: str | None) -> Iterator[None]:
+    """os.environ[name] = value inside (None: as it is), as it was after."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def memory(device: str) -> str:
     if not device.startswith("cuda"):
         return "-"
@@ -293,6 +308,11 @@ def scoring_section(model, args: argparse.Namespace, budget: Budget) -> None:
         lm_head_plan,
         position_ids_from_mask,
     )
+    from rollserve.server.experience.vocab_chunks import (
+        VOCAB_CHUNKS_ENV,
+        vocab_chunks_enabled,
+        vocab_plan,
+    )
     from rollserve.server.generation import scoring_forward
 
     case, batching = end_to_end_case(args.quick)
@@ -304,17 +324,29 @@ def scoring_section(model, args: argparse.Namespace, budget: Budget) -> None:
     actions = case.new_tokens
     chunk = default_positions_per_chunk(model)
     plan = lm_head_plan(rows, actions, chunk)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    chunks = vocab_plan(rows * actions, vocab, model.get_output_embeddings().weight.element_size())
+    default = (
+        "vocabulary chunks" if vocab_chunks_enabled(torch.device(device)) else "position blocks"
+    )
     print(
         f"\n## Scoring ({case.rows} rows x ({case.prompt_len} prompt + {actions} actions), "
-        f"forward batch {rows}; lm_head blocks of {plan.rows} rows x {plan.columns} columns, "
-        f"{plan.blocks} per forward batch; best of {SCORING_REPS} after one warm call)\n"
+        f"forward batch {rows}; lm_head in position blocks: {plan.rows} rows x {plan.columns} "
+        f"columns, {plan.blocks} per forward batch; in vocabulary chunks (vocab_chunks.py, "
+        f"compiled): passes of {chunks.positions} positions x chunks of {chunks.columns} ids; this "
+        f"device's default: {default}; best of {SCORING_REPS} after one warm call)\n"
     )
     print("| lane | seconds | peak above start GiB |\n| --- | --- | --- |", flush=True)
 
-    def log_probs(path: str) -> Callable[[], object]:
-        return lambda: action_log_probs(
-            model, sequences, mask, actions, forward_batch_size=rows, temperature=1.0, path=path
-        )
+    def log_probs(path: str, vocab_chunks: str | None = None) -> Callable[[], object]:
+        def run() -> object:
+            with environment(VOCAB_CHUNKS_ENV, vocab_chunks):
+                return action_log_probs(
+                    model, sequences, mask, actions, forward_batch_size=rows, temperature=1.0,
+                    path=path,
+                )  # fmt: skip
+
+        return run
 
     def body(path: str) -> Callable[[], object]:
         forward = scoring_forward(model, path)
@@ -335,6 +367,8 @@ def scoring_section(model, args: argparse.Namespace, budget: Budget) -> None:
     lanes = {
         "actor log-probs, hf path": log_probs("hf"),
         "actor log-probs, engine path": log_probs("rollserve"),
+        "actor log-probs, engine path, position blocks": log_probs("rollserve", "0"),
+        "actor log-probs, engine path, vocabulary chunks": log_probs("rollserve", "1"),
         "decoder body only, hf path": body("hf"),
         "decoder body only, engine path": body("rollserve"),
     }

@@ -42,14 +42,12 @@ many-core node), which the server reports as "grpc-parallel"; the note says whic
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +58,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent / "tests"))
 from bench_generation import build_model  # noqa: E402
+from bench_gpu import environment  # noqa: E402
 from helpers_server import start_server_process  # noqa: E402
 from rollserve.client import RolloutClient, WeightsGroup  # noqa: E402
 from rollserve.client.weights.flat_weights import flatten_weights  # noqa: E402
@@ -446,31 +445,14 @@ def gpu_server_lanes(
         assert tensors is not None
         limit = ceilings.get(ceiling)
         pack = where.endswith("pack=True")  # copied into one buffer of the client first
-        threads = "8" if where.endswith("8 write threads") else os.environ.get(WRITE_THREADS_ENV)
-        with _environment(WRITE_THREADS_ENV, threads):  # the client reads it at each write
+        threads = "8" if where.endswith("8 write threads") else None
+        with environment(WRITE_THREADS_ENV, threads):  # the client reads it at each write
             run_lane(
                 row,
                 lambda t=transport, w=tensors, p=pack: trainer.lane(w, t, total_bytes, pack=p),
                 limit,
             )
     return rows
-
-
-@contextmanager
-def _environment(name: str, value: str | None) -> Iterator[None]:
-    """os.environ[name] = value inside (unset for None), as it was after."""
-    before = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
 
 
 def two_gpu_lanes(

@@ -21,10 +21,11 @@
 #
 # (280 + 40 and 60 + 90 + 240 s of bounds, ~750 s with the installs: what 15 minutes hold).
 # --staged-baseline adds the cuda_ipc flat lane into a second server that stages
-# (ROLLSERVE_CUDA_IPC_IN_PLACE=0): ~30 s. With time left, a third call profiles the engine's
-# levers off, PROFILE_BASELINE_ENV="ROLLSERVE_FUSED_PROJECTIONS=0 ROLLSERVE_DECODE_ATTENTION=sdpa"
-# with SKIP_STEPS="test-gpu bench-weights update-latency bench-gpu" (profile and
-# profile-baseline: 2 x PROFILE_GPU_S).
+# (ROLLSERVE_CUDA_IPC_IN_PLACE=0): ~30 s. bench-gpu's scoring section times the engine path's
+# lm_head both ways (position blocks, vocabulary chunks). With time left, a third call profiles
+# the engine's levers off: PROFILE_BASELINE_ENV="ROLLSERVE_FUSED_PROJECTIONS=0
+# ROLLSERVE_DECODE_ATTENTION=sdpa ROLLSERVE_SCORING_VOCAB_CHUNKS=0" with SKIP_STEPS="test-gpu
+# bench-weights update-latency bench-gpu" (profile and profile-baseline: 2 x PROFILE_GPU_S).
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"

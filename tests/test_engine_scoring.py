@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from rollserve.server.experience.scoring import action_log_probs, critic_values, reward_scores
+from rollserve.server.experience.vocab_chunks import VOCAB_CHUNKS_ENV
 from rollserve.server.generation import (
     GenerationSettings,
     adopt_settings,
@@ -160,9 +161,13 @@ def test_reward_scores_equal_hf(models) -> None:
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
-def test_engine_scoring_never_runs_the_hf_body_nor_full_logits(models) -> None:
+def test_engine_scoring_never_runs_the_hf_body_nor_full_logits(
+    models, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On the engine path the HF backbone is never called, and lm_head sees at most
-    positions_per_chunk (row, column) pairs at once: no (rows, columns, V) logits."""
+    positions_per_chunk (row, column) pairs at once: no (rows, columns, V) logits (the
+    position blocks, the CPU's default; tests/test_vocab_chunks.py has the vocabulary chunks)."""
+    monkeypatch.setenv(VOCAB_CHUNKS_ENV, "0")
     model = models["causal_lm"]
     sequences, mask, actions = rows()
     backbone_calls, head_rows = [], []
@@ -296,11 +301,14 @@ def test_a_maker_on_the_engine_path_warms_up_and_scores_there(
     )
 
 
-def test_lm_head_blocks_are_as_large_as_the_chunk_allows(tmp_path: Path) -> None:
+def test_lm_head_blocks_are_as_large_as_the_chunk_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A Qwen2-sized vocabulary: lm_head runs on blocks of every row x the action columns a
     SCORING_CHUNK_BYTES float32 block holds, exactly as many as lm_head_plan says (a regression
     to small blocks, each a GPU round of launches and a read of lm_head's weight, fails), and
-    the log-probs still equal the HF path's."""
+    the log-probs still equal the HF path's. (The position blocks: the CPU's default.)"""
+    monkeypatch.setenv(VOCAB_CHUNKS_ENV, "0")
     import transformers as tf
     from rollserve.server.experience.scoring import (
         _logits_head,

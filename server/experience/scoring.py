@@ -10,7 +10,10 @@ through the model forward_batch_size at a time; the backbone gives hidden states
 applied to at most positions_per_chunk (row, column) pairs of the action columns at once, with
 the float32 math on that block only: log p = z[label] - logsumexp(z). So the peak stays
 O(chunk x V) even when the whole batch is scored in one forward; no (B, A, V) logits and no
-(B, S, V) float32 log-softmax. Models whose logits are not plain lm_head(hidden) (soft-capped or
+(B, S, V) float32 log-softmax. On CUDA a plain Linear lm_head goes the other way round
+(vocab_chunks.py): every action position of the forward batch at once against chunks of the
+vocabulary, with an online log-sum-exp, so its weight is read once per forward batch rather than
+once per block. Models whose logits are not plain lm_head(hidden) (soft-capped or
 scaled) are scored through their own logits for the A + 1 positions we read (`logits_to_keep`).
 Models are expected in eval mode (dropout off); nothing here changes their mode.
 
@@ -37,6 +40,7 @@ import torch
 from ...client.protocol.errors import FailedPrecondition, InvalidArgument
 from ..generation import SCORING_CHUNK_BYTES, Forward, GenerationSettings, scoring_forward
 from ..generation.compiling import maybe_compiled
+from .vocab_chunks import vocab_chunked_log_probs, vocab_chunks_enabled
 
 __all__ = [
     "DEFAULT_POSITIONS_PER_CHUNK",
@@ -61,9 +65,8 @@ DEFAULT_POSITIONS_PER_CHUNK = 4096
 def default_positions_per_chunk(model: torch.nn.Module) -> int:
     """DEFAULT_POSITIONS_PER_CHUNK, or fewer (at least 16) when a float32 block of the model's
     vocabulary would pass SCORING_CHUNK_BYTES."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    vocab = getattr(head, "out_features", None) or model.get_input_embeddings().num_embeddings
-    return max(16, min(DEFAULT_POSITIONS_PER_CHUNK, SCORING_CHUNK_BYTES // (4 * int(vocab))))
+    vocab = _vocab_size(model)
+    return max(16, min(DEFAULT_POSITIONS_PER_CHUNK, SCORING_CHUNK_BYTES // (4 * vocab)))
 
 
 @dataclass(frozen=True)
@@ -213,11 +216,31 @@ def _engine_hidden(
     return forward.hidden_states(ids, mask, position_ids_from_mask(mask), prompt_width)[:, keep]
 
 
+# (the action positions' final hidden states (A, b, H) column-major, lm_head's weight, bias)
+LmHead = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class _ActionLogits:
+    """A forward batch's action logits on demand: `block(rows, columns)` (see _action_logits);
+    `head`, when the logits are a plain Linear of hidden states, what vocab_chunks.py reads
+    instead of blocks."""
+
+    block: Callable[[slice, slice], torch.Tensor]
+    head: LmHead | None = None
+
+
+def _linear_head(by_column: torch.Tensor, head: torch.nn.Module) -> LmHead | None:
+    if type(head) is not torch.nn.Linear:
+        return None
+    return by_column, head.weight, head.bias
+
+
 def _action_logits(
     model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, actions: int, path: ScoringPath
-) -> Callable[[slice, slice], torch.Tensor]:
-    """A function giving the logits (columns x rows, V) of a block of action columns, on demand,
-    flattened column-major (position c * rows + r).
+) -> _ActionLogits:
+    """The logits (columns x rows, V) of a block of action columns, on demand, flattened
+    column-major (position c * rows + r); with lm_head's parts where they can be read.
 
     Action column j is scored at position S - A - 1 + j. On the engine, or with a checked
     lm_head split, the backbone runs once, its hidden states of the action positions are laid
@@ -233,7 +256,10 @@ def _action_logits(
     if forward is not None and forward.family.lm_head is not None:
         hidden = _engine_hidden(forward, ids, mask, slice(-actions - 1, -1), actions)  # (b, A, H)
         by_column = hidden.transpose(0, 1).contiguous()  # (A, b, H)
-        return lambda rows, columns: forward.logits(by_column[columns, rows].flatten(0, 1))
+        return _ActionLogits(
+            lambda rows, columns: forward.logits(by_column[columns, rows].flatten(0, 1)),
+            _linear_head(by_column, forward.family.lm_head),
+        )
     position_ids = position_ids_from_mask(mask)
     split = _logits_head(model)
     if split is not None:
@@ -242,7 +268,10 @@ def _action_logits(
             input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False
         )
         by_column = out.last_hidden_state[:, -actions - 1 : -1].transpose(0, 1).contiguous()
-        return lambda rows, columns: head(by_column[columns, rows].flatten(0, 1))
+        return _ActionLogits(
+            lambda rows, columns: head(by_column[columns, rows].flatten(0, 1)),
+            _linear_head(by_column, head),
+        )
     kwargs = {}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         # An int keeps the last N positions (transformers' slice_logits_to_keep); the last
@@ -252,7 +281,7 @@ def _action_logits(
         input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **kwargs
     )
     logits = out.logits[:, -actions - 1 : -1]  # (b, A, V)
-    return lambda rows, columns: logits[rows, columns].transpose(0, 1).flatten(0, 1)
+    return _ActionLogits(lambda rows, columns: logits[rows, columns].transpose(0, 1).flatten(0, 1))
 
 
 def _block_log_probs(
@@ -368,6 +397,34 @@ def _chunked_log_probs(
     return log_probs.t().contiguous(), None if entropy is None else entropy.t().contiguous()
 
 
+def _vocab_chunks(
+    head: LmHead,
+    labels: torch.Tensor,
+    temperature: float | None,
+    with_entropy: bool,
+    chunk_bytes: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(label) and entropy (b, A) of a forward batch through vocab_chunks.py: every action
+    position (column-major, as the hidden states are laid out) in passes over the vocabulary."""
+    by_column, weight, bias = head
+    actions, rows = by_column.shape[:2]
+    extra = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+    lp, ent = vocab_chunked_log_probs(
+        by_column.flatten(0, 1), weight, bias, labels.t().reshape(-1), temperature, with_entropy,
+        compiled=labels.device.type in FUSED_BLOCK_DEVICES, **extra,
+    )  # fmt: skip
+
+    def by_row(values: torch.Tensor) -> torch.Tensor:
+        return values.view(actions, rows).t().contiguous()
+
+    return by_row(lp), None if ent is None else by_row(ent)
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return getattr(head, "out_features", None) or model.get_input_embeddings().num_embeddings
+
+
 def action_log_probs(
     model: torch.nn.Module,
     sequences: torch.Tensor,
@@ -387,8 +444,12 @@ def action_log_probs(
     positions_per_chunk: None picks DEFAULT_POSITIONS_PER_CHUNK, or fewer for a vocabulary
     whose float32 block would pass SCORING_CHUNK_BYTES.
     """
+    # The vocabulary chunks' bound: their default, or the memory of the blocks asked for.
+    chunk_bytes = None
     if positions_per_chunk is None:
         positions_per_chunk = default_positions_per_chunk(model)
+    else:
+        chunk_bytes = 4 * positions_per_chunk * _vocab_size(model)
     _check_layout(sequences, attention_mask, num_actions, forward_batch_size)
     if temperature is not None and not temperature > 0:
         raise InvalidArgument(f"temperature must be > 0 or None, got {temperature}")
@@ -398,11 +459,15 @@ def action_log_probs(
     with torch.inference_mode():
         plan = forward_batches(sequences, attention_mask, forward_batch_size, num_actions + 1)
         for ids, mask in plan.batches:  # (b, S') each
-            logits_of = _action_logits(model, ids, mask, num_actions, path)
-            lp, ent = _chunked_log_probs(
-                logits_of, ids[:, -num_actions:], temperature, with_entropy, positions_per_chunk
-            )
-            del logits_of  # free this micro-batch's hidden states or logits before the next
+            logits = _action_logits(model, ids, mask, num_actions, path)
+            labels = ids[:, -num_actions:]
+            if logits.head is not None and vocab_chunks_enabled(labels.device):
+                lp, ent = _vocab_chunks(logits.head, labels, temperature, with_entropy, chunk_bytes)
+            else:
+                lp, ent = _chunked_log_probs(
+                    logits.block, labels, temperature, with_entropy, positions_per_chunk
+                )
+            del logits  # free this micro-batch's hidden states or logits before the next
             log_probs.append(lp)
             entropies.append(ent)
         entropy = plan.restore(torch.cat(entropies)) if with_entropy else None
