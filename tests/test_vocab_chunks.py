@@ -196,3 +196,41 @@ def test_the_compiled_step_serves_every_size_with_one_graph() -> None:
         if positions == 37:
             graphs = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_chunks_are_the_default_and_equal_the_position_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A Qwen2 (q/k/v biases, untied lm_head) in bfloat16 on the GPU: the default (compiled
+    # vocabulary chunks) against the position blocks, engine path, with entropy.
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=5000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16).eval().requires_grad_(False)
+    ids, mask, actions = layout()
+    ids, mask = ids.cuda(), mask.cuda()
+    monkeypatch.delenv(VOCAB_CHUNKS_ENV, raising=False)
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return vocab_chunked_log_probs(*args, **kwargs)
+
+    monkeypatch.setattr(scoring, "vocab_chunked_log_probs", spy)
+
+    def score(**extra):
+        return action_log_probs(model, ids, mask, actions, forward_batch_size=2, with_entropy=True,
+                                temperature=0.8, path="rollserve", **extra)  # fmt: skip
+
+    chunks = score(positions_per_chunk=8)  # 8 x 5000 x 4 bytes: chunks of 128 ids
+    assert calls and all(call["compiled"] for call in calls)
+    assert vocab_chunks._step(True).compiled is not None
+    monkeypatch.setenv(VOCAB_CHUNKS_ENV, "0")
+    blocks = score(positions_per_chunk=8)
+    for got, want in zip(chunks, blocks, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)  # bf16 logits of other GEMMs
