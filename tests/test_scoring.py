@@ -280,11 +280,16 @@ def test_reward_of_an_empty_row_is_invalid_argument(reward) -> None:
 # ---- lm_head in chunks ---------------------------------------------------------------------------
 
 
-def test_plain_lm_head_is_applied_in_chunks_and_equals_the_full_head(actor) -> None:
+def test_plain_lm_head_is_applied_in_chunks_and_equals_the_full_head(
+    actor, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The backbone runs once per forward batch; lm_head sees at most positions_per_chunk
-    (row, column) pairs at a time, and the result equals lm_head over every position."""
+    (row, column) pairs at a time, and the result equals lm_head over every position. (The
+    position blocks, the CPU's default; tests/test_vocab_chunks.py has the vocabulary chunks.)"""
     from rollserve.server.experience.scoring import _logits_head, lm_head_plan
+    from rollserve.server.experience.vocab_chunks import VOCAB_CHUNKS_ENV
 
+    monkeypatch.setenv(VOCAB_CHUNKS_ENV, "0")
     assert _logits_head(actor) is not None
     ids, mask, actions = layout()
     calls: list[int] = []

@@ -12,6 +12,7 @@ import pytest
 import torch
 from rollserve.server.experience import scoring
 from rollserve.server.experience.scoring import action_log_probs
+from rollserve.server.experience.vocab_chunks import VOCAB_CHUNKS_ENV
 from test_scoring import layout
 
 VOCAB = 300
@@ -102,7 +103,9 @@ def test_finite_entropy_and_other_shapes_without_a_recompile_per_temperature() -
 def test_action_log_probs_through_the_fused_path_equal_the_eager_path(
     tiny_actor_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bfloat16 model, as on CUDA (float32 blocks are the block tests' case)."""
+    """A bfloat16 model, as on CUDA (float32 blocks are the block tests' case); the position
+    blocks (tests/test_vocab_chunks.py has the vocabulary chunks, CUDA's default)."""
+    monkeypatch.setenv(VOCAB_CHUNKS_ENV, "0")
     assert scoring._fused_scorer(torch.device("cpu"), None, False) is None  # eager by default
     from transformers import AutoModelForCausalLM
 
