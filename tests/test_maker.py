@@ -210,6 +210,45 @@ def test_user_reward_function_from_specs_sees_decoded_responses(models: ModelSet
     assert e.info["reward/length"].tolist() == [float(len(t)) for t in responses]
 
 
+def test_texts_decoded_in_the_background_are_the_same_and_a_failure_reaches_the_request(
+    models: ModelSet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a GPU the response texts are decoded on a thread of their own while the device scores
+    # the rows (forced here on the CPU): the same texts, rewards and tensors, the decoding off
+    # the maker's thread, and a tokenizer error still fails the request.
+    import threading
+
+    from rollserve.server.experience import steps
+
+    defaults = RequestDefaults("openrlhf", 8, 1, 16, 16, 4096)  # two generation batches
+    request = dict(gt_answers=["x", "y"], seed=2, rewards=["length"], return_texts=True)
+    inline = NaiveExperienceMaker(models, RewardRegistry.from_specs([LENGTH_SOURCE]), defaults)
+    assert not inline.decode_in_background  # the CPU's default
+    want = inline.make_experience(["ab", "c"], **request)
+    background = NaiveExperienceMaker(models, RewardRegistry.from_specs([LENGTH_SOURCE]), defaults)
+    background.decode_in_background = True
+    threads: list[str] = []
+    decode = steps.decode_responses
+
+    def spy(*args):
+        threads.append(threading.current_thread().name)
+        return decode(*args)
+
+    monkeypatch.setattr("rollserve.server.experience.maker.decode_responses", spy)
+    got = background.make_experience(["ab", "c"], **request)
+    assert threads == ["rollserve-decode"] * 2  # one per generation batch, never inline
+    assert got.response_texts == want.response_texts
+    assert torch.equal(got.info["reward/length"], want.info["reward/length"])
+    _same(got, want)
+
+    def broken(*args):
+        raise RuntimeError("tokenizer broke")
+
+    monkeypatch.setattr("rollserve.server.experience.maker.decode_responses", broken)
+    with pytest.raises(RuntimeError, match="tokenizer broke"):
+        background.make_experience(["ab", "c"], **request)
+
+
 # ---- prompts ---------------------------------------------------------------------------------
 
 

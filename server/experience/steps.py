@@ -24,12 +24,14 @@ from .scoring import action_log_probs, critic_values, reward_scores
 from .timing import PhaseClock, phase_key
 
 __all__ = [
+    "ResponseIds",
     "Scores",
     "batch_seed",
     "decode_responses",
     "generate_rows",
     "generation_batches",
     "recipe_rewards",
+    "response_ids",
     "score_rows",
     "shape_batch",
 ]
@@ -148,17 +150,31 @@ def score_rows(
     return Scores(actor, entropy, reference, values)
 
 
+@dataclass(frozen=True)
+class ResponseIds:
+    """Each row's response token ids, on the host: what decode_responses reads."""
+
+    rows: list[list[int]]  # the response columns of each row
+    lengths: list[int]  # each row's valid response tokens
+
+
+def response_ids(generation: GenerationOutput) -> ResponseIds:
+    """The generated rows' response ids copied to the host, on the calling (engine) thread: a
+    copy from another thread would wait behind whatever the engine queued on the device since."""
+    width = generation.prompt_width
+    return ResponseIds(
+        generation.sequences[:, width:].tolist(), generation.response_lengths.tolist()
+    )
+
+
 def decode_responses(
-    models: ModelSet, generation: GenerationOutput, tokenizer_lock: threading.Lock
+    models: ModelSet, responses: ResponseIds, tokenizer_lock: threading.Lock
 ) -> tuple[str, ...]:
     """The text of each row's valid response tokens. Field: response_texts."""
-    width = generation.prompt_width
-    lengths = generation.response_lengths.tolist()
-    rows = generation.sequences[:, width:].tolist()
     with tokenizer_lock:
         return tuple(
             models.tokenizer.decode(ids[:n], skip_special_tokens=True)
-            for ids, n in zip(rows, lengths, strict=True)
+            for ids, n in zip(responses.rows, responses.lengths, strict=True)
         )
 
 
