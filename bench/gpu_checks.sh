@@ -12,14 +12,20 @@
 # UPDATE_LATENCY_S 40, BENCH_GPU_S 220 + 20) plus the install (~20 s): under the device's 600 s
 # command limit. The
 # whole gpu suite outgrew 150 s (49 tests stopped at the 31st at 170 s on an H100, 16:55 UTC
-# 2026-11-26: more of it compiles), so a 15-minute lease is better spent as two calls (each
-# start costs ~30-60 s of it; 15 minutes of device time per task, starts and idle included):
+# 2026-11-26: more of it compiles), so a 15-minute lease is better spent as two calls, the
+# second right after the first (the machine stays warm ~30 s: no second start; a start costs
+# ~60-120 s of the 15 minutes of device time per task, starts and idle included):
 #
-#     SKIP_STEPS="profile bench-weights bench-gpu" TEST_GPU_S=280 bash bench/gpu_checks.sh
-#     SKIP_STEPS="test-gpu update-latency" PROFILE_GPU_S=60 BENCH_WEIGHTS_S=90 \
-#         WEIGHTS_ARGS="--no-cpu-reference --staged-baseline" BENCH_GPU_S=220 bash bench/gpu_checks.sh
+#     SKIP_STEPS="bench-weights bench-gpu" TEST_GPU_S=280 PROFILE_GPU_S=60 bash bench/gpu_checks.sh
+#     SKIP_STEPS="test-gpu update-latency profile" BENCH_WEIGHTS_S=90 \
+#         WEIGHTS_ARGS="--no-cpu-reference --staged-baseline" BENCH_GPU_S=260 \
+#         BENCH_GPU_ARGS="--skip small" bash bench/gpu_checks.sh
 #
-# (280 + 40 and 60 + 90 + 240 s of bounds, ~750 s with the installs: what 15 minutes hold).
+# (280 + 40 + 60 and 90 + 280 s of bounds, ~790 s with the installs and one start). bench-gpu
+# gets 260 s: its full run was estimated at ~190 s without the small request (the 17:11 UTC
+# figures: HF first call 16 s, the engine's warm-up 28 s, the server process's start 38 s, the
+# scoring section's six lanes), and a run whose budget ends inside the gRPC lane (the last of
+# the end-to-end lanes) has no gRPC figures. The small request is for a call with time left.
 # --staged-baseline adds the cuda_ipc flat lane into a second server that stages
 # (ROLLSERVE_CUDA_IPC_IN_PLACE=0): ~30 s. bench-gpu's scoring section times the engine path's
 # lm_head both ways (position blocks, vocabulary chunks). With time left, a third call profiles
