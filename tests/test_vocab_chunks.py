@@ -227,10 +227,11 @@ def test_on_cuda_the_chunks_are_the_default_and_equal_the_position_blocks(
         return action_log_probs(model, ids, mask, actions, forward_batch_size=2, with_entropy=True,
                                 temperature=0.8, path="rollserve", **extra)  # fmt: skip
 
-    chunks = score(positions_per_chunk=8)  # 8 x 5000 x 4 bytes: chunks of 128 ids
+    # One position's float32 block asked for (20 kB): 14 positions a pass, chunks of 640 ids.
+    chunks = score(positions_per_chunk=1)
     assert calls and all(call["compiled"] for call in calls)
     assert vocab_chunks._step(True).compiled is not None
     monkeypatch.setenv(VOCAB_CHUNKS_ENV, "0")
-    blocks = score(positions_per_chunk=8)
+    blocks = score(positions_per_chunk=1)
     for got, want in zip(chunks, blocks, strict=True):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)  # bf16 logits of other GEMMs
