@@ -28,6 +28,9 @@ bench_generation.py, no download; --quick: its tiny Llama). Parts, in order, eac
 4. Scoring: action_log_probs of one forward batch (8 prompts x 8 samples, 128 + 256 columns,
    engine path) against the decoder body alone (Forward.hidden_states), with the TFLOP/s of
    their matmuls, and the top kernels of one call.
+   New prefill shapes: the first prefill of a prompt count the process never ran against its
+   repeat, with SDPA's own pick and (CUDA) held to its efficient backend: what a first request
+   pays for a new shape, and whether the attention's per-shape plans are that cost.
 5. Summary: the lines to read first.
 
 Times are CUDA-event medians on CUDA (launch gaps included: an eager step's time is what it
@@ -49,10 +52,12 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,8 +79,12 @@ GB = 1e9
 # Section headers, in print order; tests/test_profile_script.py looks for each of them.
 SETUP, COPY, DECODE, SAMPLER = "## Setup", "## Copy ceiling", "## Decode step", "## Sampler alone"
 DECODE_KERNELS, SCORING, SCORING_KERNELS = "## Decode kernels", "## Scoring", "## Scoring kernels"
-SUMMARY = "## Summary"
-SECTIONS = (SETUP, COPY, DECODE, SAMPLER, DECODE_KERNELS, SCORING, SCORING_KERNELS, SUMMARY)
+NEW_SHAPES, SUMMARY = "## New prefill shapes", "## Summary"
+SECTIONS = (SETUP, COPY, DECODE, SAMPLER, DECODE_KERNELS, SCORING, SCORING_KERNELS, NEW_SHAPES,
+            SUMMARY)  # fmt: skip
+# Distinct prompt counts no earlier part prefills (the decode case runs 64, scoring 8), three per
+# attention variant: each is a shape the process has not seen.
+NEW_PROMPT_COUNTS = (3, 5, 7, 11, 13, 17)
 # Kernel kinds by name pattern, first match wins: a coarse split of the device time that
 # survives kernel renames across torch and CUDA versions better than kernel names do.
 KERNEL_KINDS = (
@@ -606,6 +615,57 @@ def _rate(tflop: float, ms: float) -> str:
     return f"{tflop / (ms / 1e3):.3g}" if ms > 0 else "n/a"
 
 
+# ---- 4b. new prefill shapes ---------------------------------------------------------------------
+
+
+def _wall_ms(fn: Callable[[], object], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def new_shape_costs(model: torch.nn.Module, case: Case, device: torch.device,
+                    figures: dict[str, float]) -> None:  # fmt: skip
+    """The first prefill of a prompt count the process has not run against its repeat, per
+    attention variant: what a request pays for a shape its server never saw (the first request
+    after SERVING cost 1.45x a steady one on the H100). SDPA's cuDNN backend builds a plan per
+    shape; its efficient backend (CUDA only) has none; the compiled layer functions take any
+    token count (dynamic shapes), so the difference is the attention's."""
+    forward = scoring_forward(model, "rollserve")
+    assert forward is not None
+    variants: list[tuple[str, SDPBackend | None]] = [("sdpa (its pick)", None)]
+    if device.type == "cuda":
+        variants.append(("efficient", SDPBackend.EFFICIENT_ATTENTION))
+    counts, rows = iter(NEW_PROMPT_COUNTS), []
+    for name, backend in variants:
+        extra = []
+        for _ in range(len(NEW_PROMPT_COUNTS) // 2):
+            prompts = next(counts)
+            ids = torch.randint(3, model.config.vocab_size, (prompts, case.prompt_len),
+                                device=device)  # fmt: skip
+            valid = torch.ones_like(ids, dtype=torch.bool)
+            positions = torch.arange(case.prompt_len, device=device).expand_as(ids)
+
+            def prefill(ids=ids, valid=valid, positions=positions) -> object:
+                return forward.prefill(ids, valid, positions, None)
+
+            try:
+                with sdpa_kernel(backend) if backend is not None else nullcontext():
+                    first, again = _wall_ms(prefill, device), _wall_ms(prefill, device)
+            except RuntimeError as error:  # a backend that does not take these inputs
+                rows.append([name, str(prompts), f"failed: {str(error).splitlines()[0][:80]}",
+                             "-", "-"])  # fmt: skip
+                continue
+            extra.append(first - again)
+            rows.append([name, str(prompts), f"{first:.2f}", f"{again:.2f}",
+                         f"{first - again:.2f}"])  # fmt: skip
+        if extra:
+            figures[f"new_shape_ms:{name}"] = statistics.median(extra)
+    print_table(["attention", "prompts", "first ms", "repeat ms", "first - repeat ms"], rows)
+
+
 # ---- 5. summary and main ----------------------------------------------------------------------
 
 
@@ -640,6 +700,10 @@ def print_summary(figures: dict[str, float], copy_gbs: float | None) -> None:
     if "scoring_whole_ms" in figures:
         whole, body = figures["scoring_whole_ms"], figures["scoring_body_ms"]
         print(f"scoring one forward batch: {whole:.2f} ms, body {body:.2f} ms ({body / whole:.0%})")
+    shapes_ms = {k.split(":", 1)[1]: v for k, v in figures.items() if k.startswith("new_shape_ms:")}
+    if shapes_ms:
+        print("a new prefill shape, its first call over its repeat (median): "
+              + ", ".join(f"{name} +{ms:.2f} ms" for name, ms in shapes_ms.items()))  # fmt: skip
     print("(nominal: H100 SXM 3.35 TB/s, ~990 TFLOP/s bf16 dense; H200 4.8 TB/s)", flush=True)
 
 
@@ -718,6 +782,9 @@ def profile_all(args: argparse.Namespace, model: torch.nn.Module, parts: Parts) 
     parts.run("the scoring", lambda: scoring_timings(scoring, timer, figures))
     header(SCORING_KERNELS, f"top {args.scoring_top} of one action_log_probs call")
     parts.run("the scoring kernels", lambda: scoring_kernels(scoring, device, args.scoring_top))
+    header(NEW_SHAPES, f"{cases.scoring.prompt_len}-token prompts, engine forward, wall ms")
+    parts.run("the new prefill shapes",
+              lambda: new_shape_costs(model, cases.scoring, device, figures))  # fmt: skip
     return figures
 
 

@@ -20,6 +20,7 @@ SECTIONS = (
     "## Decode kernels",
     "## Scoring",
     "## Scoring kernels",
+    "## New prefill shapes",
     "## Summary",
 )
 
@@ -40,3 +41,7 @@ def test_cpu_quick_run_prints_every_section_and_its_tables() -> None:
     assert re.search(r"^\| forward\.decode \| [\d.]+ \|", out, re.M)
     assert re.search(r"^\| decoder body \(Forward\.hidden_states\) \| [\d.]+ \|", out, re.M)
     assert re.search(r"^width 192: step [\d.]+ ms", out, re.M)
+    # A new prefill shape's first call against its repeat, three prompt counts (the CPU: SDPA's
+    # pick only), and its median in the summary.
+    assert len(re.findall(r"^\| sdpa \(its pick\) \| \d+ \| [\d.]+ \| [\d.]+ \|", out, re.M)) == 3
+    assert re.search(r"^a new prefill shape, its first call over its repeat", out, re.M)
