@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -36,6 +37,8 @@ __all__ = [
     "DECODE_ATTENTION",
     "DEFAULT_DECODE_ATTENTION",
     "DecodeAttention",
+    "PREFILL_ATTENTION",
+    "PREFILL_ATTENTION_ENV",
     "additive_mask",
     "decode_attention",
     "decode_attention_flex",
@@ -44,6 +47,7 @@ __all__ = [
     "decode_attention_variants",
     "pick_decode_attention",
     "prefill_attention",
+    "prefill_backend",
     "prefill_mask",
 ]
 
@@ -85,15 +89,44 @@ def prefill_mask(valid: torch.Tensor, window: int | None, first_query: int = 0) 
     return mask[:, None]
 
 
+PREFILL_ATTENTION_ENV = "ROLLSERVE_PREFILL_ATTENTION"
+# What ROLLSERVE_PREFILL_ATTENTION may name: SDPA's own pick, or its efficient backend held
+# (CUDA only; ignored elsewhere). SDPA's pick on an H100 is cuDNN's kernel, which builds a plan
+# per new shape; a prefill's shape follows a request's count of distinct prompts, which no
+# warm-up can cover. profile_gpu.py ("New prefill shapes") times both on a new shape.
+PREFILL_ATTENTION = {"sdpa": None, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def prefill_backend() -> SDPBackend | None:
+    """The backend ROLLSERVE_PREFILL_ATTENTION holds prefill and scoring attention to on CUDA
+    (None: SDPA picks, the default); ValueError for a name not in PREFILL_ATTENTION."""
+    name = os.environ.get(PREFILL_ATTENTION_ENV, "").strip() or "sdpa"
+    if name not in PREFILL_ATTENTION:
+        raise ValueError(
+            f"{PREFILL_ATTENTION_ENV}={name!r}: expected one of {sorted(PREFILL_ATTENTION)}"
+        )
+    return PREFILL_ATTENTION[name]
+
+
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    backend: SDPBackend | None = None,
 ) -> torch.Tensor:
-    """q (b, H, q, D), k/v (b, Hkv, s, D), mask (b, 1, q, s) -> (b, H, q, D)."""
+    """q (b, H, q, D), k/v (b, Hkv, s, D), mask (b, 1, q, s) -> (b, H, q, D); on CUDA through
+    `backend` when one is given (prefill_backend), else SDPA's pick."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # as HF's repeat_kv: prefill runs once per request
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if backend is None or q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    # Process-wide flags while inside (not per thread): only the engine thread runs attention.
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def decode_attention(

@@ -30,6 +30,7 @@ from .attention import (
     additive_mask,
     decode_attention_variant,
     prefill_attention,
+    prefill_backend,
     prefill_mask,
 )
 from .compiling import maybe_compiled
@@ -181,6 +182,7 @@ class Forward:
         self._token_inputs = maybe_compiled(token_inputs, compiled, dynamic=True)
         self._token_mlp = maybe_compiled(mlp_block, compiled, dynamic=True)
         self.decode_attention_variant = DEFAULT_DECODE_ATTENTION
+        self.prefill_backend = prefill_backend()  # ROLLSERVE_PREFILL_ATTENTION, read once
 
     @property
     def decode_attention_variant(self) -> str:
@@ -295,7 +297,7 @@ class Forward:
             q, k, v = self._sequence_inputs(layer, x, cos, sin)
             if write is not None:
                 write(index, k, v)
-            out = prefill_attention(q, k, v, masks[layer.window], f.scaling)  # (b, H, s, D)
+            out = prefill_attention(q, k, v, masks[layer.window], f.scaling, self.prefill_backend)
             x = self._sequence_mlp(layer, x, out.transpose(1, 2).reshape(*ids.shape, -1))
         return rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
 
@@ -354,7 +356,7 @@ class Forward:
             q, k, v = self._sequence_inputs(layer, x, cos, sin)
             k = torch.cat([k_prompt[of_row], k], dim=2)  # (b, Hkv, s, D)
             v = torch.cat([v_prompt[of_row], v], dim=2)
-            out = prefill_attention(q, k, v, masks[layer.window], f.scaling)  # (b, H, s - P, D)
+            out = prefill_attention(q, k, v, masks[layer.window], f.scaling, self.prefill_backend)
             x = self._sequence_mlp(layer, x, out.transpose(1, 2).reshape(*x.shape[:2], -1))
         tail = rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
         return torch.cat([head[of_row], tail], dim=1)

@@ -1,0 +1,91 @@
+"""ROLLSERVE_PREFILL_ATTENTION (server/generation/attention.py): prefill and scoring attention
+held to SDPA's efficient backend on CUDA (its cuDNN pick builds a plan per new shape), SDPA's
+own pick by default; a name it does not know is a ValueError when the engine's forward is built;
+off CUDA the backend is ignored (the efficient kernel has no CPU version)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollserve.server.generation.attention import (
+    PREFILL_ATTENTION_ENV,
+    additive_mask,
+    prefill_attention,
+    prefill_backend,
+    prefill_mask,
+)
+from torch.nn.attention import SDPBackend
+
+
+def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PREFILL_ATTENTION_ENV, raising=False)
+    assert prefill_backend() is None
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "sdpa")
+    assert prefill_backend() is None
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "efficient")
+    assert prefill_backend() is SDPBackend.EFFICIENT_ATTENTION
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "cudnn")
+    with pytest.raises(ValueError, match=PREFILL_ATTENTION_ENV):
+        prefill_backend()
+
+
+def _inputs(device: str, dtype: torch.dtype):
+    """GQA (4 query heads over 2 KV heads), left-padded rows, an additive causal mask."""
+    g = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, s, d = 3, 4, 2, 9, 16
+    q = torch.randn(b, heads, s, d, generator=g).to(device, dtype)
+    k, v = (torch.randn(b, kv_heads, s, d, generator=g).to(device, dtype) for _ in range(2))
+    valid = torch.ones(b, s, dtype=torch.bool)
+    valid[1, :3] = valid[2, :5] = False
+    mask = additive_mask(prefill_mask(valid.to(device), None), dtype)
+    return q, k, v, mask
+
+
+def test_off_cuda_the_backend_is_ignored() -> None:
+    q, k, v, mask = _inputs("cpu", torch.float32)
+    held = prefill_attention(q, k, v, mask, 0.25, SDPBackend.EFFICIENT_ATTENTION)
+    assert torch.equal(held, prefill_attention(q, k, v, mask, 0.25))
+
+
+def test_an_unknown_name_fails_the_engine_build(
+    monkeypatch: pytest.MonkeyPatch, tiny_actor_dir
+) -> None:
+    from rollserve.server.generation import scoring_forward
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_actor_dir, dtype=torch.float32).eval()
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "fastest")
+    with pytest.raises(ValueError, match="expected one of"):
+        scoring_forward(model, "rollserve")
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "efficient")  # a CPU forward takes it, ignores it
+    assert scoring_forward(model, "rollserve").prefill_backend is SDPBackend.EFFICIENT_ATTENTION
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_efficient_backend_equals_sdpas_pick() -> None:
+    q, k, v, mask = _inputs("cuda", torch.bfloat16)
+    held = prefill_attention(q, k, v, mask, 0.25, SDPBackend.EFFICIENT_ATTENTION)
+    torch.testing.assert_close(held, prefill_attention(q, k, v, mask, 0.25), atol=2e-2, rtol=2e-2)
+
+
+def test_the_forward_hands_its_backend_to_every_prefill_and_scoring_attention(
+    monkeypatch: pytest.MonkeyPatch, tiny_actor_dir
+) -> None:
+    # Both full-sequence paths: a prefill of distinct prompts and scoring's shared prompts.
+    from rollserve.server.experience.scoring import action_log_probs
+    from rollserve.server.generation import model as generation_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_actor_dir, dtype=torch.float32).eval()
+    monkeypatch.setenv(PREFILL_ATTENTION_ENV, "efficient")
+    seen = []
+
+    def spy(*args):
+        seen.append(args[5])
+        return prefill_attention(*args)
+
+    monkeypatch.setattr(generation_model, "prefill_attention", spy)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12, 13]])  # one prompt, 2 samples
+    action_log_probs(model, ids, torch.ones_like(ids), 3, forward_batch_size=2, path="rollserve")
+    layers = model.config.num_hidden_layers
+    assert seen == [SDPBackend.EFFICIENT_ATTENTION] * 2 * layers  # the prompt once, the tails
