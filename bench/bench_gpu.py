@@ -738,6 +738,7 @@ class ServerFigures:
     weights_bytes: int = 0
     generation_path: str = ""
     kv_cache_tokens: int = 0
+    log_lines: list[str] = field(default_factory=list)  # SERVER_LOG_MARKS lines of its log
 
 
 def grpc_lane(
@@ -774,6 +775,7 @@ def grpc_lane(
                     device=args.device,
                 )
             figures.memory_after = scrape_memory(metrics_port)
+            figures.log_lines = server_log_lines(log_path.read_text(errors="replace"))
             figures.lane.note = "; ".join(filter(None, (
                 f"server process: launch to SERVING {figures.start_s:.1f} s, path "
                 f"{figures.generation_path}, KV {figures.kv_cache_tokens:,} tokens",
@@ -783,6 +785,29 @@ def grpc_lane(
         figures.lane.error = failure(error)
     print_lane(figures.lane, case)
     return figures
+
+
+# The server's own account of its warm-up, read from its log: the engine's memory after it
+# (weights, KV, graph pool, allocated/reserved and their peaks: where the memory target's peak
+# sits), what the warm-up built and in how long, the decode attention it picked, and any
+# compiler fallback to eager.
+SERVER_LOG_MARKS = (
+    "engine memory after the warm-up",
+    "engine warm-up in",
+    "decode attention (",
+    "failed (",
+)
+
+
+def server_log_lines(log: str) -> list[str]:
+    """The lines of a server's log that carry one of SERVER_LOG_MARKS, without the logger's
+    prefix up to the message."""
+    lines = []
+    for line in log.splitlines():
+        mark = next((m for m in SERVER_LOG_MARKS if m in line), None)
+        if mark is not None:
+            lines.append(line[line.index(mark) if mark != "failed (" else 0 :].strip())
+    return lines
 
 
 def kv_bytes_of_batch(config, case: Case, bytes_per_value: int) -> int:
@@ -932,6 +957,8 @@ def print_summary(
         f"{kv_bytes / GIB:.2f} GiB"
     )
     print(phase_memory_line(local.memory if local else {}, server.weights_bytes + kv_bytes))
+    for line in server.log_lines:
+        print(f"server log: {line}")
 
 
 def phase_memory_line(memory: dict[str, PhaseMemory], need: int) -> str:
