@@ -4,7 +4,7 @@
 # and of scoring (bench/profile_gpu.py: where the time goes, kernel tables), then the weights and
 # generation benchmarks, each bounded so that one slow part cannot eat the others' time. Logs go
 # to $OUT (or ./gpu-out): the profile's tables in full in $OUT/profile.log. Wheels of the
-# gRPC/protobuf pins may be carried in .whl/ (README "GPU checks").
+# gRPC/protobuf pins may be carried in .whl/ (README, "Development": how to download them).
 #
 #     bash bench/gpu_checks.sh            # one H100: at most ~10 minutes
 #
