@@ -62,7 +62,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generation import build_model, grouped_prompts  # noqa: E402
-from bench_gpu import Case, scoring_rows, scoring_tflop  # noqa: E402
+from bench_gpu import Case, scoring_rows, scoring_tflop, timed  # noqa: E402
 from rollserve.server.experience.generation import SamplingParams, left_pad  # noqa: E402
 from rollserve.server.experience.scoring import (  # noqa: E402
     action_log_probs,
@@ -618,14 +618,6 @@ def _rate(tflop: float, ms: float) -> str:
 # ---- 4b. new prefill shapes ---------------------------------------------------------------------
 
 
-def _wall_ms(fn: Callable[[], object], device: torch.device) -> float:
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return (time.perf_counter() - start) * 1e3
-
-
 def new_shape_costs(model: torch.nn.Module, case: Case, device: torch.device,
                     figures: dict[str, float]) -> None:  # fmt: skip
     """The first prefill of a prompt count the process has not run against its repeat, per
@@ -653,7 +645,7 @@ def new_shape_costs(model: torch.nn.Module, case: Case, device: torch.device,
 
             try:
                 with sdpa_kernel(backend) if backend is not None else nullcontext():
-                    first, again = _wall_ms(prefill, device), _wall_ms(prefill, device)
+                    first, again = (1e3 * timed(prefill, device.type) for _ in range(2))
             except RuntimeError as error:  # a backend that does not take these inputs
                 rows.append([name, str(prompts), f"failed: {str(error).splitlines()[0][:80]}",
                              "-", "-"])  # fmt: skip

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..generation import SCORING_CHUNK_BYTES
 from ..generation.compiling import maybe_compiled
 
 __all__ = [
@@ -47,9 +48,10 @@ VOCAB_CHUNKS_ENV = "ROLLSERVE_SCORING_VOCAB_CHUNKS"
 # chunk, so (for a fixed chunk size in elements) the traffic is least when the two are about
 # equal; 16,384 covers a forward batch of 64 rows x 256 actions in one pass.
 PASS_POSITIONS = 16384
-# The model-dtype logits of one chunk at most (compiled): 128 MiB, what one lm_head block of
-# scoring.py held on the H100 bench (441 positions x 152k vocabulary in bfloat16).
-CHUNK_BYTES = 128 << 20
+# The model-dtype logits of one chunk at most (compiled): half of the float32 block the KV
+# budget reserves room for (kv_cache.activation_reserve_bytes), 128 MiB, what one lm_head block
+# of scoring.py held on the H100 bench (441 positions x 152k vocabulary in bfloat16).
+CHUNK_BYTES = SCORING_CHUNK_BYTES // 2
 # Columns of a chunk are a multiple of this (GEMM tiles), unless the chunk is the whole vocabulary.
 COLUMN_QUANTUM = 128
 # Float32 temporaries per element of an eager step (the cast, the exponentials, their product).
