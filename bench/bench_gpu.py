@@ -1,8 +1,9 @@
 """The GPU figures of issue 19 in one run: the engine against Hugging Face `generate` on the
 same rows, then MakeExperience end to end, in-process and over gRPC.
 
-The model is the random Qwen2-0.5B-shaped model of bench_generation.py (no download), in
-bfloat16, with a word-level tokenizer of its vocabulary. Rows are GRPO-shaped (distinct prompts
+The model is a random Qwen2-0.5B-shaped model of bench_generation.py (no download; by default
+the issue's: vocab 32,000, tied embeddings, 386M parameters; --model 0.5b for the 151,936
+vocabulary of the figures before 2026-11-27), in bfloat16, with a word-level tokenizer of its vocabulary. Rows are GRPO-shaped (distinct prompts
 x samples per prompt) and every row makes exactly new_tokens tokens (no EOS), so tokens/s are
 comparable across lanes. A failing lane prints its error and the run goes on; a watchdog ends
 the run (and its server process) when --budget-s is spent.
@@ -59,7 +60,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generation import build_model, grouped_prompts  # noqa: E402
+from bench_generation import (  # noqa: E402
+    GPU_BENCH_MODEL,
+    QWEN2_05B_VOCAB,
+    build_model,
+    grouped_prompts,
+)
 from bench_make_experience import save_tokenizer  # noqa: E402
 from rollserve.server.experience.generation import SamplingParams, generate, left_pad  # noqa: E402
 from rollserve.server.experience.timing import PHASES, PhaseClock, phase_key  # noqa: E402
@@ -1060,6 +1066,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="a small model and batch (smoke test)")
+    parser.add_argument(
+        "--model", default=GPU_BENCH_MODEL, choices=sorted(QWEN2_05B_VOCAB),
+        help="the Qwen2-0.5B shape by vocabulary (bench_generation.QWEN2_05B_VOCAB): 0.5b-issue "
+        "is the issue's case, 0.5b the model of the figures before 2026-11-27",
+    )  # fmt: skip
     parser.add_argument("--reps", type=int, default=3, help="steady calls per lane")
     parser.add_argument(
         "--hf-reps",
@@ -1092,7 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     budget = Budget(args.budget_s)
     dtype = getattr(torch, args.dtype)
-    size = "small" if args.quick else "0.5b"
+    size = "small" if args.quick else args.model
     start = time.perf_counter()
     model = build_model(size, 512, 64, 2, dtype, args.device)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"

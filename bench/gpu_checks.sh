@@ -32,6 +32,11 @@
 # the engine's levers off: PROFILE_BASELINE_ENV="ROLLSERVE_FUSED_PROJECTIONS=0
 # ROLLSERVE_DECODE_ATTENTION=sdpa ROLLSERVE_SCORING_VOCAB_CHUNKS=0" with SKIP_STEPS="test-gpu
 # bench-weights update-latency bench-gpu" (profile and profile-baseline: 2 x PROFILE_GPU_S).
+#
+# The benches' model is issue 19's and 20's case by default (bench_generation.QWEN2_05B_VOCAB
+# "0.5b-issue": Qwen2-0.5B-shaped, vocab 32,000, tied, 386M parameters, 0.83 GB per update).
+# Every GPU figure before 2026-11-27 was of "0.5b" (vocab 151,936, untied, 630M, 1.26 GB): add
+# --model 0.5b to BENCH_GPU_ARGS, WEIGHTS_ARGS or PROFILE_ARGS to compare with them.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"

@@ -3,8 +3,9 @@
 A decode step of the issue's case costs ~6 ms on an H100 where the bytes it must move take ~2
 ms, and the engine's speed followed memory bandwidth from H100 to H200: something moves about
 three times the bytes it should. This script prints where the time goes, in about a minute of
-device time. The model is bench_gpu.py's (the random Qwen2-0.5B-shaped model of
-bench_generation.py, no download; --quick: its tiny Llama). Parts, in order, each skipped once
+device time. The model is bench_gpu.py's (a random Qwen2-0.5B-shaped model of
+bench_generation.py, no download: by default the issue's, vocab 32,000 and tied; --model 0.5b:
+the 151,936 vocabulary of the figures before 2026-11-27; --quick: its tiny Llama). Parts, in order, each skipped once
 --budget-s is spent (a failing part prints its error and the run goes on, exit status 1):
 
 1. Copy ceiling: one device-to-device copy, the GB/s a memory-bound step can hope for.
@@ -61,7 +62,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generation import build_model, grouped_prompts  # noqa: E402
+from bench_generation import (  # noqa: E402
+    GPU_BENCH_MODEL,
+    QWEN2_05B_VOCAB,
+    build_model,
+    grouped_prompts,
+)
 from bench_gpu import Case, scoring_rows, scoring_tflop, timed  # noqa: E402
 from rollserve.server.experience.generation import SamplingParams, left_pad  # noqa: E402
 from rollserve.server.experience.scoring import (  # noqa: E402
@@ -708,6 +714,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--quick", action="store_true", help="the tiny model and case (CPU)")
+    parser.add_argument(
+        "--model", default=GPU_BENCH_MODEL, choices=sorted(QWEN2_05B_VOCAB),
+        help="the Qwen2-0.5B shape by vocabulary (bench_generation.QWEN2_05B_VOCAB)",
+    )  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=50.0, help="no part starts after it")
     parser.add_argument("--reps", type=int, default=0, help="timed calls per median (0: 20, 5)")
     parser.add_argument("--profile-steps", type=int, default=5)
@@ -792,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
         # The tiny model gains nothing from threads, and on a busy host their OpenMP barriers
         # stall: one thread keeps the smoke run's time steady.
         torch.set_num_threads(1)
-    size = "small" if args.quick else "0.5b"
+    size = "small" if args.quick else args.model
     model = build_model(size, 512, 64, 2, getattr(torch, args.dtype), args.device)
     model.requires_grad_(False)  # as a server loads it: F.linear picks other kernels otherwise
     case = shapes(args.quick).decode

@@ -164,3 +164,28 @@ def test_scoring_tflop_counts_every_matmul_of_the_engine_scoring(bench_gpu, fami
     matmuls = counts.get("aten.mm", 0) + counts.get("aten.addmm", 0)
     body, head = bench_gpu.scoring_tflop(model, case)
     assert matmuls > 0 and (body + head) * 1e12 == pytest.approx(matmuls, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("size", "vocab", "tied", "parameters"),
+    [("0.5b-issue", 32000, True, 386_570_112), ("0.5b", 151936, False, 630_167_424)],
+)
+def test_the_gpu_benches_model_is_the_issues_case(
+    bench_gpu, size: str, vocab: int, tied: bool, parameters: int
+) -> None:
+    """Issues 19 and 20 set their targets on a Qwen2-0.5B-shaped model of vocab 32,000 with tied
+    embeddings: 386M parameters, 0.83 GB per update under both names. The GPU benches default to
+    it; "0.5b" (Qwen2's own vocabulary, untied) is the model of the figures before 2026-11-27."""
+    import bench_generation
+
+    assert bench_generation.GPU_BENCH_MODEL == "0.5b-issue"
+    for script in ("bench_gpu.py", "bench_gpu_weights.py", "profile_gpu.py"):
+        assert "default=GPU_BENCH_MODEL" in (BENCH / script).read_text(), script
+    with torch.device("meta"):
+        model = bench_generation.build_model(size, 0, 0, 0, torch.bfloat16, "meta")
+    assert model.config.vocab_size == vocab
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is tied
+    assert sum(p.numel() for p in model.parameters()) == parameters
+    if tied:
+        update = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        assert round(update / 1e9, 2) == 0.83
