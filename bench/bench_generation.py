@@ -26,7 +26,6 @@ from collections.abc import Callable
 import torch
 from rollserve.server.experience.generation import SamplingParams, generate, left_pad
 
-
 # The Qwen2-0.5B-shaped models (24 layers, hidden 896, 14 heads / 2 KV heads, MLP 4864) by
 # vocabulary and tying:
 #   "0.5b-issue"  vocab 32,000, tied embeddings: 386M parameters (0.77 GB in bf16), the model

@@ -3,10 +3,11 @@ same rows, then MakeExperience end to end, in-process and over gRPC.
 
 The model is a random Qwen2-0.5B-shaped model of bench_generation.py (no download; by default
 the issue's: vocab 32,000, tied embeddings, 386M parameters; --model 0.5b for the 151,936
-vocabulary of the figures before 2026-11-27), in bfloat16, with a word-level tokenizer of its vocabulary. Rows are GRPO-shaped (distinct prompts
-x samples per prompt) and every row makes exactly new_tokens tokens (no EOS), so tokens/s are
-comparable across lanes. A failing lane prints its error and the run goes on; a watchdog ends
-the run (and its server process) when --budget-s is spent.
+vocabulary of the figures before 2026-11-27), in bfloat16, with a word-level tokenizer of its
+vocabulary. Rows are GRPO-shaped (distinct prompts x samples per prompt) and every row makes
+exactly new_tokens tokens (no EOS), so tokens/s are comparable across lanes. A failing lane
+prints its error and the run goes on; a watchdog ends the run (and its server process) when
+--budget-s is spent.
 
 1. Generation: HF `generate` (dynamic cache, temperature 1, top-k and top-p off) against the
    engine (CUDA graphs and compiled layers: the CUDA default), after the engine's warm-up on

@@ -5,8 +5,9 @@ ms, and the engine's speed followed memory bandwidth from H100 to H200: somethin
 three times the bytes it should. This script prints where the time goes, in about a minute of
 device time. The model is bench_gpu.py's (a random Qwen2-0.5B-shaped model of
 bench_generation.py, no download: by default the issue's, vocab 32,000 and tied; --model 0.5b:
-the 151,936 vocabulary of the figures before 2026-11-27; --quick: its tiny Llama). Parts, in order, each skipped once
---budget-s is spent (a failing part prints its error and the run goes on, exit status 1):
+the 151,936 vocabulary of the figures before 2026-11-27; --quick: its tiny Llama). Parts, in
+order, each skipped once --budget-s is spent (a failing part prints its error and the run goes
+on, exit status 1):
 
 1. Copy ceiling: one device-to-device copy, the GB/s a memory-bound step can hope for.
 2. Decode step: the engine (engine_for, as a server builds it: compiled layers and CUDA graphs
