@@ -20,7 +20,9 @@ on, exit status 1):
    sampler that materialises probabilities adds) and the GB/s the floor implies. Then the
    decode attention variants (attention.py: pick_decode_attention) at each of those widths on
    layer 0's cache as the request left it, in ms per call, with the GB/s of their KV reads,
-   the fastest here and the engine's choice (timed by its warm-up at the widest width).
+   the fastest here and the engine's choice (timed by its warm-up at the widest width); with
+   them the shared-prefix variants (server/generation/shared_prefix.py: each group's prompt
+   columns read once; timed here only, not used by the engine yet).
 3. Sampler alone: Sampler.sample of the workspace on random (rows, vocab) logits, eager and as
    a graph, and its share of the graph step.
    Decode kernels: torch.profiler over a few eager steps (and graph replays at the widest
@@ -78,9 +80,14 @@ from rollserve.server.experience.scoring import (  # noqa: E402
 from rollserve.server.generation import Engine, engine_for, scoring_forward  # noqa: E402
 from rollserve.server.generation.attention import (  # noqa: E402
     additive_mask,
+    decode_attention_variants,
     pick_decode_attention,
 )
 from rollserve.server.generation.runner import attention_width, batch_bucket  # noqa: E402
+from rollserve.server.generation.shared_prefix import (  # noqa: E402
+    SharedPrefix,
+    shared_prefix_variants,
+)
 
 GB = 1e9
 # Section headers, in print order; tests/test_profile_script.py looks for each of them.
@@ -337,6 +344,9 @@ class Decode:
     rows: int  # the batch bucket the steps run at
     widths: dict[int, int]  # attention width -> the first step that reads it
     first_positions: torch.Tensor  # (rows,) the position ids step 1 feeds
+    # Groups of consecutive rows whose prompt columns hold the same K/V (the request's GRPO
+    # groups, prefilled once and copied): what the shared-prefix attention variants read once.
+    shared: SharedPrefix | None = None
 
     def at(self, attend: int) -> Callable[[], None]:
         """Puts the step counter and positions back to the width's first step (every timed
@@ -408,7 +418,10 @@ def start_decode(model: torch.nn.Module, case: Case, device: torch.device) -> De
         f"attention {engine.decode_attention} {_variant_ms(engine.decode_attention_ms)}\n",
         flush=True,
     )
-    return Decode(engine, ws, rows, widths, ws.positions[:rows].clone())
+    shared = SharedPrefix.of_layout(case.samples, case.prompt_len)
+    if shared is not None and rows % shared.samples:
+        shared = None  # filler rows would break the groups
+    return Decode(engine, ws, rows, widths, ws.positions[:rows].clone(), shared)
 
 
 def decode_timings(
@@ -452,22 +465,32 @@ def decode_timings(
 def attention_variants(decode: Decode, reps: int, figures: dict[str, float]) -> None:
     """pick_decode_attention per width on layer 0's K/V views of the workspace (the request's
     prefilled cache and its valid columns as the mask, random q): ms per call of each variant
-    (on CUDA inside a CUDA graph, as the engine replays it), the GB/s of its K and V reads."""
+    (on CUDA inside a CUDA graph, as the engine replays it), the GB/s of its K and V reads.
+    With the request's groups, also the shared-prefix variants (shared_prefix.py: a group's
+    prompt columns read once; not in the engine yet), whose GB/s count the columns they read."""
     engine, ws, b = decode.engine, decode.ws, decode.rows
     family = engine.family
     g = torch.Generator(device=engine.device).manual_seed(2)
     q = torch.randn((b, family.num_heads, family.head_dim), generator=g, device=engine.device)
     q = q.to(engine.dtype)
+    variants = decode_attention_variants(engine.device, engine.compiled)
+    if decode.shared is not None:
+        variants |= shared_prefix_variants(decode.shared, engine.device, engine.compiled)
     rows, names = [], []
     for attend in decode.measured_widths:
         k, v = ws.k[0, :b, :, :attend], ws.v[0, :b, :, :attend]
         mask = additive_mask(ws.valid[:b, :attend], engine.dtype)
-        fastest, timings = pick_decode_attention(q, k, v, mask, family.scaling, reps)
+        fastest, timings = pick_decode_attention(q, k, v, mask, family.scaling, reps,
+                                                 variants=variants)  # fmt: skip
         names = list(timings)
-        kv_gb = 2 * k.numel() * k.element_size() / GB
+        column_bytes = 2 * k.shape[1] * k.shape[3] * k.element_size()  # K and V, per column
+        full_gb = b * attend * column_bytes / GB
+        shared_gb = (decode.shared.columns_read(b, attend) * column_bytes / GB
+                     if decode.shared is not None else full_gb)  # fmt: skip
         figures.update({f"attention_ms@{attend}:{n}": ms for n, ms in timings.items()})
-        rows.append([str(attend)] + [_variant_cell(ms, kv_gb) for ms in timings.values()]
-                    + [fastest, engine.decode_attention])  # fmt: skip
+        cells = [_variant_cell(ms, shared_gb if n.endswith("_shared") else full_gb)
+                 for n, ms in timings.items()]  # fmt: skip
+        rows.append([str(attend)] + cells + [fastest, engine.decode_attention])
     print_table(
         ["width"] + [f"{n} ms (KV GB/s)" for n in names] + ["fastest here", "engine's choice"],
         rows,

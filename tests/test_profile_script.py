@@ -41,6 +41,10 @@ def test_cpu_quick_run_prints_every_section_and_its_tables() -> None:
     assert re.search(r"^\| forward\.decode \| [\d.]+ \|", out, re.M)
     assert re.search(r"^\| decoder body \(Forward\.hidden_states\) \| [\d.]+ \|", out, re.M)
     assert re.search(r"^width 192: step [\d.]+ ms", out, re.M)
+    # The shared-prefix variant timed on the request's grouped cache, and agreeing with sdpa.
+    table = out[out.index("| matmul_shared ms (KV GB/s) |") :]
+    row = re.search(r"^\| 192 \| (.*) \| \w+ \| sdpa \|$", table, re.M)
+    assert row and re.fullmatch(r"[\d.]+ \(\d+\)", row.group(1).split(" | ")[-1]), table
     # A new prefill shape's first call against its repeat, three prompt counts (the CPU: SDPA's
     # pick only), and its median in the summary.
     assert len(re.findall(r"^\| sdpa \(its pick\) \| \d+ \| [\d.]+ \| [\d.]+ \|", out, re.M)) == 3

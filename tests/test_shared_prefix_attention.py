@@ -1,0 +1,158 @@
+"""Decode attention with a group's prompt read once (server/generation/shared_prefix.py), proved
+on the CPU: it equals "sdpa" (attention.decode_attention) within the tolerance the engine's
+pick holds every variant to, on strided views of a cache whose groups of consecutive rows
+share their prompt columns, with left pads (a group's shared columns all pads included),
+unwritten columns and rows at different lengths; query groups of 7, 2 and 1 heads per KV head;
+float32 and bfloat16; the matmul form eagerly and compiled whole (fullgraph), the flex form
+eagerly (Inductor's CPU flex kernel has no log-sum-exp; the gpu test compiles it on CUDA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollserve.server.generation import shared_prefix
+from rollserve.server.generation.attention import (
+    _tolerance,
+    additive_mask,
+    decode_attention,
+    pick_decode_attention,
+)
+from rollserve.server.generation.shared_prefix import (
+    SharedPrefix,
+    shared_prefix_attention_flex,
+    shared_prefix_attention_matmul,
+    shared_prefix_variants,
+)
+
+# (query heads, KV heads, head dim): groups of 7 (Qwen2-0.5B's 14 / 2, head_dim 64), 2 and 1.
+HEADS = {7: (14, 2, 64), 2: (4, 2, 16), 1: (2, 2, 16)}
+PROMPT = 128  # the layout's prompt columns (left-padded prompts end at column PROMPT - 1)
+
+
+def grouped_cache(
+    groups: int,
+    samples: int,
+    group: int = 7,
+    width: int = 256,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (b, H, D); k, v (b, Hkv, w, D) as the engine's cache views (layer 1 of a buffer wider
+    in rows and columns: never contiguous) whose rows come in `groups` groups of `samples`
+    sharing their PROMPT prompt columns; the additive mask (b, w): each group's left pads (one
+    group's prompt shorter than 64 columns: its first 64 columns are all pads), then each row's
+    own count of generated columns."""
+    heads, kv_heads, dim = HEADS[group]
+    rows = groups * samples
+    g = torch.Generator(device=device).manual_seed(rows * 100 + group)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g, device=device).to(dtype)
+
+    layout = (2, rows + 3, kv_heads, width + 64, dim)
+    k_buffer, v_buffer = randn(*layout), randn(*layout)
+    for buffer in (k_buffer, v_buffer):  # a group's prompt columns: the same K/V in each row
+        prompt = buffer[1, :rows:samples, :, :PROMPT]
+        buffer[1, :rows, :, :PROMPT] = prompt.repeat_interleave(samples, dim=0)
+    k, v = k_buffer[1, :rows, :, :width], v_buffer[1, :rows, :, :width]
+    assert not k.is_contiguous()
+    prompt_lengths = torch.tensor([PROMPT, 30, 100, 65], device=device)
+    lengths = prompt_lengths.repeat(-(-groups // 4))[:groups].repeat_interleave(samples)
+    generated = torch.arange(rows, device=device) * 37 % (width - PROMPT) + 1
+    columns = torch.arange(width, device=device)
+    allowed = (columns >= PROMPT - lengths[:, None]) & (columns < PROMPT + generated[:, None])
+    return randn(rows, heads, dim), k, v, additive_mask(allowed, dtype)
+
+
+def assert_agrees(out: torch.Tensor, reference: torch.Tensor) -> None:
+    tol = _tolerance(reference.dtype)
+    assert out.shape == reference.shape and out.dtype == reference.dtype
+    torch.testing.assert_close(out.float(), reference.float(), rtol=tol, atol=tol)
+
+
+def test_of_layout_rounds_the_prompt_down_and_shares_nothing_alone() -> None:
+    assert SharedPrefix.of_layout(8, 128) == SharedPrefix(8, 128)
+    assert SharedPrefix.of_layout(8, 200) == SharedPrefix(8, 192)
+    assert SharedPrefix.of_layout(1, 512) is None  # one sample per prompt
+    assert SharedPrefix.of_layout(8, 63) is None  # nothing of a whole quantum
+    # The issue's case at its widest step: 64 groups x 128 columns + 512 rows x 256.
+    assert SharedPrefix(8, 128).columns_read(512, 384) == 64 * 128 + 512 * 256
+
+
+@pytest.mark.parametrize("form", ["matmul", "flex"])
+@pytest.mark.parametrize(
+    ("dtype", "group", "samples", "prefix"),
+    [
+        (torch.float32, 7, 4, 128),
+        (torch.float32, 7, 2, 64),
+        (torch.float32, 2, 4, 128),
+        (torch.float32, 1, 3, 64),
+        (torch.bfloat16, 7, 4, 128),
+    ],
+)
+def test_equals_sdpa_on_a_grouped_cache(
+    form: str, dtype: torch.dtype, group: int, samples: int, prefix: int
+) -> None:
+    scale = HEADS[group][2] ** -0.5
+    q, k, v, mask = grouped_cache(4, samples, group, dtype=dtype)
+    fn = shared_prefix_attention_flex if form == "flex" else shared_prefix_attention_matmul
+    with torch.inference_mode():
+        out = fn(q, k, v, mask, scale, samples=samples, prefix=prefix)
+        assert_agrees(out, decode_attention(q, k, v, mask, scale))
+
+
+def test_the_matmul_form_compiles_whole() -> None:
+    """fullgraph: no host synchronisation and no data-dependent Python, so a CUDA graph can
+    replay it (one shape: a CPU compile of it is ~25 s cold)."""
+    torch._dynamo.reset()
+    shared_prefix._matmul_compiled.cache_clear()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    q, k, v, mask = grouped_cache(4, 4, 2)
+    with torch.inference_mode():
+        out = shared_prefix_attention_matmul(q, k, v, mask, 0.25, samples=4, prefix=128,
+                                             compiled=True)  # fmt: skip
+        assert_agrees(out, decode_attention(q, k, v, mask, 0.25))
+    assert shared_prefix._matmul_compiled().compiled is not None  # not the eager fallback
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_the_shared_columns_are_read_from_each_groups_first_row() -> None:
+    """The precondition made visible: the prefix part reads row 0 of each group only, so a
+    row whose prompt columns differ from its group's first row gets the first row's prompt
+    (a layout that is not grouped must not use this attention)."""
+    q, k, v, mask = grouped_cache(2, 4, 2)
+    k[1, :, :, :64] += 1.0  # row 1 (not a group's first) changed in the shared columns
+    with torch.inference_mode():
+        out = shared_prefix_attention_matmul(q, k, v, mask, 0.25, samples=4, prefix=64)
+        plain = decode_attention(q, k, v, mask, 0.25)
+    assert not torch.allclose(out[1], plain[1], atol=1e-3)
+    torch.testing.assert_close(out[4:], plain[4:], rtol=1e-5, atol=1e-5)  # the other group
+
+
+def test_the_pick_times_the_shared_forms_against_the_plain_ones() -> None:
+    q, k, v, mask = grouped_cache(4, 4, 2)
+    shared = SharedPrefix.of_layout(4, PROMPT)
+    variants = shared_prefix_variants(shared, torch.device("cpu"), compiled=False)
+    assert list(variants) == ["matmul_shared"]  # flex_shared: compiled on CUDA only
+    on_cuda = shared_prefix_variants(shared, torch.device("cuda"), compiled=True)
+    assert list(on_cuda) == ["matmul_shared", "flex_shared"]
+    with torch.inference_mode():
+        name, timings = pick_decode_attention(
+            q, k, v, mask, 0.25, repeats=3, variants={"sdpa": decode_attention, **variants}
+        )
+    assert set(timings) == {"sdpa", "matmul_shared"} and name in timings
+    assert all(ms == ms for ms in timings.values()), timings  # both ran and agreed (not NaN)
+
+
+@pytest.mark.gpu
+def test_flex_shared_compiled_on_cuda_equals_sdpa() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    q, k, v, mask = grouped_cache(64, 8, 7, width=384, dtype=torch.bfloat16, device="cuda")
+    with torch.inference_mode():
+        reference = decode_attention(q, k, v, mask, 0.125)
+        for fn in (shared_prefix_attention_flex, shared_prefix_attention_matmul):
+            out = fn(q, k, v, mask, 0.125, samples=8, prefix=128, compiled=True)
+            assert_agrees(out, reference)
