@@ -38,8 +38,9 @@ from rollserve.server.generation.compiling import COMPILE_ENV
 from rollserve.server.generation.runner import DECODE_ATTENTION_ENV
 
 ROWS = 5
-# (query heads, KV heads, head dim): groups of 7 (Qwen2-0.5B's 14 / 2, head_dim 64), 2 and 1.
-GROUPS = {7: (14, 2, 64), 2: (4, 2, 16), 1: (2, 2, 16)}
+# (query heads, KV heads, head dim): groups of 7 (Qwen2-0.5B's 14 / 2, head_dim 64), 2 and 1,
+# head dims the CPU's compiled flex kernel serves (attention.CPU_FLEX_MIN_HEAD_DIM).
+GROUPS = {7: (14, 2, 64), 2: (4, 2, 32), 1: (2, 2, 32)}
 WIDTHS = (200, 256)  # not a multiple of 128, and one
 PAD = 0
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33], [40], [50, 51, 52, 53, 54, 55]]
@@ -135,6 +136,25 @@ def test_flex_equals_sdpa_on_strided_padded_views(dtype: torch.dtype, group: int
             out = decode_attention_flex(q, k, v, mask, scale)
         assert_agrees(out, decode_attention(q, k, v, mask, scale))
     assert attention._flex_compiled().compiled is not None  # compiled, not the eager fallback
+
+
+@pytest.mark.parametrize("head_dim", [8, 16])
+def test_small_head_dims_run_flex_eagerly_on_the_cpu(head_dim: int) -> None:
+    """Below CPU_FLEX_MIN_HEAD_DIM the CPU's compiled flex kernel was wrong (0.3-0.6 off sdpa
+    on an AVX2 CPU, torch 2.13): flex's eager reference serves them, nothing is compiled."""
+    g = torch.Generator().manual_seed(head_dim)
+    q = torch.randn((ROWS, 4, head_dim), generator=g)
+    k, v = (torch.randn((2, ROWS + 3, 2, 240, head_dim), generator=g)[1, :ROWS, :, :200]
+            for _ in range(2))  # fmt: skip
+    mask = torch.zeros((ROWS, 200))
+    mask[:, 150:] = float("-inf")
+    assert not attention.flex_compiles_correctly(torch.device("cpu"), head_dim)
+    assert attention.flex_compiles_correctly(torch.device("cuda"), head_dim)
+    before = compiled_graphs()
+    with torch.inference_mode():
+        out = decode_attention_flex(q, k, v, mask, head_dim**-0.5)
+        assert_agrees(out, decode_attention(q, k, v, mask, head_dim**-0.5))
+    assert compiled_graphs() == before
 
 
 def test_a_masked_column_has_probability_zero() -> None:

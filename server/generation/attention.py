@@ -45,6 +45,7 @@ __all__ = [
     "decode_attention_matmul",
     "decode_attention_variant",
     "decode_attention_variants",
+    "flex_compiles_correctly",
     "pick_decode_attention",
     "prefill_attention",
     "prefill_backend",
@@ -227,12 +228,26 @@ def decode_attention_flex(
     """
     b, heads, dim = q.shape
     grouped = q.view(b, k.shape[1], heads // k.shape[1], dim)
+    if not flex_compiles_correctly(q.device, dim):
+        return _flex_grouped(grouped, k, v, mask, scale).reshape(b, heads, dim)
     if not torch.compiler.is_compiling():  # marks are for dynamo's entry, not inside a trace
         # The width varies from step to step: symbolic in the compiled code, not a recompile
         # per width (maybe_: if a lowering specialises it anyway, a recompile, not an error).
         for tensor, width_dim in ((k, 2), (v, 2), (mask, 1)):
             torch._dynamo.maybe_mark_dynamic(tensor, width_dim)
     return _flex_compiled()(grouped, k, v, mask, scale).reshape(b, heads, dim)
+
+
+# Inductor's CPU flex_attention kernel computed wrong attention for head_dim 8 and 16 (torch
+# 2.13 on an AVX2 AMD EPYC: outputs up to 0.6 off sdpa's; 24 and up agreed), as NATTEN found
+# for compiled flex below 32. Below this head_dim the CPU runs flex's eager reference instead.
+CPU_FLEX_MIN_HEAD_DIM = 32
+
+
+def flex_compiles_correctly(device: torch.device, head_dim: int) -> bool:
+    """Whether flex_attention's compiled kernel may serve this head_dim on `device` (every
+    head_dim on CUDA; CPU_FLEX_MIN_HEAD_DIM and up on the CPU)."""
+    return device.type != "cpu" or head_dim >= CPU_FLEX_MIN_HEAD_DIM
 
 
 DEFAULT_DECODE_ATTENTION = "sdpa"
