@@ -19,6 +19,7 @@ from rollserve.server.generation.attention import (
     pick_decode_attention,
 )
 from rollserve.server.generation.shared_prefix import (
+    SHARED_PREFIX_ATTENTION_ENV,
     SharedPrefix,
     shared_prefix_attention_flex,
     shared_prefix_attention_matmul,
@@ -156,3 +157,119 @@ def test_flex_shared_compiled_on_cuda_equals_sdpa() -> None:
         for fn in (shared_prefix_attention_flex, shared_prefix_attention_matmul):
             out = fn(q, k, v, mask, 0.125, samples=8, prefix=128, compiled=True)
             assert_agrees(out, reference)
+
+
+# ---- in the engine (ROLLSERVE_SHARED_PREFIX_ATTENTION) -----------------------------------------
+
+ENGINE_VOCAB = 96
+STOP_TOKENS = tuple(range(88, 96))  # an eighth of the vocabulary: rows stop at many steps
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def tiny_model(request, tmp_path_factory: pytest.TempPathFactory):
+    """A tiny causal LM saved and loaded from disk in float32 (Mistral with a sliding window
+    shorter than the shared columns, so the windowed mask of those columns matters)."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=ENGINE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        pad_token_id=0, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    configs = {
+        "llama": lambda: tf.LlamaConfig(**common),
+        "qwen2": lambda: tf.Qwen2Config(**common),
+        "mistral": lambda: tf.MistralConfig(**common, sliding_window=80),
+    }
+    torch.manual_seed(3)
+    built = tf.AutoModelForCausalLM.from_config(configs[request.param]())
+    built.generation_config.eos_token_id = None
+    path = tmp_path_factory.mktemp(request.param)
+    built.save_pretrained(path)
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def grouped_prompts(samples: int, lengths=(70, 66, 100)) -> torch.Tensor:
+    """(prompts x samples, longest) left-padded ids and their mask: each prompt's rows together."""
+    from rollserve.server.experience.generation import left_pad
+
+    g = torch.Generator().manual_seed(sum(lengths))
+    prompts = [torch.randint(1, 60, (n,), generator=g).tolist() for n in lengths]
+    return left_pad([p for p in prompts for _ in range(samples)], 0, torch.device("cpu"))
+
+
+def engine_run(model, monkeypatch, shared: str | None, ids, mask, **params):
+    from rollserve.server.experience.generation import SamplingParams
+    from rollserve.server.generation import Engine, read_family
+
+    if shared is None:
+        monkeypatch.delenv(SHARED_PREFIX_ATTENTION_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SHARED_PREFIX_ATTENTION_ENV, shared)
+    engine = Engine(model, read_family(model), kv_cache_tokens=8192)
+    result = engine.generate(
+        ids, mask, SamplingParams(**params), pad_token_id=0,
+        generator=torch.Generator().manual_seed(7),
+    )  # fmt: skip
+    (ws,) = engine._workspaces.values()
+    return result, ws.shapes
+
+
+def assert_same_generation(ours, plain) -> None:
+    assert torch.equal(ours.response, plain.response)
+    assert torch.equal(ours.response_mask, plain.response_mask)
+    assert torch.equal(ours.stopped, plain.stopped)
+    torch.testing.assert_close(ours.log_probs, plain.log_probs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grouped_requests_generate_what_the_plain_engine_does(
+    tiny_model, monkeypatch, temperature: float
+) -> None:
+    """3 prompts x 4 samples, left-padded to 100 columns: the first 64 are read once per group;
+    greedy and seeded sampling give the plain engine's tokens and log-probs, and the steps ran
+    shared (their shapes carry the split)."""
+    ids, mask = grouped_prompts(4)
+    options = dict(max_new_tokens=20, temperature=temperature)
+    plain, plain_shapes = engine_run(tiny_model, monkeypatch, None, ids, mask, **options)
+    ours, shapes = engine_run(tiny_model, monkeypatch, "matmul_shared", ids, mask, **options)
+    assert_same_generation(ours, plain)
+    assert shapes == {(b, w, 4, 64) for b, w in plain_shapes}
+
+
+def test_rows_that_finish_turn_the_batch_back_to_plain_steps(tiny_model, monkeypatch) -> None:
+    """With stop tokens rows finish at different steps; once the live rows move to a smaller
+    bucket they are no longer whole groups, and the steps after run the plain attention; the
+    results are the plain engine's throughout."""
+    ids, mask = grouped_prompts(8)  # 24 rows: bucket 24, then 16, 8, ... as rows stop
+    options = dict(max_new_tokens=40, temperature=1.0, stop_sequences=[[t] for t in STOP_TOKENS])
+    plain, _ = engine_run(tiny_model, monkeypatch, None, ids, mask, **options)
+    ours, shapes = engine_run(tiny_model, monkeypatch, "matmul_shared", ids, mask, **options)
+    assert_same_generation(ours, plain)
+    assert 0 < plain.stopped.sum() and plain.response_mask.sum(1).unique().numel() > 2
+    assert any(len(key) == 4 for key in shapes) and any(len(key) == 2 for key in shapes), shapes
+
+
+def test_batches_that_are_not_groups_run_the_plain_attention(tiny_model, monkeypatch) -> None:
+    ids, mask = grouped_prompts(1, lengths=(70, 66, 100, 90))  # one sample per prompt
+    ours, shapes = engine_run(
+        tiny_model, monkeypatch, "matmul_shared", ids, mask, max_new_tokens=4, temperature=0.0
+    )
+    assert shapes and all(len(key) == 2 for key in shapes)
+    ids, mask = grouped_prompts(3)  # groups of 3 rows: 9 rows in a bucket of 16
+    _, shapes = engine_run(
+        tiny_model, monkeypatch, "matmul_shared", ids, mask, max_new_tokens=4, temperature=0.0
+    )
+    assert shapes and all(len(key) == 2 for key in shapes)
+
+
+def test_an_unknown_shared_attention_name_is_refused(tiny_model, monkeypatch) -> None:
+    from rollserve.server.generation import Engine, read_family
+
+    monkeypatch.setenv(SHARED_PREFIX_ATTENTION_ENV, "nope")
+    with pytest.raises(ValueError, match="ROLLSERVE_SHARED_PREFIX_ATTENTION='nope'"):
+        Engine(tiny_model, read_family(tiny_model), kv_cache_tokens=1024)
+    monkeypatch.setenv(SHARED_PREFIX_ATTENTION_ENV, "off")
+    assert (
+        Engine(tiny_model, read_family(tiny_model), kv_cache_tokens=1024).shared_attention is None
+    )

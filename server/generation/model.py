@@ -37,6 +37,7 @@ from .compiling import maybe_compiled
 from .families import Family, Layer
 from .fused import FusedProjection, Linear, fuse
 from .rotary import RopeTable, apply_rope
+from .shared_prefix import SharedPrefix, shared_prefix_attention
 
 __all__ = ["Forward", "mlp_block", "project", "rms_norm", "token_inputs"]
 
@@ -182,6 +183,10 @@ class Forward:
         self._token_inputs = maybe_compiled(token_inputs, compiled, dynamic=True)
         self._token_mlp = maybe_compiled(mlp_block, compiled, dynamic=True)
         self.decode_attention_variant = DEFAULT_DECODE_ATTENTION
+        # The attention decode runs for grouped rows (decode's `shared`): a name of
+        # shared_prefix.SHARED_PREFIX_ATTENTION, compiled where the layers are.
+        self.shared_attention_variant = "matmul_shared"
+        self._compiled = compiled
         self.prefill_backend = prefill_backend()  # ROLLSERVE_PREFILL_ATTENTION, read once
 
     @property
@@ -368,13 +373,21 @@ class Forward:
         column: torch.Tensor,
         caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         valid: torch.Tensor,
+        shared: SharedPrefix | None = None,
     ) -> torch.Tensor:
         """Logits (b, V) of one token per row.
 
         tokens, positions (b,); column (1,) int64: the cache column this token is written to
         (the same for every row in the left-padded layout); caches: per layer k and v views
         (b, Hkv, w, D); valid (b, w) bool: the columns each row attends to (this one included).
+        shared: the rows are groups whose first columns hold the same prompt (shared_prefix.py):
+        attention reads those once per group (shared_attention_variant).
         """
+        attention = self._decode_attention
+        if shared is not None:
+            attention = shared_prefix_attention(
+                self.shared_attention_variant, shared, self._compiled
+            )
         f = self.family
         b = tokens.shape[0]
         x = F.embedding(tokens, f.embed.weight)[:, None]  # (b, 1, hidden)
@@ -388,7 +401,7 @@ class Forward:
             q, k, v = self._layer_inputs(layer, x, cos, sin, self._inputs)  # (b, 1, heads, D)
             k_cache.index_copy_(2, column, k.transpose(1, 2))
             v_cache.index_copy_(2, column, v.transpose(1, 2))
-            out = self._decode_attention(q[:, 0], k_cache, v_cache, masks[layer.window], f.scaling)
+            out = attention(q[:, 0], k_cache, v_cache, masks[layer.window], f.scaling)
             x = self._layer_mlp(layer, x, out.reshape(b, 1, -1), self._mlp)
         return self.logits(rms_norm(f.norm.weight, f.norm.variance_epsilon, x[:, 0]))
 

@@ -42,6 +42,7 @@ from .kv_cache import (
 from .model import Forward
 from .rotary import RopeTable
 from .sampler import Sampler, sampler_structure
+from .shared_prefix import SharedPrefix, shared_prefix_from_env
 
 __all__ = [
     "ATTENTION_QUANTUM",
@@ -154,10 +155,14 @@ class _Workspace:
     out_mask: torch.Tensor  # (R + 1, W) bool
     stopped: torch.Tensor  # (R + 1,) bool
     uniform: torch.Tensor  # (R + 1, W) float64: the random number of each row and step
-    graphs: dict[tuple[int, int], object] = field(default_factory=dict)
-    # (bucket, attention width) of every step run so far: what a warm-up covered (and, on
-    # CUDA, which graphs exist; the graphs themselves are only captured there).
-    shapes: set[tuple[int, int]] = field(default_factory=set)
+    graphs: dict[tuple[int, ...], object] = field(default_factory=dict)
+    # (bucket, attention width) of every step run so far, + (samples, prefix) of a step whose
+    # attention read shared prompts: what a warm-up covered (and, on CUDA, which graphs exist;
+    # the graphs themselves are only captured there).
+    shapes: set[tuple[int, ...]] = field(default_factory=set)
+    # The current batch's groups of rows sharing their prompt columns, when the engine's
+    # decode attention reads them once (Engine.shared_attention); None: plain attention.
+    shared: SharedPrefix | None = None
 
     @classmethod
     def allocate(
@@ -179,6 +184,27 @@ class _Workspace:
             stopped=zeros(rows + 1, dtype=torch.bool),
             uniform=zeros(rows + 1, width, dtype=torch.float64),
         )  # fmt: skip
+
+
+def _shared_prefix(of_row: torch.Tensor, bucket: int, prompt_width: int) -> SharedPrefix | None:
+    """The shared prompt columns of a batch whose rows are groups of n consecutive rows of one
+    prompt each (a GRPO request's layout; prefill copied each group's K/V to its rows), n >= 2
+    dividing the bucket (its filler rows make whole groups too); None otherwise. One host
+    look at the rows' prompts per batch."""
+    prompts = of_row.tolist()
+    rows = len(prompts)
+    samples = next((i for i, p in enumerate(prompts) if p != prompts[0]), rows)
+    if samples < 2 or rows % samples or bucket % samples:
+        return None
+    for start in range(0, rows, samples):
+        if prompts[start : start + samples].count(prompts[start]) != samples:
+            return None
+    return SharedPrefix.of_layout(samples, prompt_width)
+
+
+def _step_key(b: int, attend: int, shared: SharedPrefix | None) -> tuple[int, ...]:
+    """A decode step's shape: its graph's key and what ws.shapes records."""
+    return (b, attend) if shared is None else (b, attend, shared.samples, shared.prefix)
 
 
 def _kv_writer(
@@ -229,6 +255,11 @@ class Engine:
         forced = os.environ.get(DECODE_ATTENTION_ENV, "").strip()
         if forced:
             self.forward.decode_attention_variant = forced  # ValueError for an unknown name
+        # ROLLSERVE_SHARED_PREFIX_ATTENTION (off by default; ValueError for an unknown name):
+        # the attention of batches whose rows are groups sharing a prompt (shared_prefix.py).
+        self.shared_attention = shared_prefix_from_env()
+        if self.shared_attention is not None:
+            self.forward.shared_attention_variant = self.shared_attention
         # Each variant's ms as the warm-up timed them (NaN: failed or disagreed; empty: none
         # timed, off CUDA or forced). Settled: forced, or picked once (graphs keep it).
         self.decode_attention_ms: dict[str, float] = {}
@@ -492,7 +523,7 @@ class Engine:
     ) -> tuple[torch.Tensor, ...]:
         """One batch of n <= R rows: prefill, sample step 0, decode the rest."""
         n, width = ids.shape
-        b = self.start(ws, ids, mask, uniform, steps, share)
+        b = self.start(ws, ids, mask, uniform, steps, share, groups=share)
         for step in range(1, steps):
             if step % CHECK_EVERY == 0:
                 live = int((~ws.finished[:b]).sum())  # the host's one look every few steps
@@ -517,12 +548,18 @@ class Engine:
         uniform: torch.Tensor | None,
         steps: int,
         share: bool,
+        *,
+        groups: bool = False,
     ) -> int:
         """Reset the workspace for n rows, prefill them and sample step 0; returns the bucket
-        the decode steps run at."""
+        the decode steps run at. With `groups` (and `share`), rows that come in groups of one
+        prompt set ws.shared for an engine with a shared-prefix attention (_shared_prefix)."""
         b = batch_bucket(ids.shape[0], ws.rows)
         self._reset(ws, mask, uniform, steps)
-        logits = self._prefill(ws, ids, mask, b, share)
+        logits, of_row = self._prefill(ws, ids, mask, b, share)
+        ws.shared = None
+        if groups and share and self.shared_attention is not None:
+            ws.shared = _shared_prefix(of_row, b, ids.shape[1])
         self._sample_into(ws, b, logits)
         ws.step += 1
         return b
@@ -554,8 +591,9 @@ class Engine:
 
     def _prefill(
         self, ws: _Workspace, ids: torch.Tensor, mask: torch.Tensor, b: int, share: bool
-    ) -> torch.Tensor:
-        """Run the prompts into the cache; last-position logits (b, V) (zeros for fillers).
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the prompts into the cache; last-position logits (b, V) (zeros for fillers) and
+        each row's prompt (n,): the index of its distinct prompt.
 
         With `share`, each distinct prompt runs once and its K/V and logits are copied to
         every row that has it (a GRPO group).
@@ -579,7 +617,7 @@ class Engine:
             write = _kv_writer(ws, width, targets, take)
             hidden = self.forward.prefill(ids[sources], mask[sources], positions[sources], write)
             logits[targets] = self.forward.logits(hidden[:, -1])[take]
-        return logits
+        return logits, of_row
 
     # ---- decode -----------------------------------------------------------------------------
 
@@ -611,7 +649,7 @@ class Engine:
         column = (ws.prompt_width + ws.step - 1).view(1)  # where the fed token's K/V go
         caches = [(ws.k[i, :b, :, :attend], ws.v[i, :b, :, :attend]) for i in range(ws.k.shape[0])]
         logits = self.forward.decode(
-            ws.tokens[:b], ws.positions[:b], column, caches, ws.valid[:b, :attend]
+            ws.tokens[:b], ws.positions[:b], column, caches, ws.valid[:b, :attend], ws.shared
         )
         self._sample_into(ws, b, logits)
         ws.positions[:b] += 1
@@ -619,11 +657,12 @@ class Engine:
 
     def _run(self, ws: _Workspace, b: int, attend: int) -> None:
         """decode_step, replayed from a CUDA graph on CUDA (captured on first use)."""
-        ws.shapes.add((b, attend))
+        key = _step_key(b, attend, ws.shared)
+        ws.shapes.add(key)
         if not self.use_graphs:
             self.decode_step(ws, b, attend)
             return
-        graph = ws.graphs.get((b, attend))
+        graph = ws.graphs.get(key)
         if graph is not None:
             graph.replay()
             return
@@ -640,7 +679,7 @@ class Engine:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             self.decode_step(ws, b, attend)
-        ws.graphs[(b, attend)] = graph
+        ws.graphs[key] = graph
 
     def _compact(self, ws: _Workspace, b: int, smaller: int, columns: int) -> int:
         """Move the live rows of the first b to the front of a `smaller` bucket; fill the rest
@@ -648,6 +687,7 @@ class Engine:
         columns (those written so far, the step's attention width) are moved."""
         keep = (~ws.finished[:b]).nonzero().squeeze(1)
         live = keep.numel()
+        ws.shared = None  # the live rows are no longer whole groups
         order = torch.cat([keep, keep.new_zeros(smaller - live)])  # (smaller,)
         for buffer in (ws.tokens, ws.positions, ws.valid, ws.window, ws.finished, ws.row_ids):
             buffer[:smaller] = buffer[order]

@@ -18,9 +18,11 @@ response, the more (a 1024-token prompt, 256 tokens, n = 8: 4.5x fewer).
 
 Preconditions (the caller's layout, not checked here): rows come in groups of `samples`
 consecutive rows (b a multiple of it) whose columns [0, prefix) hold the same K/V and the same
-mask (a group's prompt, left-padded alike). Two implementations of the same math, not yet wired
-into the engine: bench/profile_gpu.py times them against the plain variants on the request's
-own cache, which decides whether the runner should use them.
+mask (a group's prompt, left-padded alike). Two implementations of the same math; the engine
+runs one (SHARED_PREFIX_ATTENTION_ENV names it, off by default until a GPU has timed them) on
+a batch whose rows are such groups (runner.py: GRPO requests, until the first rows finish and
+leave the batch), and bench/profile_gpu.py times both against the plain variants on the
+request's own cache.
 
   "matmul_shared"  the scores by batched matmuls (as attention.decode_attention_matmul, HF's
                    eager numerics: scores in the model dtype, softmax in float32); compiles
@@ -33,6 +35,7 @@ own cache, which decides whether the runner should use them.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,10 +46,14 @@ from .attention import DecodeAttention
 from .compiling import maybe_compiled
 
 __all__ = [
+    "SHARED_PREFIX_ATTENTION",
+    "SHARED_PREFIX_ATTENTION_ENV",
     "SHARED_PREFIX_QUANTUM",
     "SharedPrefix",
+    "shared_prefix_attention",
     "shared_prefix_attention_flex",
     "shared_prefix_attention_matmul",
+    "shared_prefix_from_env",
     "shared_prefix_variants",
 ]
 
@@ -170,8 +177,18 @@ def shared_prefix_attention_matmul(
     """decode_attention's contract (q (b, H, D), k/v (b, Hkv, w, D) cache views, additive mask
     (b, w) -> (b, H, D)) for groups of `samples` rows sharing columns [0, prefix), by matmuls;
     `compiled`: the one compiled code for every shape."""
-    fn = _matmul_compiled() if compiled else _shared_matmul
-    return fn(q, k, v, mask, scale, samples, prefix)
+    if not compiled:
+        return _shared_matmul(q, k, v, mask, scale, samples, prefix)
+    _widths_dynamic(k, v, mask)
+    return _matmul_compiled()(q, k, v, mask, scale, samples, prefix)
+
+
+def _widths_dynamic(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> None:
+    """The width varies from step to step: symbolic in the compiled code from its first
+    compile, not a recompile per width (as attention.decode_attention_flex marks it)."""
+    if not torch.compiler.is_compiling():  # marks are for dynamo's entry, not inside a trace
+        for tensor, width_dim in ((k, 2), (v, 2), (mask, 1)):
+            torch._dynamo.maybe_mark_dynamic(tensor, width_dim)
 
 
 def _flex_part(
@@ -231,13 +248,16 @@ def shared_prefix_attention_flex(
     compiled: bool = False,
 ) -> torch.Tensor:
     """shared_prefix_attention_matmul's contract by two flex_attention calls; `compiled`: on
-    CUDA (Inductor's CPU flex kernel returns no log-sum-exp), else flex's eager reference.
+    CUDA only (Inductor's CPU flex kernel returns no log-sum-exp), else flex's eager reference.
     The query blocks are made here, outside the compiled graph (as attention's flex variant:
     its template reads the shape of the buffer under a view made inside it)."""
     b, heads, dim = q.shape
     grouped = q.view(b, k.shape[1], heads // k.shape[1], dim)
     by_group = _by_group(grouped, samples).contiguous()
-    fn = _flex_compiled() if compiled else _shared_flex
+    fn = _shared_flex
+    if compiled and q.is_cuda:  # the CPU kernel returns no log-sum-exp
+        _widths_dynamic(k, v, mask)
+        fn = _flex_compiled()
     out = fn(by_group, grouped, k, v, mask, scale, samples, prefix)
     return out.reshape(b, heads, dim)
 
@@ -248,10 +268,37 @@ def shared_prefix_variants(
     """The shared-prefix variants for this split, in DecodeAttention's signature (for
     attention.pick_decode_attention): "matmul_shared" always, "flex_shared" where `compiled`
     and on CUDA (eager flex materialises every score: a reference, not a candidate)."""
-    options = {"samples": shared.samples, "prefix": shared.prefix, "compiled": compiled}
-    variants: dict[str, DecodeAttention] = {
-        "matmul_shared": functools.partial(shared_prefix_attention_matmul, **options)
-    }
-    if compiled and device.type == "cuda":
-        variants["flex_shared"] = functools.partial(shared_prefix_attention_flex, **options)
-    return variants
+    names = ["matmul_shared"] + (["flex_shared"] if compiled and device.type == "cuda" else [])
+    return {name: shared_prefix_attention(name, shared, compiled) for name in names}
+
+
+# What ROLLSERVE_SHARED_PREFIX_ATTENTION may name: the engine's attention for grouped batches.
+SHARED_PREFIX_ATTENTION: dict[str, Callable[..., torch.Tensor]] = {
+    "matmul_shared": shared_prefix_attention_matmul,
+    "flex_shared": shared_prefix_attention_flex,
+}
+SHARED_PREFIX_ATTENTION_ENV = "ROLLSERVE_SHARED_PREFIX_ATTENTION"
+
+
+def shared_prefix_from_env() -> str | None:
+    """The shared-prefix variant ROLLSERVE_SHARED_PREFIX_ATTENTION names (None: unset, empty or
+    "off", the default: every batch runs the plain decode attention); ValueError for a name not
+    in SHARED_PREFIX_ATTENTION."""
+    name = os.environ.get(SHARED_PREFIX_ATTENTION_ENV, "").strip()
+    if name in ("", "off"):
+        return None
+    if name not in SHARED_PREFIX_ATTENTION:
+        raise ValueError(
+            f"{SHARED_PREFIX_ATTENTION_ENV}={name!r}: expected off or one of "
+            f"{sorted(SHARED_PREFIX_ATTENTION)}"
+        )
+    return name
+
+
+def shared_prefix_attention(name: str, shared: SharedPrefix, compiled: bool) -> DecodeAttention:
+    """The variant `name` of SHARED_PREFIX_ATTENTION for this split, in DecodeAttention's
+    signature (compiled: the engine's compiled code)."""
+    return functools.partial(
+        SHARED_PREFIX_ATTENTION[name], samples=shared.samples, prefix=shared.prefix,
+        compiled=compiled,
+    )  # fmt: skip
