@@ -22,7 +22,8 @@ on, exit status 1):
    layer 0's cache as the request left it, in ms per call, with the GB/s of their KV reads,
    the fastest here and the engine's choice (timed by its warm-up at the widest width); with
    them the shared-prefix variants (server/generation/shared_prefix.py: each group's prompt
-   columns read once; timed here only, not used by the engine yet).
+   columns read once), and before them the whole step with each of those against the plain
+   step (what ROLLSERVE_SHARED_PREFIX_ATTENTION, off by default, would give the request).
 3. Sampler alone: Sampler.sample of the workspace on random (rows, vocab) logits, eager and as
    a graph, and its share of the graph step.
    Decode kernels: torch.profiler over a few eager steps (and graph replays at the widest
@@ -462,6 +463,40 @@ def decode_timings(
     )  # fmt: skip
 
 
+def shared_step_timings(decode: Decode, timer: Timer, figures: dict[str, float]) -> None:
+    """The whole decode step with each shared-prefix attention (shared_prefix.py: a group's
+    prompt columns read once) against the plain step, at the measured widths: the engine's
+    graph replay on CUDA (captured here, keyed apart from the plain graphs), its eager step
+    elsewhere. What ROLLSERVE_SHARED_PREFIX_ATTENTION would give this request's steps."""
+    engine, ws = decode.engine, decode.ws
+    variants = list(shared_prefix_variants(decode.shared, engine.device, engine.compiled))
+    before = engine.forward.shared_attention_variant
+    rows = []
+    try:
+        for attend in decode.measured_widths:
+            reset = decode.at(attend)
+            plain = figures[f"step_ms@{attend}"]
+            cells = [f"{plain:.3f}"]
+            for name in variants:
+                engine.forward.shared_attention_variant = name
+                ws.shared = decode.shared
+                reset()
+                engine._run(ws, decode.rows, attend)  # on CUDA: the eager step, then the capture
+                graph = ws.graphs.get((decode.rows, attend, ws.shared.samples, ws.shared.prefix))
+                ms = timer.median_ms(graph.replay if graph else decode.step(attend), reset)
+                figures[f"shared_step_ms@{attend}:{name}"] = ms
+                cells.append(f"{ms:.3f} ({plain / ms:.2f}x)")
+            rows.append([str(attend)] + cells)
+    finally:
+        ws.shared = None
+        engine.forward.shared_attention_variant = before
+    print(
+        f"The step with a shared-prefix attention ({decode.shared.samples} rows per group "
+        f"read their first {decode.shared.prefix} columns once; x: plain / shared):\n"
+    )
+    print_table(["width", "plain step ms"] + [f"{name} step ms" for name in variants], rows)
+
+
 def attention_variants(decode: Decode, reps: int, figures: dict[str, float]) -> None:
     """pick_decode_attention per width on layer 0's K/V views of the workspace (the request's
     prefilled cache and its valid columns as the mask, random q): ms per call of each variant
@@ -793,6 +828,9 @@ def profile_all(args: argparse.Namespace, model: torch.nn.Module, parts: Parts) 
     decode = parts.run("the decode warm-up", lambda: start_decode(model, cases.decode, device))
     if decode is not None:
         parts.run("the decode timings", lambda: decode_timings(model, decode, timer, figures))
+        if decode.shared is not None:
+            parts.run("the shared-prefix steps",
+                      lambda: shared_step_timings(decode, timer, figures))  # fmt: skip
         parts.run("the decode attention variants",
                   lambda: attention_variants(decode, args.reps, figures))  # fmt: skip
     header(SAMPLER, "medians in ms")

@@ -14,6 +14,10 @@ than copying into it) must drop them: generate() checks the parameters' addresse
 invalidate() itself when they changed. memory() reports what the engine holds on the device.
 On CUDA the first warm-up also times the decode attention variants (attention.py) on the device
 and keeps the fastest (decode_attention, decode_attention_ms), before any graph is captured.
+With ROLLSERVE_SHARED_PREFIX_ATTENTION (shared_prefix.py; off by default) a batch whose rows
+are groups of one prompt each (a GRPO request) reads each group's prompt columns once: its
+steps are keyed apart (they run another attention) until rows finish and the live ones move
+to a smaller bucket, no longer whole groups; the warm-up does not build those steps yet.
 """
 
 from __future__ import annotations
