@@ -273,3 +273,24 @@ def test_an_unknown_shared_attention_name_is_refused(tiny_model, monkeypatch) ->
     assert (
         Engine(tiny_model, read_family(tiny_model), kv_cache_tokens=1024).shared_attention is None
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["matmul_shared", "flex_shared"])
+def test_the_cuda_engine_captures_shared_steps_that_generate_the_plain_tokens(
+    tiny_model, monkeypatch, name: str
+) -> None:
+    """On CUDA (compiled layers, CUDA graphs), float32: each shared-prefix attention compiles,
+    is captured and replays to the plain engine's greedy tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import copy
+
+    model = copy.deepcopy(tiny_model).cuda()
+    ids, mask = (t.cuda() for t in grouped_prompts(4))
+    options = dict(max_new_tokens=16, temperature=0.0)
+    plain, plain_shapes = engine_run(model, monkeypatch, None, ids, mask, **options)
+    ours, shapes = engine_run(model, monkeypatch, name, ids, mask, **options)
+    assert torch.equal(ours.response, plain.response)
+    torch.testing.assert_close(ours.log_probs, plain.log_probs, rtol=1e-4, atol=1e-4)
+    assert shapes == {(b, w, 4, 64) for b, w in plain_shapes}
