@@ -37,6 +37,8 @@
 # "0.5b-issue": Qwen2-0.5B-shaped, vocab 32,000, tied, 386M parameters, 0.83 GB per update).
 # Every GPU figure before 2026-11-27 was of "0.5b" (vocab 151,936, untied, 630M, 1.26 GB): add
 # --model 0.5b to BENCH_GPU_ARGS, WEIGHTS_ARGS or PROFILE_ARGS to compare with them.
+# In the profile, read the step with a shared-prefix attention against the plain step (both
+# captured, same run): if one wins, ROLLSERVE_SHARED_PREFIX_ATTENTION=<it> is the next default.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"

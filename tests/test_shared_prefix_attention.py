@@ -294,3 +294,23 @@ def test_the_cuda_engine_captures_shared_steps_that_generate_the_plain_tokens(
     assert torch.equal(ours.response, plain.response)
     torch.testing.assert_close(ours.log_probs, plain.log_probs, rtol=1e-4, atol=1e-4)
     assert shapes == {(b, w, 4, 64) for b, w in plain_shapes}
+
+
+def test_the_warm_up_builds_the_shared_steps_of_groups_of_eight(tiny_model, monkeypatch) -> None:
+    """With a shared-prefix attention the warm-up also runs each bucket's steps for groups of
+    WARM_UP_SAMPLES rows: a request of 8 samples per prompt then runs no step it did not."""
+    from rollserve.server.experience.generation import SamplingParams
+    from rollserve.server.generation import Engine, read_family
+    from rollserve.server.generation.runner import WARM_UP_SAMPLES
+
+    assert WARM_UP_SAMPLES == 8
+    monkeypatch.setenv(SHARED_PREFIX_ATTENTION_ENV, "matmul_shared")
+    engine = Engine(tiny_model, read_family(tiny_model), kv_cache_tokens=8192)
+    params = SamplingParams(max_new_tokens=20, temperature=1.0)
+    engine.warm_up(params, 24, 100, pad_token_id=0)
+    (ws,) = engine._workspaces.values()
+    warmed = set(ws.shapes)
+    assert {key[0] for key in warmed if len(key) == 4} == {24, 16, 8}  # buckets of whole groups
+    ids, mask = grouped_prompts(8)  # 3 prompts x 8, 100 columns
+    engine.generate(ids, mask, params, pad_token_id=0, generator=torch.Generator().manual_seed(1))
+    assert any(len(key) == 4 for key in ws.shapes) and ws.shapes == warmed

@@ -17,7 +17,8 @@ and keeps the fastest (decode_attention, decode_attention_ms), before any graph 
 With ROLLSERVE_SHARED_PREFIX_ATTENTION (shared_prefix.py; off by default) a batch whose rows
 are groups of one prompt each (a GRPO request) reads each group's prompt columns once: its
 steps are keyed apart (they run another attention) until rows finish and the live ones move
-to a smaller bucket, no longer whole groups; the warm-up does not build those steps yet.
+to a smaller bucket, no longer whole groups; the warm-up builds them for groups of
+WARM_UP_SAMPLES rows.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ ATTENTION_QUANTUM = 64
 PREFILL_TOKENS = 8192  # prompt tokens per prefill forward (rows are chunked to fit)
 MAX_WORKSPACES = 4  # layouts x sampling structures kept with their graphs
 WARM_UP_BUDGET_S = 60.0  # the warm-up starts no new batch bucket after this (it delays SERVING)
+# Rows per group of the shared-prefix steps the warm-up builds (with a shared-prefix attention):
+# GRPO's common 8 samples per prompt; a request of another count builds its steps on first use.
+WARM_UP_SAMPLES = 8
 # A decode attention variant's name (attention.py's DECODE_ATTENTION): the engine runs it and
 # times none (reruns of a measured choice, tests on the CPU, where nothing is timed).
 DECODE_ATTENTION_ENV = "ROLLSERVE_DECODE_ATTENTION"
@@ -441,9 +445,12 @@ class Engine:
                 if not ws.sampler.greedy:
                     uniform = torch.full((b, steps), 0.5, dtype=torch.float64, device=self.device)
                 self.start(ws, ids, mask, uniform, steps, share=True)  # one distinct prompt
-                for attend, step in first_step.items():
-                    ws.step.fill_(step)
-                    self._run(ws, b, attend)
+                for shared in self._warm_up_splits(b, prompt_width):
+                    ws.shared = shared  # the dummy rows share one prompt: any grouping holds
+                    for attend, step in first_step.items():
+                        ws.step.fill_(step)
+                        self._run(ws, b, attend)
+                ws.shared = None
                 covered.append(b)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -456,6 +463,17 @@ class Engine:
             self.decode_attention,
         )  # fmt: skip
         return seconds
+
+    def _warm_up_splits(self, b: int, prompt_width: int) -> list[SharedPrefix | None]:
+        """The attentions the warm-up builds a bucket's steps for: the plain one, and with a
+        shared-prefix attention, its steps for groups of WARM_UP_SAMPLES rows (a GRPO request
+        of that many samples per prompt then compiles and captures nothing)."""
+        splits: list[SharedPrefix | None] = [None]
+        if self.shared_attention is not None and b % WARM_UP_SAMPLES == 0:
+            shared = SharedPrefix.of_layout(WARM_UP_SAMPLES, prompt_width)
+            if shared is not None:
+                splits.append(shared)
+        return splits
 
     def _pick_decode_attention(self, ws: _Workspace, b: int, width: int) -> bool:
         """Time the decode attention variants on the widest step the warm-up runs (bucket b,
