@@ -21,8 +21,7 @@ from rollserve.server.generation.attention import (
 from rollserve.server.generation.shared_prefix import (
     SHARED_PREFIX_ATTENTION_ENV,
     SharedPrefix,
-    shared_prefix_attention_flex,
-    shared_prefix_attention_matmul,
+    shared_prefix_decode_attention,
     shared_prefix_variants,
 )
 
@@ -97,9 +96,9 @@ def test_equals_sdpa_on_a_grouped_cache(
 ) -> None:
     scale = HEADS[group][2] ** -0.5
     q, k, v, mask = grouped_cache(4, samples, group, dtype=dtype)
-    fn = shared_prefix_attention_flex if form == "flex" else shared_prefix_attention_matmul
     with torch.inference_mode():
-        out = fn(q, k, v, mask, scale, samples=samples, prefix=prefix)
+        out = shared_prefix_decode_attention(q, k, v, mask, scale, form=form, samples=samples,
+                                             prefix=prefix)  # fmt: skip
         assert_agrees(out, decode_attention(q, k, v, mask, scale))
 
 
@@ -107,15 +106,15 @@ def test_the_matmul_form_compiles_whole() -> None:
     """fullgraph: no host synchronisation and no data-dependent Python, so a CUDA graph can
     replay it (one shape: a CPU compile of it is ~25 s cold)."""
     torch._dynamo.reset()
-    shared_prefix._matmul_compiled.cache_clear()
+    shared_prefix._compiled.cache_clear()
     counters = torch._dynamo.utils.counters
     counters.clear()
     q, k, v, mask = grouped_cache(4, 4, 2)
     with torch.inference_mode():
-        out = shared_prefix_attention_matmul(q, k, v, mask, 0.25, samples=4, prefix=128,
-                                             compiled=True)  # fmt: skip
+        out = shared_prefix_decode_attention(q, k, v, mask, 0.25, form="matmul", samples=4,
+                                             prefix=128, compiled=True)  # fmt: skip
         assert_agrees(out, decode_attention(q, k, v, mask, 0.25))
-    assert shared_prefix._matmul_compiled().compiled is not None  # not the eager fallback
+    assert shared_prefix._compiled("matmul").compiled is not None  # not the eager fallback
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
@@ -126,7 +125,8 @@ def test_the_shared_columns_are_read_from_each_groups_first_row() -> None:
     q, k, v, mask = grouped_cache(2, 4, 2)
     k[1, :, :, :64] += 1.0  # row 1 (not a group's first) changed in the shared columns
     with torch.inference_mode():
-        out = shared_prefix_attention_matmul(q, k, v, mask, 0.25, samples=4, prefix=64)
+        out = shared_prefix_decode_attention(q, k, v, mask, 0.25, form="matmul", samples=4,
+                                             prefix=64)  # fmt: skip
         plain = decode_attention(q, k, v, mask, 0.25)
     assert not torch.allclose(out[1], plain[1], atol=1e-3)
     torch.testing.assert_close(out[4:], plain[4:], rtol=1e-5, atol=1e-5)  # the other group
@@ -154,8 +154,9 @@ def test_flex_shared_compiled_on_cuda_equals_sdpa() -> None:
     q, k, v, mask = grouped_cache(64, 8, 7, width=384, dtype=torch.bfloat16, device="cuda")
     with torch.inference_mode():
         reference = decode_attention(q, k, v, mask, 0.125)
-        for fn in (shared_prefix_attention_flex, shared_prefix_attention_matmul):
-            out = fn(q, k, v, mask, 0.125, samples=8, prefix=128, compiled=True)
+        for form in ("flex", "matmul"):
+            out = shared_prefix_decode_attention(q, k, v, mask, 0.125, form=form, samples=8,
+                                                 prefix=128, compiled=True)  # fmt: skip
             assert_agrees(out, reference)
 
 

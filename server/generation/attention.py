@@ -46,6 +46,7 @@ __all__ = [
     "decode_attention_variant",
     "decode_attention_variants",
     "flex_compiles_correctly",
+    "mark_widths_dynamic",
     "pick_decode_attention",
     "prefill_attention",
     "prefill_backend",
@@ -230,12 +231,18 @@ def decode_attention_flex(
     grouped = q.view(b, k.shape[1], heads // k.shape[1], dim)
     if not flex_compiles_correctly(q.device, dim):
         return _flex_grouped(grouped, k, v, mask, scale).reshape(b, heads, dim)
-    if not torch.compiler.is_compiling():  # marks are for dynamo's entry, not inside a trace
-        # The width varies from step to step: symbolic in the compiled code, not a recompile
-        # per width (maybe_: if a lowering specialises it anyway, a recompile, not an error).
+    mark_widths_dynamic(k, v, mask)
+    return _flex_compiled()(grouped, k, v, mask, scale).reshape(b, heads, dim)
+
+
+def mark_widths_dynamic(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> None:
+    """The cache views' width (k/v (b, Hkv, w, D), mask (b, w)) varies from step to step: a
+    compiled attention keeps it symbolic, not a recompile per width (maybe_: if a lowering
+    specialises it anyway, a recompile, not an error). Marks are for dynamo's entry: no-op
+    inside a trace."""
+    if not torch.compiler.is_compiling():
         for tensor, width_dim in ((k, 2), (v, 2), (mask, 1)):
             torch._dynamo.maybe_mark_dynamic(tensor, width_dim)
-    return _flex_compiled()(grouped, k, v, mask, scale).reshape(b, heads, dim)
 
 
 # Inductor's CPU flex_attention kernel computed wrong attention for head_dim 8 and 16 (torch

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-from .attention import DecodeAttention
+from .attention import DecodeAttention, mark_widths_dynamic
 from .compiling import maybe_compiled
 
 __all__ = [
@@ -52,8 +52,7 @@ __all__ = [
     "SHARED_PREFIX_QUANTUM",
     "SharedPrefix",
     "shared_prefix_attention",
-    "shared_prefix_attention_flex",
-    "shared_prefix_attention_matmul",
+    "shared_prefix_decode_attention",
     "shared_prefix_from_env",
     "shared_prefix_variants",
 ]
@@ -135,68 +134,11 @@ def _matmul_part(
     return torch.matmul(probs, v), (total.log() + top)[..., 0]
 
 
-def _shared_matmul(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    samples: int,
-    prefix: int,
-) -> torch.Tensor:
-    b, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    group = heads // kv_heads
-    grouped = q.view(b, kv_heads, group, dim)
-    shared = _matmul_part(
-        _by_group(grouped, samples), k[::samples, :, :prefix], v[::samples, :, :prefix],
-        mask[::samples, :prefix], scale,
-    )  # fmt: skip
-    own = _matmul_part(grouped, k[:, :, prefix:], v[:, :, prefix:], mask[:, prefix:], scale)
-    first = (_by_row(shared[0], samples, group), _by_row(shared[1], samples, group))
-    return _merge((first, own), q.dtype).reshape(b, heads, dim)
-
-
-@functools.cache
-def _matmul_compiled() -> Callable[..., torch.Tensor]:
-    """The compiled _shared_matmul (one per process; fullgraph; torch's default for shapes:
-    static first, symbolic after a recompile)."""
-    return maybe_compiled(_shared_matmul, True)
-
-
-def shared_prefix_attention_matmul(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    *,
-    samples: int,
-    prefix: int,
-    compiled: bool = False,
-) -> torch.Tensor:
-    """decode_attention's contract (q (b, H, D), k/v (b, Hkv, w, D) cache views, additive mask
-    (b, w) -> (b, H, D)) for groups of `samples` rows sharing columns [0, prefix), by matmuls;
-    `compiled`: the one compiled code for every shape."""
-    if not compiled:
-        return _shared_matmul(q, k, v, mask, scale, samples, prefix)
-    _widths_dynamic(k, v, mask)
-    return _matmul_compiled()(q, k, v, mask, scale, samples, prefix)
-
-
-def _widths_dynamic(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> None:
-    """The width varies from step to step: symbolic in the compiled code from its first
-    compile, not a recompile per width (as attention.decode_attention_flex marks it)."""
-    if not torch.compiler.is_compiling():  # marks are for dynamo's entry, not inside a trace
-        for tensor, width_dim in ((k, 2), (v, 2), (mask, 1)):
-            torch._dynamo.maybe_mark_dynamic(tensor, width_dim)
-
-
 def _flex_part(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """flex_attention of q (b, Hkv, Q, D) over k/v with the additive mask (b, w) as a score_mod
-    (as attention._flex_grouped), with its log-sum-exp (b, Hkv, Q) float32."""
+    """_matmul_part's contract by flex_attention, the additive mask a score_mod (as
+    attention._flex_grouped)."""
 
     def add_mask(
         score: torch.Tensor, row: torch.Tensor, head: torch.Tensor, query: torch.Tensor,
@@ -210,7 +152,11 @@ def _flex_part(
     return out, aux.lse
 
 
-def _shared_flex(
+Part = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _cascade(
+    part: Part,
     by_group: torch.Tensor,
     grouped: torch.Tensor,
     k: torch.Tensor,
@@ -220,47 +166,71 @@ def _shared_flex(
     samples: int,
     prefix: int,
 ) -> torch.Tensor:
+    """The attention (b, Hkv, G, D) of the grouped queries (and their groups' blocks, by_group)
+    as `part` over the shared columns of each group's first row, `part` over each row's own
+    columns, merged."""
     group = grouped.shape[2]
-    shared_out, shared_lse = _flex_part(
+    shared_out, shared_lse = part(
         by_group, k[::samples, :, :prefix], v[::samples, :, :prefix], mask[::samples, :prefix],
         scale,
     )  # fmt: skip
-    own = _flex_part(grouped, k[:, :, prefix:], v[:, :, prefix:], mask[:, prefix:], scale)
+    own = part(grouped, k[:, :, prefix:], v[:, :, prefix:], mask[:, prefix:], scale)
     first = (_by_row(shared_out, samples, group), _by_row(shared_lse, samples, group))
     return _merge((first, own), grouped.dtype)
 
 
+def _shared_matmul(*args: object) -> torch.Tensor:
+    return _cascade(_matmul_part, *args)
+
+
+def _shared_flex(*args: object) -> torch.Tensor:
+    return _cascade(_flex_part, *args)
+
+
+# form -> (its cascade, whether torch.compile may build it on the CPU: Inductor's CPU flex
+# kernel returns no log-sum-exp in torch 2.13).
+_FORMS: dict[str, tuple[Callable[..., torch.Tensor], bool]] = {
+    "matmul": (_shared_matmul, True),
+    "flex": (_shared_flex, False),
+}
+
+
 @functools.cache
-def _flex_compiled() -> Callable[..., torch.Tensor]:
-    """The compiled _shared_flex (one per process; fullgraph, static shapes as attention's
-    flex variant: Inductor's decoding kernel wants them)."""
-    return maybe_compiled(_shared_flex, True, dynamic=False)
+def _compiled(form: str) -> Callable[..., torch.Tensor]:
+    """The form's cascade compiled whole (one per process and form): fullgraph; static shapes
+    but the width, which the caller marks dynamic (Inductor's flex decoding kernel wants a
+    static batch; a new batch size compiles once more, as the engine's warm-up does per
+    bucket)."""
+    return maybe_compiled(_FORMS[form][0], True, dynamic=False)
 
 
-def shared_prefix_attention_flex(
+def shared_prefix_decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
     *,
+    form: str,
     samples: int,
     prefix: int,
     compiled: bool = False,
 ) -> torch.Tensor:
-    """shared_prefix_attention_matmul's contract by two flex_attention calls; `compiled`: on
-    CUDA only (Inductor's CPU flex kernel returns no log-sum-exp), else flex's eager reference.
-    The query blocks are made here, outside the compiled graph (as attention's flex variant:
-    its template reads the shape of the buffer under a view made inside it)."""
+    """decode_attention's contract (q (b, H, D), k/v (b, Hkv, w, D) cache views, additive mask
+    (b, w) -> (b, H, D)) for groups of `samples` rows sharing columns [0, prefix), in `form`:
+    "matmul" (HF's eager numerics; `compiled`: torch.compile'd on any device) or "flex" (two
+    flex_attention calls; `compiled`: on CUDA only, else flex's eager reference, which
+    materialises every score). The query blocks are made here, outside any compiled graph (as
+    attention's flex variant: Inductor's CPU flex template reads the shape of the buffer under
+    a view made inside it)."""
     b, heads, dim = q.shape
     grouped = q.view(b, k.shape[1], heads // k.shape[1], dim)
     by_group = _by_group(grouped, samples).contiguous()
-    fn = _shared_flex
-    if compiled and q.is_cuda:  # the CPU kernel returns no log-sum-exp
-        _widths_dynamic(k, v, mask)
-        fn = _flex_compiled()
-    out = fn(by_group, grouped, k, v, mask, scale, samples, prefix)
-    return out.reshape(b, heads, dim)
+    cascade, compiles_on_cpu = _FORMS[form]
+    if compiled and (compiles_on_cpu or q.is_cuda):
+        mark_widths_dynamic(k, v, mask)
+        cascade = _compiled(form)
+    return cascade(by_group, grouped, k, v, mask, scale, samples, prefix).reshape(b, heads, dim)
 
 
 def shared_prefix_variants(
@@ -273,11 +243,9 @@ def shared_prefix_variants(
     return {name: shared_prefix_attention(name, shared, compiled) for name in names}
 
 
-# What ROLLSERVE_SHARED_PREFIX_ATTENTION may name: the engine's attention for grouped batches.
-SHARED_PREFIX_ATTENTION: dict[str, Callable[..., torch.Tensor]] = {
-    "matmul_shared": shared_prefix_attention_matmul,
-    "flex_shared": shared_prefix_attention_flex,
-}
+# What ROLLSERVE_SHARED_PREFIX_ATTENTION may name (the engine's attention for grouped batches):
+# variant name -> its form of shared_prefix_decode_attention.
+SHARED_PREFIX_ATTENTION: dict[str, str] = {"matmul_shared": "matmul", "flex_shared": "flex"}
 SHARED_PREFIX_ATTENTION_ENV = "ROLLSERVE_SHARED_PREFIX_ATTENTION"
 
 
@@ -300,6 +268,6 @@ def shared_prefix_attention(name: str, shared: SharedPrefix, compiled: bool) -> 
     """The variant `name` of SHARED_PREFIX_ATTENTION for this split, in DecodeAttention's
     signature (compiled: the engine's compiled code)."""
     return functools.partial(
-        SHARED_PREFIX_ATTENTION[name], samples=shared.samples, prefix=shared.prefix,
-        compiled=compiled,
+        shared_prefix_decode_attention, form=SHARED_PREFIX_ATTENTION[name],
+        samples=shared.samples, prefix=shared.prefix, compiled=compiled,
     )  # fmt: skip
