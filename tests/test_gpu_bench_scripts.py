@@ -40,7 +40,9 @@ def test_bench_gpu_cpu_quick_run_fills_every_lane() -> None:
     assert "in-process phases' device memory: n/a (CUDA only)" in out
     # The server process's own account of its warm-up, from its log.
     assert re.search(r"^server log: engine memory after the warm-up .*graph_pool", out, re.M)
-    assert re.search(r"^server log: engine warm-up in [\d.]+ s", out, re.M)
+    assert re.search(
+        r"^server log: engine warm-up in [\d.]+ s.*shared-prefix attention off", out, re.M
+    )
     room = out[out.index("\n## Room for scoring under the end-to-end target") :]
     assert re.search(r"Scoring one model is [\d.e+-]+ TFLOP of matmuls", room), room
     assert re.search(r"the target is (within reach of|out of reach for) scoring", room), room

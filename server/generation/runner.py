@@ -457,10 +457,10 @@ class Engine:
         seconds = time.perf_counter() - start
         _log.info(
             "engine warm-up in %.2f s: batch buckets %s%s x attention widths %s, %d graphs, "
-            "decode attention %s",
+            "decode attention %s, shared-prefix attention %s",
             seconds, covered, f" (not {buckets[len(covered):]}: over {budget_s:.0f} s)"
             if len(covered) < len(buckets) else "", sorted(first_step), len(ws.graphs),
-            self.decode_attention,
+            self.decode_attention, self.shared_attention or "off",
         )  # fmt: skip
         return seconds
 
