@@ -269,7 +269,7 @@ def test_a_maker_on_the_engine_path_warms_up_and_scores_there(
     assert "engine memory after the warm-up (GiB; graphs: a count): weights 0.00" in caplog.text
     assert ", kv_cache " in caplog.text and ", peak_allocated 0.00" in caplog.text
     (warmed,) = built_engine(models.actor.module)._workspaces.values()
-    assert {b for b, _ in warmed.shapes} == {8, 4, 2, 1}
+    assert {key[0] for key in warmed.shapes} == {8, 4, 2, 1}  # (bucket, width, ...)
     calls: list[str] = []
     hooks = [
         loaded.module.model.register_forward_pre_hook(lambda *_, r=loaded.role: calls.append(r))
