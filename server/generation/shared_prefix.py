@@ -159,24 +159,20 @@ def _cascade(
     part: Part,
     by_group: torch.Tensor,
     grouped: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    own: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     scale: float,
-    samples: int,
-    prefix: int,
 ) -> torch.Tensor:
-    """The attention (b, Hkv, G, D) of the grouped queries (and their groups' blocks, by_group)
-    as `part` over the shared columns of each group's first row, `part` over each row's own
-    columns, merged."""
+    """The attention (b, Hkv, G, D) of the grouped queries as `part` of their groups' blocks
+    (by_group) over each group's shared (k, v, mask), `part` of each row's over its own
+    columns' (k, v, mask), merged. Every view is made by the caller: none inside a compiled
+    graph (Inductor's CPU flex template misreads a view made inside it; the CUDA one is not
+    given the chance)."""
+    samples = grouped.shape[0] // by_group.shape[0]
     group = grouped.shape[2]
-    shared_out, shared_lse = part(
-        by_group, k[::samples, :, :prefix], v[::samples, :, :prefix], mask[::samples, :prefix],
-        scale,
-    )  # fmt: skip
-    own = part(grouped, k[:, :, prefix:], v[:, :, prefix:], mask[:, prefix:], scale)
+    shared_out, shared_lse = part(by_group, *shared, scale)
     first = (_by_row(shared_out, samples, group), _by_row(shared_lse, samples, group))
-    return _merge((first, own), grouped.dtype)
+    return _merge((first, part(grouped, *own, scale)), grouped.dtype)
 
 
 def _shared_matmul(*args: object) -> torch.Tensor:
@@ -222,15 +218,17 @@ def shared_prefix_decode_attention(
     flex_attention calls; `compiled`: on CUDA only, else flex's eager reference, which
     materialises every score). The query blocks are made here, outside any compiled graph (as
     attention's flex variant: Inductor's CPU flex template reads the shape of the buffer under
-    a view made inside it)."""
+    a view made inside it), and so are the K/V views of both parts."""
     b, heads, dim = q.shape
     grouped = q.view(b, k.shape[1], heads // k.shape[1], dim)
     by_group = _by_group(grouped, samples).contiguous()
+    shared = (k[::samples, :, :prefix], v[::samples, :, :prefix], mask[::samples, :prefix])
+    own = (k[:, :, prefix:], v[:, :, prefix:], mask[:, prefix:])
     cascade, compiles_on_cpu = _FORMS[form]
     if compiled and (compiles_on_cpu or q.is_cuda):
-        mark_widths_dynamic(k, v, mask)
+        mark_widths_dynamic(*own)  # the shared part's width is the prefix: fixed
         cascade = _compiled(form)
-    return cascade(by_group, grouped, k, v, mask, scale, samples, prefix).reshape(b, heads, dim)
+    return cascade(by_group, grouped, shared, own, scale).reshape(b, heads, dim)
 
 
 def shared_prefix_variants(
