@@ -407,6 +407,8 @@ def start_decode(model: torch.nn.Module, case: Case, device: torch.device) -> De
                          device=device)  # fmt: skip
     ws = engine.workspace(case.rows, case.prompt_len, params, 0)
     rows = engine.start(ws, ids, mask, uniform, case.new_tokens, share=True)
+    ws.shared = None  # the plain step, even under ROLLSERVE_SHARED_PREFIX_ATTENTION: the
+    # shared-prefix one is timed beside it (shared_step_timings)
     widths: dict[int, int] = {}
     for step in range(1, case.new_tokens):
         widths.setdefault(attention_width(case.prompt_len + step, ws.width), step)

@@ -24,7 +24,6 @@ on any device; unset, in vocabulary chunks on CUDA only.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 
 from ..generation import SCORING_CHUNK_BYTES
 from ..generation.compiling import maybe_compiled
+from ..generation.switches import cuda_switch
 
 __all__ = [
     "PASS_POSITIONS",
@@ -61,10 +61,7 @@ EAGER_FLOAT32_TEMPORARIES = 3
 def vocab_chunks_enabled(device: torch.device) -> bool:
     """Whether scoring on `device` takes the vocabulary chunks: ROLLSERVE_SCORING_VOCAB_CHUNKS
     "0" or "1" says so; unset, on CUDA (where the step compiles)."""
-    forced = os.environ.get(VOCAB_CHUNKS_ENV, "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    return device.type == "cuda"
+    return cuda_switch(VOCAB_CHUNKS_ENV, device)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
 from .compiling import compiles_by_default, maybe_compiled
+from .switches import env_choice
 
 __all__ = [
     "COMPILED_DECODE_ATTENTION",
@@ -102,12 +102,7 @@ PREFILL_ATTENTION = {"sdpa": None, "efficient": SDPBackend.EFFICIENT_ATTENTION}
 def prefill_backend() -> SDPBackend | None:
     """The backend ROLLSERVE_PREFILL_ATTENTION holds prefill and scoring attention to on CUDA
     (None: SDPA picks, the default); ValueError for a name not in PREFILL_ATTENTION."""
-    name = os.environ.get(PREFILL_ATTENTION_ENV, "").strip() or "sdpa"
-    if name not in PREFILL_ATTENTION:
-        raise ValueError(
-            f"{PREFILL_ATTENTION_ENV}={name!r}: expected one of {sorted(PREFILL_ATTENTION)}"
-        )
-    return PREFILL_ATTENTION[name]
+    return PREFILL_ATTENTION[env_choice(PREFILL_ATTENTION_ENV, PREFILL_ATTENTION, "sdpa")]
 
 
 def prefill_attention(

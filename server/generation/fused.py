@@ -22,10 +22,11 @@ new fused tensor.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 
 import torch
+
+from .switches import cuda_switch
 
 __all__ = ["FUSE_ENV", "FusedProjection", "fuse", "fuses_by_default"]
 
@@ -39,10 +40,7 @@ def fuses_by_default(device: torch.device) -> bool:
     """Whether the engine fuses its projections on `device`: ROLLSERVE_FUSED_PROJECTIONS "0"
     or "1" says so; unset, on CUDA only (launches and GEMM shapes matter there; on the CPU a
     full update adopts the staged tensors by rebinding, which `refresh` then copies back)."""
-    forced = os.environ.get(FUSE_ENV, "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    return device.type == "cuda"
+    return cuda_switch(FUSE_ENV, device)
 
 
 def _joined(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

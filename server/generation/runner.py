@@ -545,7 +545,7 @@ class Engine:
     ) -> tuple[torch.Tensor, ...]:
         """One batch of n <= R rows: prefill, sample step 0, decode the rest."""
         n, width = ids.shape
-        b = self.start(ws, ids, mask, uniform, steps, share, groups=share)
+        b = self.start(ws, ids, mask, uniform, steps, share)
         for step in range(1, steps):
             if step % CHECK_EVERY == 0:
                 live = int((~ws.finished[:b]).sum())  # the host's one look every few steps
@@ -570,17 +570,16 @@ class Engine:
         uniform: torch.Tensor | None,
         steps: int,
         share: bool,
-        *,
-        groups: bool = False,
     ) -> int:
         """Reset the workspace for n rows, prefill them and sample step 0; returns the bucket
-        the decode steps run at. With `groups` (and `share`), rows that come in groups of one
-        prompt set ws.shared for an engine with a shared-prefix attention (_shared_prefix)."""
+        the decode steps run at. For an engine with a shared-prefix attention, ws.shared says
+        whether the rows come in groups of one prompt (_shared_prefix; never without `share`:
+        each row is then its own prompt)."""
         b = batch_bucket(ids.shape[0], ws.rows)
         self._reset(ws, mask, uniform, steps)
         logits, of_row = self._prefill(ws, ids, mask, b, share)
         ws.shared = None
-        if groups and share and self.shared_attention is not None:
+        if self.shared_attention is not None:
             ws.shared = _shared_prefix(of_row, b, ids.shape[1])
         self._sample_into(ws, b, logits)
         ws.step += 1

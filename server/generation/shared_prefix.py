@@ -36,7 +36,6 @@ request's own cache.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +44,7 @@ from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
 from .attention import DecodeAttention, mark_widths_dynamic
 from .compiling import maybe_compiled
+from .switches import env_choice
 
 __all__ = [
     "SHARED_PREFIX_ATTENTION",
@@ -251,15 +251,8 @@ def shared_prefix_from_env() -> str | None:
     """The shared-prefix variant ROLLSERVE_SHARED_PREFIX_ATTENTION names (None: unset, empty or
     "off", the default: every batch runs the plain decode attention); ValueError for a name not
     in SHARED_PREFIX_ATTENTION."""
-    name = os.environ.get(SHARED_PREFIX_ATTENTION_ENV, "").strip()
-    if name in ("", "off"):
-        return None
-    if name not in SHARED_PREFIX_ATTENTION:
-        raise ValueError(
-            f"{SHARED_PREFIX_ATTENTION_ENV}={name!r}: expected off or one of "
-            f"{sorted(SHARED_PREFIX_ATTENTION)}"
-        )
-    return name
+    name = env_choice(SHARED_PREFIX_ATTENTION_ENV, {"off", *SHARED_PREFIX_ATTENTION}, "off")
+    return None if name == "off" else name
 
 
 def shared_prefix_attention(name: str, shared: SharedPrefix, compiled: bool) -> DecodeAttention:
