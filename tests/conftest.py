@@ -79,6 +79,26 @@ def pytest_configure(config: pytest.Config) -> None:
     config.add_cleanup(_patch_subprocesses(count))
 
 
+# `make test` runs `-n auto`: a worker per core the process may use, at most this many. Past a
+# few workers the longest test files set the wall time, while every worker adds a process with
+# torch and transformers loaded, and its tests' server processes, to the machine's memory.
+MAX_TEST_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pytest-xdist): the cores this process may run on (the real ones, not
+    ROLLSERVE_TEST_CPU_COUNT's), at most MAX_TEST_WORKERS; PYTEST_XDIST_AUTO_NUM_WORKERS, as
+    xdist documents it, decides when set."""
+    chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").strip()
+    if chosen.isdigit():
+        return int(chosen)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform (macOS)
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_TEST_WORKERS))
+
+
 def pytest_report_header(config: pytest.Config) -> str | None:
     count = _simulated_cpu_count()
     if count is None:
