@@ -67,18 +67,19 @@ class Shaped(torch.nn.Module):
                 p + "post_attention_layernorm.weight": (hidden,),
             }
         shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
-        self._names = {}
-        for index, (name, shape) in enumerate(shapes.items()):
-            key = f"p{index}"
-            self._names[key] = name
-            self.register_parameter(
-                key, torch.nn.Parameter(torch.full(shape, 0.5, dtype=torch.bfloat16))
-            )
-
-    def state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
-        own = super().state_dict(*args, **kwargs)
-        return {self._names.get(k.removeprefix(kwargs.get("prefix", "")), k): v
-                for k, v in own.items()}  # fmt: skip
+        # Nested modules named like the decoder's, so that the state dict (and apply's lookup
+        # of the live tensors, spec.live_tensors) walks a tree as deep as a real model's.
+        for name, shape in shapes.items():
+            *path, attr = name.split(".")
+            module: torch.nn.Module = self
+            for part in path:
+                child = module._modules.get(part)
+                if child is None:
+                    child = torch.nn.Module()
+                    module.add_module(part, child)
+                module = child
+            parameter = torch.nn.Parameter(torch.full(shape, 0.5, dtype=torch.bfloat16))
+            module.register_parameter(attr, parameter)
 
 
 def header_and_file(

@@ -24,7 +24,7 @@ from .arena import StagingArena
 from .header import DEFAULT_MAX_HEADER_BYTES
 from .lora import LoraState, apply_lora
 from .options import UpdateOptions, update_options
-from .spec import TargetTensor, model_spec
+from .spec import TargetTensor, live_tensors, model_spec
 from .stream import Lane, SafetensorsStager
 from .timings import UpdateTimings
 from .verify import UpdateChecks, UpdatePlan
@@ -91,7 +91,9 @@ class StagedUpdate:
         """
         started_s = time.perf_counter()
         try:
-            model_tensors = _resolve(model, self._targets())
+            # A LoRA merge and the adoption check read tensors beyond the targets.
+            model_tensors = _resolve(model, self._targets(), every_tensor=not self.on_device
+                                     or self.options.mode == pb.UPDATE_MODE_LORA)  # fmt: skip
         except FailedPrecondition:
             if self.arena is not None:  # its remembered head was planned on the old model
                 self.arena.forget_head()
@@ -160,12 +162,17 @@ class StagedUpdate:
         return [target for _, target in self.plan.copies] + [t.weight for t in self.plan.lora]
 
 
-def _resolve(model: torch.nn.Module, targets: list[TargetTensor]) -> dict[str, torch.Tensor]:
-    """The model's live tensors by name, after checking they still match what was verified."""
-    live = model.state_dict(keep_vars=True)
+def _resolve(
+    model: torch.nn.Module, targets: list[TargetTensor], *, every_tensor: bool
+) -> dict[str, torch.Tensor]:
+    """The model's live tensors by name (the targets', or with every_tensor all of them), after
+    checking the targets still match what was verified."""
+    live = None if every_tensor else live_tensors(model, [target.name for target in targets])
+    if live is None:
+        live = model.state_dict(keep_vars=True)
     for target in targets:
         tensor = live.get(target.name)
-        if tensor is None or tuple(tensor.shape) != target.shape or tensor.dtype != target.dtype:
+        if tensor is None or tensor.shape != target.shape or tensor.dtype != target.dtype:
             raise FailedPrecondition(
                 f"{target.name}: the model changed after the update was staged"
             )
