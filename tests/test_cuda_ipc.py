@@ -4,12 +4,14 @@ IPC handles, copied device to device.
 CPU (runs everywhere): the protocol's refusals against a real server: a CPU server neither lists
 nor takes cuda_ipc (FAILED_PRECONDITION), malformed sources are INVALID_ARGUMENT and another host
 FAILED_PRECONDITION, before anything is opened and with the old weights serving; the client
-refuses CPU tensors itself, and "auto" never picks cuda_ipc for them.
+refuses CPU tensors itself, and "auto" never picks cuda_ipc for them. The buffers a server keeps
+open between updates (KeptIpcBuffers, with CPU storages standing in for opened ones): per role
+and key, replaced by the role's next update, released after KEEP_S idle and at shutdown.
 
 GPU (marked `gpu`): a trainer in a spawned process updates a CUDA server over cuda_ipc: bit-equal
 weights in the parameters' own storages, "auto" picks it, a flattened buffer is one buffer, and a
 trainer that exported its handles and exited before the server opened them is refused with the
-old weights serving.
+old weights serving; the same buffer sent again is not opened again (kept).
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, load_models
 from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm
 from rollserve.server.serving.app import RolloutServer
-from rollserve.server.weights.planes import offered_transports
+from rollserve.server.weights.cuda_ipc import KeptIpcBuffers, keeps_buffers
+from rollserve.server.weights.planes import Planes, offered_transports
 from rollserve.v1 import rollout_pb2 as pb
+from torch.multiprocessing.reductions import StorageWeakRef
 
 WAIT_S = 30.0
 SPEC = TinyModelSpec()
@@ -373,6 +377,10 @@ def test_a_trainer_process_updates_a_cuda_server_device_to_device(
     commands.put(("again", 4, 0.5))
     answer = results.get(timeout=120)
     assert not isinstance(answer, str) and answer == ("cuda_ipc", 4, 1), answer
+    # ... and the server still has it open from version 3: nothing is opened or closed.
+    line = _update_line(caplog, 4)
+    assert "ipc_handle_kept 0.0000/1" in line and "ipc_handle_open" not in line, line
+    assert "ipc_handle_close" not in line, line
     weights = {name: tensor * 0.5 for name, tensor in weights.items()}  # exact in bfloat16
     _assert_serves(cuda_server, weights)
     # A stale version is refused (the handles' counters are given back), the weights stay.
@@ -449,3 +457,70 @@ def test_spans_that_miss_the_data_section_are_refused_on_a_cuda_server(
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert "data section begins" in error.details()
     assert state_hash(actor) == before
+
+
+def _storage(nbytes: int = 16) -> torch.UntypedStorage:
+    return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+
+
+ACTOR, CRITIC = pb.MODEL_ROLE_ACTOR, pb.MODEL_ROLE_CRITIC
+
+
+def test_kept_buffers_are_found_by_role_and_key_and_replaced_by_the_roles_next_update() -> None:
+    kept = KeptIpcBuffers(keep_s=60.0)
+    try:
+        first, second, critics = _storage(), _storage(), _storage()
+        key = (0, b"handle", 0, 16)
+        kept.keep(ACTOR, {key: first, (0, b"handle", 16, 16): second})
+        kept.keep(CRITIC, {key: critics})
+        assert kept.take(ACTOR, key) is first and kept.take(CRITIC, key) is critics
+        assert kept.take(ACTOR, (0, b"handle", 0, 32)) is None  # another size: another storage
+        assert kept.take(ACTOR, (1, b"handle", 0, 16)) is None  # another device
+        assert len(kept) == 3
+        # The actor's next update names only `first`: `second` is let go (closed once unused).
+        dropped = StorageWeakRef(second)
+        kept.keep(ACTOR, {key: first})
+        del second
+        assert dropped.expired() and kept.take(ACTOR, key) is first and len(kept) == 2
+        # A storage in use by an update in flight stays open whatever is released meanwhile.
+        in_use = kept.take(CRITIC, key)
+        kept.release()
+        assert len(kept) == 0 and kept.take(CRITIC, key) is None
+        assert in_use is critics and not StorageWeakRef(in_use).expired()
+    finally:
+        kept.release()
+
+
+def test_kept_buffers_go_after_keep_s_without_an_update() -> None:
+    kept = KeptIpcBuffers(keep_s=3600.0)
+    storage = _storage()
+    gone = StorageWeakRef(storage)
+    kept.keep(ACTOR, {(0, b"h", 0, 16): storage})
+    del storage
+    kept._expire()  # the timer firing early (as after a newer update): it waits the rest
+    assert len(kept) == 1 and kept._timer is not None
+    kept.release()
+    assert gone.expired() and kept._timer is None
+    # The timer itself, with no time to keep: released by its own thread.
+    quick = KeptIpcBuffers(keep_s=0.0)
+    quick.keep(ACTOR, {(0, b"h", 0, 16): _storage()})
+    timer = quick._timer
+    assert timer is not None
+    timer.join(WAIT_S)
+    assert len(quick) == 0
+
+
+def test_a_server_keeps_buffers_unless_switched_off_and_releases_them_at_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert keeps_buffers()
+    planes = Planes("grpc,shm", torch.device("cpu"))
+    assert planes.kept_ipc is not None
+    storage = _storage()
+    planes.kept_ipc.keep(ACTOR, {(0, b"h", 0, 16): storage})
+    gone = StorageWeakRef(storage)
+    del storage
+    planes.close()
+    assert gone.expired()
+    monkeypatch.setenv("ROLLSERVE_CUDA_IPC_KEEP", "0")
+    assert not keeps_buffers() and Planes("grpc", torch.device("cpu")).kept_ipc is None

@@ -27,6 +27,19 @@ contract is the same as for a staged copy (the memory stays allocated and unchan
 reply), it is only read later: by apply rather than by receive. ROLLSERVE_CUDA_IPC_IN_PLACE=0
 stages every update (for comparing the two).
 
+Kept open. A trainer sends every update from the same memory (its flattened weights, its
+pack buffer), and opening a CUDA IPC handle maps the trainer's allocation into this process
+(cudaIpcOpenMemHandle), closing it unmaps it and synchronises: work per update that does not
+depend on the update (SGLang and UCX keep opened handles for the same reason). `KeptIpcBuffers`
+keeps the storages of each role's last successful update open, keyed by what names the memory
+(this process's device, the handle, the storage's offset and size: a CUDA IPC handle names one
+allocation, and a new allocation gets a new handle even at the same address), so the next
+update of the same buffers opens nothing. They are closed when an update of the role names
+other buffers, after KEEP_S without a CUDA IPC update, and at shutdown. While a storage is kept
+its ref counter is held (the first update of a storage carries it): a trainer that frees the
+tensor meanwhile gets the memory back only when the server lets go (torch's limbo for shared
+blocks), at most KEEP_S later. ROLLSERVE_CUDA_IPC_KEEP=0 opens and closes every buffer per update.
+
 A handle that does not open (the trainer exited or freed the memory) is FAILED_PRECONDITION
 starting "cuda_ipc: ", like every refusal that says this plane cannot work here (the client's
 "auto" then sends another way; nothing was staged). The old weights keep serving either way.
@@ -45,8 +58,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import TracebackType
 
 import torch
@@ -67,7 +81,17 @@ from .header import PREFIX_BYTES
 from .staging import Request, UpdateStager, receive_head_only
 from .timings import UpdateTimings
 
-__all__ = ["PIECE_BYTES", "CudaIpcPlane", "can_open_cuda_ipc", "check_source"]
+__all__ = [
+    "KEEP_S",
+    "PIECE_BYTES",
+    "BufferKey",
+    "CudaIpcPlane",
+    "KeptIpcBuffers",
+    "buffer_key",
+    "can_open_cuda_ipc",
+    "check_source",
+    "keeps_buffers",
+]
 
 _LOG = logging.getLogger(__name__)
 # Into a host arena (a CUDA server whose device could not hold the staging copy), feed_tensor
@@ -78,6 +102,83 @@ _LOG = logging.getLogger(__name__)
 PIECE_BYTES = 64 << 20
 _REFUSED = "cuda_ipc: "  # the prefix of the refusals after which the client may go another way
 IN_PLACE_ENV = "ROLLSERVE_CUDA_IPC_IN_PLACE"  # "0": stage every update (see the module)
+KEEP_ENV = "ROLLSERVE_CUDA_IPC_KEEP"  # "0": open and close every buffer per update
+# Kept buffers are closed after this long without a CUDA IPC update (as a shared-memory file's
+# mapping is: shared_memory.py), so the memory of a trainer that stopped sending goes back soon.
+KEEP_S = 30.0
+
+# (this process's device index, handle, storage offset, storage bytes): one storage of one
+# allocation of the trainer's.
+BufferKey = tuple[int, bytes, int, int]
+
+
+def buffer_key(buffer: pb.CudaIpcBuffer, index: int) -> BufferKey:
+    """What names `buffer`'s memory, opened on this process's device `index`."""
+    return (index, bytes(buffer.handle), buffer.storage_offset, buffer.storage_bytes)
+
+
+class KeptIpcBuffers:
+    """The opened storages of each role's last successful CUDA IPC update (see the module):
+    `take` one for the next update, `keep` an update's set (closing the role's others),
+    `release` all. Thread-safe; a storage taken by an update in flight stays open until that
+    update drops it, whatever is released meanwhile (a storage closes with its last reference).
+    """
+
+    def __init__(self, keep_s: float = KEEP_S) -> None:
+        self._keep_s = keep_s
+        self._lock = threading.Lock()
+        self._by_role: dict[int, dict[BufferKey, torch.UntypedStorage]] = {}
+        self._timer: threading.Timer | None = None
+        self._last_kept_s = 0.0
+
+    def take(self, role: int, key: BufferKey) -> torch.UntypedStorage | None:
+        with self._lock:
+            return self._by_role.get(role, {}).get(key)
+
+    def keep(self, role: int, opened: Mapping[BufferKey, torch.UntypedStorage]) -> None:
+        """The role's kept set becomes `opened` (the buffers of its latest update); the
+        storages it no longer holds close once nothing else refers to them."""
+        with self._lock:
+            dropped = self._by_role.pop(role, {})
+            if opened:
+                self._by_role[role] = dict(opened)
+            self._last_kept_s = time.monotonic()
+            if self._timer is None and self._by_role:  # one timer, not a thread per update
+                self._arm(self._keep_s)
+        dropped.clear()  # outside the lock: closing synchronises the device
+
+    def release(self) -> None:
+        with self._lock:
+            dropped, self._by_role = self._by_role, {}
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        dropped.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(kept) for kept in self._by_role.values())
+
+    def _arm(self, after_s: float) -> None:
+        self._timer = threading.Timer(after_s, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        """The timer: release everything after keep_s without a `keep`, else wait the rest."""
+        with self._lock:
+            self._timer = None
+            idle_s = time.monotonic() - self._last_kept_s
+            if idle_s < self._keep_s:
+                self._arm(self._keep_s - idle_s)
+                return
+            dropped, self._by_role = self._by_role, {}
+        dropped.clear()
+
+
+def keeps_buffers() -> bool:
+    """Whether servers keep CUDA IPC buffers open between updates (ROLLSERVE_CUDA_IPC_KEEP)."""
+    return os.environ.get(KEEP_ENV, "1") != "0"
 
 
 def can_open_cuda_ipc(device: torch.device) -> bool:
@@ -173,8 +274,10 @@ class CudaIpcPlane:
         *,
         device: torch.device,
         host_id: str,
+        kept: KeptIpcBuffers | None = None,
     ) -> None:
-        # device: the models'; host_id: this server's Health.shm_host_id.
+        # device: the models'; host_id: this server's Health.shm_host_id; kept: the buffers
+        # kept open from earlier updates (None: open and close every buffer).
         source = header.cuda_ipc
         check_source(source, header.total_bytes)
         if not host_id or source.host_id != host_id:
@@ -191,8 +294,11 @@ class CudaIpcPlane:
         self._source = source
         self._total_bytes = header.total_bytes
         self._device = device
+        self._kept = kept
+        self._role = header.target
         self._indices: list[int] = []  # this process's device index of each buffer
         self._opened: list[torch.UntypedStorage | None] = []  # by buffer, once opened
+        self._reused: set[int] = set()  # buffers whose storage was kept open by an earlier update
         self._timings = UpdateTimings()  # the update's, once receive has its stager
         self._released: list[bool] = [False] * len(source.buffers)  # counter given back
 
@@ -205,21 +311,37 @@ class CudaIpcPlane:
         error: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        """Close every handle (drop the storages) and give back the counters of the buffers
-        never opened; before the reply, whatever happened."""
+        """Keep the opened buffers for the next update (after a success, when buffers are
+        kept) or close them (drop the storages), and give back the counters of the buffers not
+        opened by this update; before the reply, whatever happened."""
         if error is not None and any(s is not None for s in self._opened):
             # Copies of a failed update may still be in flight on the stager's stream: they
             # must end before the trainer may free the memory.
             for index in {self._device_index(), *self._indices}:
                 torch.cuda.synchronize(index)
         for number in [n for n, storage in enumerate(self._opened) if storage is not None]:
-            self._released[number] = True  # torch's deleter decrements it on the drop
-        # The last references: dropping them closes the handles (torch's deleter syncs the
-        # device's current stream, decrements the trainer's counter, closes the mapping).
+            # Opened here: torch's deleter decrements the counter when the storage closes. A
+            # kept storage's deleter gives back the counter of the update that opened it; a
+            # counter sent again with it is given back below.
+            self._released[number] = number not in self._reused
+        keeping = error is None and self._kept is not None
+        if keeping and self._kept is not None and self._opened:
+            buffers, opened = self._source.buffers, self._opened
+            self._kept.keep(self._role, {
+                buffer_key(buffers[number], self._indices[number]): storage
+                for number, storage in enumerate(opened)
+                if storage is not None and not buffers[number].event_sync_required
+            })  # fmt: skip
+        # The last references here: dropping them closes the handles that are not kept
+        # (torch's deleter syncs the device's current stream, decrements the trainer's counter,
+        # closes the mapping).
         closing_s = time.perf_counter()
-        closed = sum(storage is not None for storage in self._opened)
+        closed = (
+            0 if keeping else len([s for s in self._opened if s is not None]) - len(self._reused)
+        )
         self._opened = []
-        self._timings.add("ipc_handle_close", time.perf_counter() - closing_s, closed)
+        if closed:
+            self._timings.add("ipc_handle_close", time.perf_counter() - closing_s, closed)
         self._release_unopened()
 
     def finished(self, response: pb.UpdateWeightsResponse) -> None:
@@ -303,6 +425,13 @@ class CudaIpcPlane:
         for number, (buffer, index) in enumerate(
             zip(self._source.buffers, self._indices, strict=True)
         ):
+            kept = None
+            if self._kept is not None and not buffer.event_sync_required:
+                kept = self._kept.take(self._role, buffer_key(buffer, index))
+            if kept is not None:
+                self._opened[number] = kept
+                self._reused.add(number)
+                continue
             try:
                 started_s = time.perf_counter()
                 if buffer.event_sync_required:
@@ -331,8 +460,12 @@ class CudaIpcPlane:
                     "exit or free the tensors?)"
                 ) from None
             self._opened[number] = storage
-        self._timings.add("ipc_event_wait", events_s, len(self._opened))
-        self._timings.add("ipc_handle_open", handles_s, len(self._opened))
+        opened = len(self._opened) - len(self._reused)
+        if opened:
+            self._timings.add("ipc_event_wait", events_s, opened)
+            self._timings.add("ipc_handle_open", handles_s, opened)
+        if self._reused:
+            self._timings.add("ipc_handle_kept", 0.0, len(self._reused))
 
     def _release_unopened(self) -> None:
         """Give back the ref counter of every buffer that was never opened (best effort: a

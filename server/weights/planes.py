@@ -31,7 +31,7 @@ from ...client.protocol.transports import (
 )
 from ...v1 import rollout_pb2 as pb
 from ..config import ServerConfig
-from .cuda_ipc import CudaIpcPlane, can_open_cuda_ipc
+from .cuda_ipc import CudaIpcPlane, KeptIpcBuffers, can_open_cuda_ipc, keeps_buffers
 from .distributed import GroupUpdate, WeightsGroups
 from .parallel import Assembly, ParallelUpdates, check_part, feed_part
 from .shared_memory import default_lanes, receive_shared_memory, release_mappings
@@ -179,6 +179,8 @@ class Planes:
         self.shm_lanes = default_lanes(os.cpu_count())  # threads copying from shared memory
         self.groups = WeightsGroups(device)
         self.parallel = ParallelUpdates(wait_s=parallel_wait_s)
+        # CUDA IPC buffers kept open from one update to the next (cuda_ipc.py, "Kept open").
+        self.kept_ipc = KeptIpcBuffers() if keeps_buffers() else None
 
     @classmethod
     def from_config(cls, config: ServerConfig, device: torch.device) -> Planes:
@@ -198,7 +200,9 @@ class Planes:
         source = header.WhichOneof("source")
         if source == "cuda_ipc" and not parallel:
             # Its shape, the host and the device first (each a clear refusal), then the flag.
-            plane = CudaIpcPlane(header, device=self.device, host_id=self.host_id)
+            plane = CudaIpcPlane(
+                header, device=self.device, host_id=self.host_id, kept=self.kept_ipc
+            )
             if not self.accepts(source):
                 raise FailedPrecondition(
                     "cuda_ipc: this server does not accept that transport (--weight-transports)"
@@ -217,8 +221,11 @@ class Planes:
         return _Chunks()
 
     def close(self, wait_s: float = 0.0) -> bool:
-        """Leave every weights group and unmap cached shared-memory files (server stop);
-        whether every rendezvous thread ended within wait_s (WeightsGroups.close)."""
+        """Leave every weights group, unmap cached shared-memory files and close kept CUDA IPC
+        buffers (server stop); whether every rendezvous thread ended within wait_s
+        (WeightsGroups.close)."""
         ended = self.groups.close(wait_s)
         release_mappings()
+        if self.kept_ipc is not None:
+            self.kept_ipc.release()
         return ended

@@ -14,7 +14,8 @@ waiting for a free slot and launching its host-to-device copy; host_copy per pie
 slot, several per slot when small chunks fill one; copy_launch also per device piece),
 check_group (per value-check reduction launched, once its tensors' bytes were all copied),
 page_lock (shm into a CUDA arena: registering the client's mapping, once per mapping),
-ipc_event_wait, ipc_handle_open and ipc_handle_close (per CUDA IPC buffer), head_check (the
+ipc_event_wait, ipc_handle_open and ipc_handle_close (per CUDA IPC buffer opened or closed;
+ipc_handle_kept counts those found open from an earlier update, cuda_ipc.py), head_check (the
 head parsed and planned against the model; absent when the arena's last head was reused),
 arena_take (absent when staged in place), in_place (the data section staged where a plane
 holds it, stream.py: its checks launched, once),
