@@ -12,6 +12,7 @@ the per-tensor checks), then applied, and the per-phase timings the server logs
   (as the plane feeds a device arena);
 * in_place, cuda_ipc's path for a flat buffer on the model's device: the data section offered
   before the head and placed after it (stream.py): no arena, checks and apply read it;
+  in_place_kept the same with the staged views kept with the memory (a kept CUDA IPC buffer);
 * shm: receive_shared_memory from a sealed memfd of this process, with --lanes threads.
 
     python bench/profile_update_host.py                 # the full size (~5 GB of host memory)
@@ -100,6 +101,9 @@ def sealed_memfd(data: bytes) -> int:
     return fd
 
 
+_KEPT_VIEWS: dict = {}  # plane in_place_kept's views, kept across its updates
+
+
 def run(plane: str, model: torch.nn.Module, header: pb.WeightsHeader, file: bytes,
         arena: StagingArena, lanes: int, fd: int, data: torch.Tensor) -> UpdateTimings:  # fmt: skip
     timings = UpdateTimings()
@@ -107,15 +111,18 @@ def run(plane: str, model: torch.nn.Module, header: pb.WeightsHeader, file: byte
         stager = UpdateStager(header, model, LoraState(), arena=arena, timings=timings)
         view = memoryview(file)
         head = 8 + int.from_bytes(file[:8], "little")
-        if plane == "in_place":  # cuda_ipc's flat buffer: offered, then placed (stream.py)
-            stager.offer_in_place(data.device, head)
+        if plane.startswith("in_place"):  # cuda_ipc's flat buffer: offered, then placed
+            # in_place_kept: the views remembered with the memory across updates, as a kept
+            # CUDA IPC buffer has them (cuda_ipc.py); in_place: made every update.
+            views = _KEPT_VIEWS if plane == "in_place_kept" else None
+            stager.offer_in_place(data.device, head, views)
         if plane == "grpc":
             for offset in range(0, len(file), CHUNK_BYTES):
                 stager.feed(offset, view[offset : offset + CHUNK_BYTES])
         elif plane == "tensor":
             stager.feed(0, view[:head])
             stager.feed_tensor(head, data[head:])  # a device arena takes the span whole
-        elif plane == "in_place":
+        elif plane.startswith("in_place"):
             lane = stager.lane(0, len(file))
             lane.feed(0, view[:head])
             assert lane.file_data.in_place, "the head did not allow staging in place"
@@ -137,7 +144,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--shape", default="896,4864,151936,128", help="hidden,intermediate,vocab,kv width"
     )
-    parser.add_argument("--planes", default="grpc,tensor,in_place,shm")
+    parser.add_argument("--planes", default="grpc,tensor,in_place,in_place_kept,shm")
     parser.add_argument("--lanes", type=int, default=4, help="shm copy lanes (threads)")
     parser.add_argument("--slots", type=int, default=RING_SLOTS, help="ring slots")
     parser.add_argument("--slot-mib", type=int, default=SLOT_BYTES >> 20, help="ring slot size")

@@ -61,12 +61,13 @@ def _stage(
     source: torch.Tensor,
     *,
     offer_offset: int | None = None,
+    views: dict | None = None,
 ) -> tuple[UpdateStager, bool]:
     """Offer `source` in place, feed the head, then place it (or feed it when the stager did
     not take the offer); the stager, and whether it staged in place."""
     stager = UpdateStager(header, model, None, arena=arena)  # type: ignore[arg-type]
     offset = source.storage_offset() if offer_offset is None else offer_offset
-    stager.offer_in_place(source.device, offset)
+    stager.offer_in_place(source.device, offset, views)
     lane = stager.lane(0, stager.options.total_bytes)
     lane.feed(0, head)
     in_place = lane.file_data.in_place
@@ -101,6 +102,54 @@ def test_in_place_applies_the_same_bits_without_a_staging_buffer() -> None:
     timings = staged.timings
     assert timings is not None and "in_place" in timings.line()
     assert "arena_take" not in timings.line()
+
+
+def test_a_plane_that_keeps_its_memory_keeps_the_views_of_it_for_the_same_head() -> None:
+    """offer_in_place's `views` (kept CUDA IPC buffers): the next update that places the same
+    memory under the same head stages the very same views, and applies what the memory holds
+    now; other memory, or another head, gets views of its own."""
+    model, trainer = tiny_llama(0), tiny_llama(1)
+    arena = _arena()
+    weights = {name: t.detach().clone() for name, t in trainer.state_dict().items()}
+    header, head, data = _file(weights)
+    source = _memory(data, storage_offset=64)
+    views: dict = {}
+    stager, _ = _stage(model, arena, header, head, source, views=views)
+    first = stager.finish()
+    first.apply(model)
+    assert state_hash(model) == state_hash(trainer) and len(views) == 1
+    # The trainer's next step, written into the same memory; the same head.
+    moved = perturbed(trainer, seed=5)
+    _, _, moved_data = _file(moved)
+    source.copy_(torch.frombuffer(bytearray(moved_data), dtype=torch.uint8))
+    header.version = 2  # type: ignore[attr-defined]
+    stager, _ = _stage(model, arena, header, head, source, views=views)
+    second = stager.finish()
+    assert second.tensors is first.tensors  # no view made again
+    second.apply(model)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, moved[name]), name
+    # Other memory (a copy elsewhere) under the same head: views of that memory.
+    elsewhere = _memory(moved_data, storage_offset=128)
+    stager, _ = _stage(model, arena, header, head, elsewhere, views=views)
+    third = stager.finish()
+    assert third.tensors is not first.tensors
+    begin = elsewhere.data_ptr()
+    assert all(begin <= t.data_ptr() < begin + len(elsewhere) for t in third.tensors.values())
+    # The same memory and head bytes, but the head checked anew (the model changed under the
+    # remembered one): views of the new verified head.
+    arena.forget_head()
+    stager, _ = _stage(model, arena, header, head, elsewhere, views=views)
+    assert stager.finish().tensors is not third.tensors
+    # Another head (fewer tensors): its own views.
+    partial = {"model.norm.weight": moved["model.norm.weight"] * 2}
+    header, head, data = _file(partial, mode="partial")
+    header.version = 4  # type: ignore[attr-defined]
+    stager, _ = _stage(model, arena, header, head, _memory(data), views=views)
+    fourth = stager.finish()
+    assert list(fourth.tensors) == ["model.norm.weight"]
+    fourth.apply(model)
+    assert torch.equal(model.state_dict()["model.norm.weight"], partial["model.norm.weight"])
 
 
 def test_bad_values_in_place_are_refused_and_the_model_keeps_its_weights() -> None:

@@ -127,17 +127,28 @@ class KeptIpcBuffers:
     def __init__(self, keep_s: float = KEEP_S) -> None:
         self._keep_s = keep_s
         self._lock = threading.Lock()
-        self._by_role: dict[int, dict[BufferKey, torch.UntypedStorage]] = {}
+        # role -> key -> (the opened storage, the staged views of memory placed from it:
+        # stream.py's in-place views, remembered with the storage they view and gone with it)
+        self._by_role: dict[int, dict[BufferKey, tuple[torch.UntypedStorage, dict]]] = {}
         self._timer: threading.Timer | None = None
         self._last_kept_s = 0.0
 
     def take(self, role: int, key: BufferKey) -> torch.UntypedStorage | None:
         with self._lock:
-            return self._by_role.get(role, {}).get(key)
+            kept = self._by_role.get(role, {}).get(key)
+            return None if kept is None else kept[0]
 
-    def keep(self, role: int, opened: Mapping[BufferKey, torch.UntypedStorage]) -> None:
-        """The role's kept set becomes `opened` (the buffers of its latest update); the
-        storages it no longer holds close once nothing else refers to them."""
+    def views(self, role: int, key: BufferKey) -> dict | None:
+        """The views remembered with the kept storage of `key` (None: not kept)."""
+        with self._lock:
+            kept = self._by_role.get(role, {}).get(key)
+            return None if kept is None else kept[1]
+
+    def keep(
+        self, role: int, opened: Mapping[BufferKey, tuple[torch.UntypedStorage, dict]]
+    ) -> None:
+        """The role's kept set becomes `opened` (the buffers of its latest update, each with
+        its views); the storages it no longer holds close once nothing else refers to them."""
         with self._lock:
             dropped = self._by_role.pop(role, {})
             if opened:
@@ -299,6 +310,7 @@ class CudaIpcPlane:
         self._indices: list[int] = []  # this process's device index of each buffer
         self._opened: list[torch.UntypedStorage | None] = []  # by buffer, once opened
         self._reused: set[int] = set()  # buffers whose storage was kept open by an earlier update
+        self._views: dict[int, dict] = {}  # buffer -> where stream.py remembers in-place views
         self._timings = UpdateTimings()  # the update's, once receive has its stager
         self._released: list[bool] = [False] * len(source.buffers)  # counter given back
 
@@ -328,10 +340,12 @@ class CudaIpcPlane:
         if keeping and self._kept is not None and self._opened:
             buffers, opened = self._source.buffers, self._opened
             self._kept.keep(self._role, {
-                buffer_key(buffers[number], self._indices[number]): storage
+                buffer_key(buffers[number], self._indices[number]):
+                    (storage, self._views.get(number, {}))
                 for number, storage in enumerate(opened)
                 if storage is not None and not buffers[number].event_sync_required
             })  # fmt: skip
+        self._views = {}
         # The last references here: dropping them closes the handles that are not kept
         # (torch's deleter syncs the device's current stream, decrements the trainer's counter,
         # closes the mapping).
@@ -352,7 +366,8 @@ class CudaIpcPlane:
         self._timings = stager.timings
         spans = self._source.spans
         if self._in_place_candidate():
-            stager.offer_in_place(self._model_device(), spans[0].offset)
+            views = self._in_place_views(spans[0].buffer)
+            stager.offer_in_place(self._model_device(), spans[0].offset, views)
         lane = receive_head_only(stager, requests, CUDA_IPC)
         data_start = lane.file_data.data_start
         stager.timings.lap("head")
@@ -392,6 +407,18 @@ class CudaIpcPlane:
             return False
         buffer = self._source.buffers[self._source.spans[0].buffer]
         return buffer.device_uuid == device_uuid(self._device_index())
+
+    def _in_place_views(self, number: int) -> dict | None:
+        """Where the stager may remember its views of buffer `number` placed in place: the
+        dict kept with the buffer's open storage (the views of an update whose head and memory
+        are the last one's are then not made again: ~300 views per update), a new one for the
+        kept set (buffers kept), or None (every update makes its views)."""
+        if self._kept is None or self._source.buffers[number].event_sync_required:
+            return None
+        key = buffer_key(self._source.buffers[number], self._device_index())
+        views = self._kept.views(self._role, key)
+        self._views[number] = {} if views is None else views
+        return self._views[number]
 
     def _model_device(self) -> torch.device:
         return torch.device("cuda", self._device_index())

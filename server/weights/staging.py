@@ -275,10 +275,13 @@ class UpdateStager:
         """A lane for file bytes [begin, end), fed in order by one thread (stream.py)."""
         return self._stager.lane(begin, end)
 
-    def offer_in_place(self, device: torch.device, storage_offset: int) -> None:
+    def offer_in_place(
+        self, device: torch.device, storage_offset: int, views: dict | None = None
+    ) -> None:
         """Before the head: the plane will hold the whole data section on `device` and may hand
-        it over in place (stream.py, `SafetensorsStager.offer_in_place`, `Lane.place`)."""
-        self._stager.offer_in_place(device, storage_offset)
+        it over in place (stream.py, `SafetensorsStager.offer_in_place`, `Lane.place`);
+        `views`: where the plane keeps the staged views with that memory (None: nowhere)."""
+        self._stager.offer_in_place(device, storage_offset, views)
 
     def fail(self, error: BaseException) -> None:
         """Stop every lane: the update failed (lanes waiting for the head wake up and raise)."""

@@ -290,6 +290,7 @@ class SafetensorsStager:
         self._single: Lane | None = None
         # (device, storage offset) of the data section a plane offered in place, if any.
         self._in_place_offer: tuple[torch.device, int] | None = None
+        self._in_place_views: dict | None = None  # the plane's memory of its views (offer)
 
     # ---- lanes ---------------------------------------------------------------------------
 
@@ -370,13 +371,20 @@ class SafetensorsStager:
         """Bytes the head still needs before the next step of its parsing (0 once parsed)."""
         return 0 if self._data is not None else self._head_target() - len(self._head)
 
-    def offer_in_place(self, device: torch.device, storage_offset: int) -> None:
+    def offer_in_place(
+        self, device: torch.device, storage_offset: int, views: dict | None = None
+    ) -> None:
         """A plane that will hold the whole data section in memory of `device`, at byte
         `storage_offset` of its storage, offers to hand it over (`Lane.place`) instead of
         feeding it; whether it is taken shows in `data.in_place` once the head is parsed.
-        Before the head only."""
+        Before the head only.
+
+        views: a dict the plane keeps with that memory (kept CUDA IPC buffers), where the
+        staged views are remembered for the next update that places the same memory under the
+        same head; they live, and go, with the memory they view. None: made every update."""
         assert self._data is None, "offer_in_place before the head"
         self._in_place_offer = (torch.device(device), storage_offset)
+        self._in_place_views = views
 
     def let_go(self) -> None:
         """Drop the references to memory staged in place (once the update is applied or has
@@ -544,15 +552,32 @@ class SafetensorsStager:
         head and the arena buffer are the same (~300 views made once, not per update)."""
         head = self._verified
         assert head is not None  # set with the data
+        if data.in_place:
+            return self._in_place_staged_views(data, head)
         buffer = (data.arena.untyped_storage().data_ptr(), data.arena.numel())
-        views = None if data.in_place else head.views.get(buffer)
+        views = head.views.get(buffer)
         if views is None:
             views = MappingProxyType(data.tensors())
             # The arena keeps this head: one buffer's views at a time; never views of memory
             # staged in place (they would keep the plane's memory, e.g. a trainer's, mapped).
-            if head.key is not None and not data.in_place:
+            if head.key is not None:
                 head.views.clear()
                 head.views[buffer] = views
+        return views
+
+    def _in_place_staged_views(
+        self, data: FileData, head: VerifiedHead
+    ) -> Mapping[str, torch.Tensor]:
+        """The views of memory staged in place: those the plane remembers (offer_in_place's
+        `views`) when they were made under this head over this very memory, else made now
+        (and remembered there: one entry, the last)."""
+        remembered, memory = self._in_place_views, (data.arena.data_ptr(), data.arena.numel())
+        last = None if remembered is None else remembered.get("last")
+        if last is not None and last[0] is head and last[1] == memory and head.key is not None:
+            return last[2]
+        views = MappingProxyType(data.tensors())
+        if remembered is not None:
+            remembered["last"] = (head, memory, views)
         return views
 
     def _check_lane_boundaries(self, data: FileData) -> None:
