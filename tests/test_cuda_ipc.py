@@ -471,15 +471,19 @@ def test_kept_buffers_are_found_by_role_and_key_and_replaced_by_the_roles_next_u
     try:
         first, second, critics = _storage(), _storage(), _storage()
         key = (0, b"handle", 0, 16)
-        kept.keep(ACTOR, {key: first, (0, b"handle", 16, 16): second})
-        kept.keep(CRITIC, {key: critics})
+        kept.keep(ACTOR, {key: (first, {}), (0, b"handle", 16, 16): (second, {})})
+        kept.keep(CRITIC, {key: (critics, {"last": "views"})})
         assert kept.take(ACTOR, key) is first and kept.take(CRITIC, key) is critics
+        assert (
+            kept.views(CRITIC, key) == {"last": "views"}
+            and kept.views(ACTOR, (9, b"", 0, 1)) is None
+        )
         assert kept.take(ACTOR, (0, b"handle", 0, 32)) is None  # another size: another storage
         assert kept.take(ACTOR, (1, b"handle", 0, 16)) is None  # another device
         assert len(kept) == 3
         # The actor's next update names only `first`: `second` is let go (closed once unused).
         dropped = StorageWeakRef(second)
-        kept.keep(ACTOR, {key: first})
+        kept.keep(ACTOR, {key: (first, {})})
         del second
         assert dropped.expired() and kept.take(ACTOR, key) is first and len(kept) == 2
         # A storage in use by an update in flight stays open whatever is released meanwhile.
@@ -495,7 +499,7 @@ def test_kept_buffers_go_after_keep_s_without_an_update() -> None:
     kept = KeptIpcBuffers(keep_s=3600.0)
     storage = _storage()
     gone = StorageWeakRef(storage)
-    kept.keep(ACTOR, {(0, b"h", 0, 16): storage})
+    kept.keep(ACTOR, {(0, b"h", 0, 16): (storage, {})})
     del storage
     kept._expire()  # the timer firing early (as after a newer update): it waits the rest
     assert len(kept) == 1 and kept._timer is not None
@@ -503,7 +507,7 @@ def test_kept_buffers_go_after_keep_s_without_an_update() -> None:
     assert gone.expired() and kept._timer is None
     # The timer itself, with no time to keep: released by its own thread.
     quick = KeptIpcBuffers(keep_s=0.0)
-    quick.keep(ACTOR, {(0, b"h", 0, 16): _storage()})
+    quick.keep(ACTOR, {(0, b"h", 0, 16): (_storage(), {})})
     timer = quick._timer
     assert timer is not None
     timer.join(WAIT_S)
@@ -517,7 +521,7 @@ def test_a_server_keeps_buffers_unless_switched_off_and_releases_them_at_stop(
     planes = Planes("grpc,shm", torch.device("cpu"))
     assert planes.kept_ipc is not None
     storage = _storage()
-    planes.kept_ipc.keep(ACTOR, {(0, b"h", 0, 16): storage})
+    planes.kept_ipc.keep(ACTOR, {(0, b"h", 0, 16): (storage, {})})
     gone = StorageWeakRef(storage)
     del storage
     planes.close()
