@@ -35,10 +35,14 @@ keeps the storages of each role's last successful update open, keyed by what nam
 (this process's device, the handle, the storage's offset and size: a CUDA IPC handle names one
 allocation, and a new allocation gets a new handle even at the same address), so the next
 update of the same buffers opens nothing. They are closed when an update of the role names
-other buffers, after KEEP_S without a CUDA IPC update, and at shutdown. While a storage is kept
-its ref counter is held (the first update of a storage carries it): a trainer that frees the
-tensor meanwhile gets the memory back only when the server lets go (torch's limbo for shared
-blocks), at most KEEP_S later. ROLLSERVE_CUDA_IPC_KEEP=0 opens and closes every buffer per update.
+other buffers, after KEEP_S without a CUDA IPC update, and at shutdown. A storage that may be
+kept is opened without torch's ref counter, and every counter an update brings is given back
+when the update ends (as for a buffer it never opened): the trainer's allocator may free or
+reuse its memory after the reply exactly as without keeping, and a trainer that exits leaves no
+count behind (torch would warn of one). Memory freed and allocated again comes with a new handle,
+so it is opened anew; the stale mapping is never read and goes with the role's next update of
+other buffers, or KEEP_S later. ROLLSERVE_CUDA_IPC_KEEP=0 opens (with the counter) and closes
+every buffer per update.
 
 A handle that does not open (the trainer exited or freed the memory) is FAILED_PRECONDITION
 starting "cuda_ipc: ", like every refusal that says this plane cannot work here (the client's
@@ -324,18 +328,17 @@ class CudaIpcPlane:
         tb: TracebackType | None,
     ) -> None:
         """Keep the opened buffers for the next update (after a success, when buffers are
-        kept) or close them (drop the storages), and give back the counters of the buffers not
-        opened by this update; before the reply, whatever happened."""
+        kept) or close them (drop the storages), and give back every counter no storage's
+        deleter gives back; before the reply, whatever happened."""
         if error is not None and any(s is not None for s in self._opened):
             # Copies of a failed update may still be in flight on the stager's stream: they
             # must end before the trainer may free the memory.
             for index in {self._device_index(), *self._indices}:
                 torch.cuda.synchronize(index)
         for number in [n for n, storage in enumerate(self._opened) if storage is not None]:
-            # Opened here: torch's deleter decrements the counter when the storage closes. A
-            # kept storage's deleter gives back the counter of the update that opened it; a
-            # counter sent again with it is given back below.
-            self._released[number] = number not in self._reused
+            # Opened with its counter (buffers not kept): torch's deleter decrements it when
+            # the storage closes. Opened without (kept, see the module): given back below.
+            self._released[number] = self._kept is None
         keeping = error is None and self._kept is not None
         if keeping and self._kept is not None and self._opened:
             buffers, opened = self._source.buffers, self._opened
@@ -356,7 +359,7 @@ class CudaIpcPlane:
         self._opened = []
         if closed:
             self._timings.add("ipc_handle_close", time.perf_counter() - closing_s, closed)
-        self._release_unopened()
+        self._release_counters()
 
     def finished(self, response: pb.UpdateWeightsResponse) -> None:
         return None
@@ -472,8 +475,9 @@ class CudaIpcPlane:
                     buffer.handle,
                     buffer.storage_bytes,
                     buffer.storage_offset,
-                    buffer.ref_counter_handle,
-                    buffer.ref_counter_offset,
+                    # Kept storages hold no counter: the update gives it back (_release_counters).
+                    buffer.ref_counter_handle if self._kept is None else b"",
+                    buffer.ref_counter_offset if self._kept is None else 0,
                     buffer.event_handle,
                     False,  # the event is waited for above
                 )
@@ -494,9 +498,10 @@ class CudaIpcPlane:
         if self._reused:
             self._timings.add("ipc_handle_kept", 0.0, len(self._reused))
 
-    def _release_unopened(self) -> None:
-        """Give back the ref counter of every buffer that was never opened (best effort: a
-        trainer that exited took its counters with it)."""
+    def _release_counters(self) -> None:
+        """Give back the ref counter of every buffer whose storage does not (never opened, or
+        opened without it to be kept); best effort: a trainer that exited took its counters
+        with it."""
         for number, buffer in enumerate(self._source.buffers):
             if self._released[number] or not buffer.ref_counter_handle:
                 continue
