@@ -11,6 +11,7 @@ on its own index of that GPU.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 
@@ -57,6 +58,13 @@ def device_uuid(device: torch.device | int) -> str:
     index = device if isinstance(device, int) else device.index
     if index is None:
         index = torch.cuda.current_device()
+    return _uuid_of(index)
+
+
+@functools.cache
+def _uuid_of(index: int) -> str:
+    """device_uuid of this process's device `index`: fixed for the process (both sides ask
+    for it at every update, a server once per device it sees)."""
     uuid = torch.cuda.get_device_properties(index).uuid
     raw = getattr(uuid, "bytes", None)  # torch's _CUuuid: 16 bytes
     if isinstance(raw, bytes | bytearray | list | tuple) and len(raw) == 16:
