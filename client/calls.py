@@ -36,6 +36,7 @@ __all__ = [
     "join_micro_batches",
     "AUTHORIZATION_KEY",
     "DEFAULT_SUBSCRIBE_WINDOW",
+    "MAX_REQUEST_ID_CHARS",
     "REQUEST_ID_KEY",
     "BaseClient",
     "CallSettings",
@@ -53,6 +54,10 @@ REQUEST_ID_KEY = "x-request-id"
 Metadata = Sequence[tuple[str, str | bytes]]
 # HTTP/2 header names as gRPC accepts them (lowercase); "grpc-" names are reserved.
 _KEY = re.compile(r"[0-9a-z_.\-]+")
+# The longest request id a server takes (server/serving/interceptors.py); it replaces a longer one
+# with a fresh id, and one past gRPC's 16 KiB metadata limit failed the call RESOURCE_EXHAUSTED
+# ("received metadata size exceeds hard limit", a code that says retry) instead of being refused.
+MAX_REQUEST_ID_CHARS = 128
 
 
 def _check_ascii(name: str, value: str) -> str:
@@ -99,6 +104,11 @@ class CallSettings:
         if not request_id:
             return self.metadata
         request_id = _check_ascii("request_id", request_id)
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(
+                f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, got "
+                f"{len(request_id)}"
+            )
         kept = tuple(pair for pair in self.metadata if pair[0] != REQUEST_ID_KEY)
         return (*kept, (REQUEST_ID_KEY, request_id))
 

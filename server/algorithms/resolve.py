@@ -24,22 +24,24 @@ __all__ = ["KL_MODES", "resolve_algorithm"]
 
 KL_MODES = ("reward", "loss", "sequence")
 
-# Request float field -> (config field, lowest valid value, highest valid value).
+_MAX = 3.4028234663852886e38  # the largest finite float32: a proto float beyond it is inf
+
+# Request float field -> (config field, lowest valid value, highest valid value). Infinity is
+# valid only where it means "no limit" (a clamp, an epsilon); a coefficient that multiplies must
+# be finite: kl_coef inf times a KL of 0 gave NaN advantages, overlong_factor inf -inf or NaN
+# rewards.
 _FLOAT_FIELDS: dict[str, tuple[str, float, float]] = {
     "gamma": ("gamma", 0.0, 1.0),
     "lam": ("lam", 0.0, 1.0),
-    "kl_coef": ("kl_coef", 0.0, math.inf),
+    "kl_coef": ("kl_coef", 0.0, _MAX),
     "kl_clamp": ("kl_clamp", 0.0, math.inf),
     "reward_clip": ("reward_clip", 0.0, math.inf),
     "advantage_clip": ("advantage_clip", 0.0, math.inf),
     "group_std_eps": ("group_std_eps", 0.0, math.inf),
     "high_entropy_token_ratio": ("high_entropy_token_ratio", 0.0, 1.0),
-    "overlong_factor": ("overlong_factor", 0.0, math.inf),
+    "overlong_factor": ("overlong_factor", 0.0, _MAX),
     "clip_filter_eps": ("clip_filter_eps", 0.0, math.inf),
 }
-
-
-_MAX = 3.4028234663852886e38  # the largest finite float32: a proto float beyond it is inf
 
 
 def _choice(field: str, value: str, allowed: tuple[str, ...]) -> str:

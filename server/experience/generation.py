@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,7 +48,12 @@ import torch
 from ...client.protocol.errors import InvalidArgument
 from ..generation import GenerationSettings, engine_for
 
-__all__ = ["SamplingParams", "GenerationOutput", "generate", "left_pad"]
+__all__ = ["MIN_TEMPERATURE", "SamplingParams", "GenerationOutput", "generate", "left_pad"]
+
+# The smallest positive sampling temperature, 1e-6 as a proto float (float32) carries it. Logits
+# divided by one near float32's smallest values overflow to infinity (a subnormal 1e-40 did so for
+# every logit): NaN log-probs, KL and advantages came back with status OK. 0 is greedy.
+MIN_TEMPERATURE: float = struct.unpack("<f", struct.pack("<f", 1e-6))[0]
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,11 @@ class SamplingParams:
             raise InvalidArgument(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise InvalidArgument(f"temperature must be finite and >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise InvalidArgument(
+                f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got "
+                f"{self.temperature!r}: logits divided by it overflow"
+            )
         if self.top_k < 0:
             raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):

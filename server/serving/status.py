@@ -20,6 +20,7 @@ from ...client.protocol.errors import Cancelled, Internal, RolloutError
 
 __all__ = [
     "INTERNAL_MESSAGE",
+    "MAX_MESSAGE_BYTES",
     "MAX_MESSAGE_CHARS",
     "bounded_message",
     "handles_errors",
@@ -29,6 +30,11 @@ __all__ = [
 _LOG = logging.getLogger(__name__)
 INTERNAL_MESSAGE = "internal server error (see the server log)"
 MAX_MESSAGE_CHARS = 1024
+# grpc sends the message percent-encoded in the grpc-message trailer: each UTF-8 byte outside
+# printable ASCII takes 3 bytes there. 1024 four-byte characters (12 KiB on the wire) passed
+# grpc's 8 KiB soft metadata limit, and the client got RESOURCE_EXHAUSTED "received metadata size
+# exceeds soft limit" on about every other call; at most this many UTF-8 bytes stay under 3 KiB.
+MAX_MESSAGE_BYTES = 1024
 _Handler = TypeVar("_Handler", bound=Callable[..., Any])
 
 
@@ -60,16 +66,21 @@ def _abort(context: grpc.ServicerContext, error: RolloutError) -> None:
 
 
 def bounded_message(message: str) -> str:
-    """At most MAX_MESSAGE_CHARS of a status message (its start names the field).
+    """At most MAX_MESSAGE_CHARS characters and MAX_MESSAGE_BYTES UTF-8 bytes of a status
+    message (its start names the field).
 
     Messages quote the offending value, and a client's value can be any length: a 70,000-character
     algorithm.preset made the status details larger than HTTP/2's 16 KiB metadata limit, so the
     client got RESOURCE_EXHAUSTED "received metadata size exceeds hard limit" instead of the
     INVALID_ARGUMENT naming the field (and the server log a 70 KB line).
     """
-    if len(message) <= MAX_MESSAGE_CHARS:
+    if len(message) <= MAX_MESSAGE_CHARS and len(message.encode("utf-8", "replace")) <= (
+        MAX_MESSAGE_BYTES
+    ):
         return message
-    return f"{message[:MAX_MESSAGE_CHARS]}... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
+    head = message[:MAX_MESSAGE_CHARS].encode("utf-8", "replace")[:MAX_MESSAGE_BYTES]
+    kept = head.decode("utf-8", "ignore")  # without a character the byte cut split
+    return f"{kept}... ({len(message) - len(kept)} more characters)"
 
 
 def handles_errors(handler: _Handler) -> _Handler:

@@ -80,7 +80,9 @@ def _parse_entry(name: str, info: object) -> StreamEntry:
     if not isinstance(info, dict) or set(info) != _ENTRY_KEYS:
         raise InvalidArgument(f"safetensors header: {name}: expected exactly {sorted(_ENTRY_KEYS)}")
     dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype_name not in SAFETENSORS_DTYPES:
+    # A string first: a JSON list or object is unhashable, and the lookup raised TypeError
+    # (INTERNAL) instead of refusing the file.
+    if not isinstance(dtype_name, str) or dtype_name not in SAFETENSORS_DTYPES:
         raise InvalidArgument(
             f"safetensors header: {name}: unsupported dtype {dtype_name!r} "
             f"(supported: {', '.join(SAFETENSORS_DTYPES)})"

@@ -182,7 +182,17 @@ def apply_lora(
     state: LoraState,
     params: LoraParams,
 ) -> None:
-    """Merge the adapter into the weights, replacing the last one (caller holds torch.no_grad)."""
+    """Merge the adapter into the weights, replacing the last one (caller holds torch.no_grad).
+
+    With params.check_finite (header.allow_non_finite off), every merge is computed and checked
+    first, one weight-sized temporary at a time, and an adapter whose merge is NaN or infinite
+    anywhere is refused before any weight is written: the factors' values were checked as they
+    arrived, but finite factors can overflow in alpha / r * B @ A or in the cast to the weight's
+    dtype. The merges are computed again to write them (deterministic, so bit for bit the
+    checked values).
+    """
+    if params.check_finite:
+        _check_merges_finite(model_tensors, targets, staged, state, params)
     touched = set()
     for target in targets:
         name = target.weight.name
@@ -196,3 +206,43 @@ def apply_lora(
     for name in state.names() - touched:
         model_tensors[name].copy_(state.base(name, model_tensors[name]))
         state.forget(name)
+
+
+def _check_merges_finite(
+    model_tensors: Mapping[str, torch.Tensor],
+    targets: Sequence[LoraTarget],
+    staged: Mapping[str, torch.Tensor],
+    state: LoraState,
+    params: LoraParams,
+) -> None:
+    """InvalidArgument naming the first weight whose merge is not finite; writes nothing. The
+    bases it reads are not captured into `state` (a refused adapter leaves it as it was)."""
+    known = state.names()
+    for target in targets:
+        name = target.weight.name
+        weight = model_tensors[name]
+        base = state.base(name, weight) if name in known else weight.detach()
+        a, b = staged[target.a.name], staged[target.b.name]
+        if _surely_finite(base, a, b, params.scale):
+            continue  # the bound suffices: no merge computed twice (every sane adapter)
+        merged = merged_weight(
+            base.cpu(), a, b, scale=params.scale, fan_in_fan_out=params.fan_in_fan_out
+        )
+        if not bool(torch.isfinite(merged).all()):
+            raise InvalidArgument(
+                f"{name}: merging the LoRA adapter (alpha / rank * B @ A) gives NaN or infinite "
+                f"values in {merged.dtype} (header.allow_non_finite is off); nothing was written"
+            )
+
+
+def _surely_finite(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> bool:
+    """Whether base + scale * B @ A is finite in float32 and in base's dtype by a bound alone:
+    |merged| <= max|base| + |scale| * r * max|A| * max|B| (each of the r products of a dot is at
+    most max|A| * max|B|), with half the dtype's range to spare for rounding. False when the
+    bound says nothing (then the merge itself is checked); NaN anywhere makes it False."""
+    if not base.dtype.is_floating_point:
+        return False
+    largest = min(torch.finfo(base.dtype).max, torch.finfo(torch.float32).max) / 2
+    tops = [float(t.detach().abs().amax()) if t.numel() else 0.0 for t in (base, a, b)]
+    bound = tops[0] + abs(scale) * a.shape[0] * tops[1] * tops[2]
+    return bound < largest  # False for NaN and infinity

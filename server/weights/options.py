@@ -19,6 +19,10 @@ __all__ = ["LoraParams", "UpdateOptions", "update_options"]
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # The smallest safetensors file: the 8-byte length and "{}".
 _MIN_FILE_BYTES = PREFIX_BYTES + 2
+# The highest version an update may set. The header's version is a uint64, but every Experience
+# stamps its rows' version as int64 (Experience.policy_version): an actor at 2**63 or above made
+# every later MakeExperience fail with INTERNAL, and versions never go back down.
+MAX_VERSION = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,9 @@ class LoraParams:
     rank: int
     alpha: float
     fan_in_fan_out: bool
+    # Refuse a merge whose result is NaN or infinite (header.allow_non_finite off): finite
+    # factors can still overflow in alpha / r * B @ A or in the cast to the weight's dtype.
+    check_finite: bool = True
 
     @property
     def scale(self) -> float:
@@ -55,6 +62,11 @@ def update_options(header: pb.WeightsHeader) -> UpdateOptions:
         raise InvalidArgument(f"header.mode: unknown value {header.mode}")
     if header.target not in pb.ModelRole.values():
         raise InvalidArgument(f"header.target: unknown value {header.target}")
+    if header.version > MAX_VERSION:
+        raise InvalidArgument(
+            f"header.version: at most 2**63 - 1 (Experience.policy_version is int64), got "
+            f"{header.version}"
+        )
     if header.total_bytes < _MIN_FILE_BYTES:
         raise InvalidArgument(
             f"header.total_bytes must be at least {_MIN_FILE_BYTES}, got {header.total_bytes}"
@@ -85,4 +97,9 @@ def _lora_params(header: pb.WeightsHeader, mode: int) -> LoraParams | None:
         raise InvalidArgument(f"header.lora.rank must be positive, got {lora.rank}")
     if not math.isfinite(lora.alpha):
         raise InvalidArgument(f"header.lora.alpha must be finite, got {lora.alpha}")
-    return LoraParams(rank=lora.rank, alpha=lora.alpha, fan_in_fan_out=lora.fan_in_fan_out)
+    return LoraParams(
+        rank=lora.rank,
+        alpha=lora.alpha,
+        fan_in_fan_out=lora.fan_in_fan_out,
+        check_finite=not header.allow_non_finite,
+    )
