@@ -21,7 +21,7 @@ when the file's head is parsed, before the arena is allocated.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -184,55 +184,49 @@ def apply_lora(
 ) -> None:
     """Merge the adapter into the weights, replacing the last one (caller holds torch.no_grad).
 
-    With params.check_finite (header.allow_non_finite off), every merge is computed and checked
-    first, one weight-sized temporary at a time, and an adapter whose merge is NaN or infinite
-    anywhere is refused before any weight is written: the factors' values were checked as they
-    arrived, but finite factors can overflow in alpha / r * B @ A or in the cast to the weight's
-    dtype. The merges are computed again to write them (deterministic, so bit for bit the
-    checked values).
+    With params.check_finite (header.allow_non_finite off), an adapter whose merge is NaN or
+    infinite anywhere is refused before any weight is written: the factors' values were checked
+    as they arrived, but finite factors can overflow in alpha / r * B @ A or in the cast to the
+    weight's dtype. A bound decides for every sane adapter (`_surely_finite`); a merge it cannot
+    vouch for is computed and checked first (one weight-sized temporary at a time) and again to
+    be written (deterministic: bit for bit the checked values).
     """
     if params.check_finite:
-        _check_merges_finite(model_tensors, targets, staged, state, params)
+        known = state.names()
+        for target, weight, base, a, b in _parts(model_tensors, targets, staged):
+            # Bases not captured yet are read, not captured: a refusal leaves `state` as it was.
+            base = state.base(target.weight.name, weight) if target.weight.name in known else base
+            if _surely_finite(base, a, b, params.scale):
+                continue
+            merged = merged_weight(base.cpu(), a, b, scale=params.scale,
+                                   fan_in_fan_out=params.fan_in_fan_out)  # fmt: skip
+            if not bool(torch.isfinite(merged).all()):
+                raise InvalidArgument(
+                    f"{target.weight.name}: merging the LoRA adapter (alpha / rank * B @ A) gives "
+                    f"NaN or infinite values in {merged.dtype} (header.allow_non_finite is off); "
+                    "nothing was written"
+                )
     touched = set()
-    for target in targets:
-        name = target.weight.name
-        weight = model_tensors[name]
-        base = state.base(name, weight)
-        a, b = staged[target.a.name], staged[target.b.name]
+    for target, weight, _, a, b in _parts(model_tensors, targets, staged):
+        base = state.base(target.weight.name, weight)
         merged = merged_weight(base, a, b, scale=params.scale, fan_in_fan_out=params.fan_in_fan_out)
         # Merged on the host and copied in one go: no device temporaries.
         weight.copy_(merged)
-        touched.add(name)
+        touched.add(target.weight.name)
     for name in state.names() - touched:
         model_tensors[name].copy_(state.base(name, model_tensors[name]))
         state.forget(name)
 
 
-def _check_merges_finite(
+def _parts(
     model_tensors: Mapping[str, torch.Tensor],
     targets: Sequence[LoraTarget],
     staged: Mapping[str, torch.Tensor],
-    state: LoraState,
-    params: LoraParams,
-) -> None:
-    """InvalidArgument naming the first weight whose merge is not finite; writes nothing. The
-    bases it reads are not captured into `state` (a refused adapter leaves it as it was)."""
-    known = state.names()
+) -> Iterator[tuple[LoraTarget, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(target, its live weight, that weight detached, its A, its B) for each target."""
     for target in targets:
-        name = target.weight.name
-        weight = model_tensors[name]
-        base = state.base(name, weight) if name in known else weight.detach()
-        a, b = staged[target.a.name], staged[target.b.name]
-        if _surely_finite(base, a, b, params.scale):
-            continue  # the bound suffices: no merge computed twice (every sane adapter)
-        merged = merged_weight(
-            base.cpu(), a, b, scale=params.scale, fan_in_fan_out=params.fan_in_fan_out
-        )
-        if not bool(torch.isfinite(merged).all()):
-            raise InvalidArgument(
-                f"{name}: merging the LoRA adapter (alpha / rank * B @ A) gives NaN or infinite "
-                f"values in {merged.dtype} (header.allow_non_finite is off); nothing was written"
-            )
+        weight = model_tensors[target.weight.name]
+        yield target, weight, weight.detach(), staged[target.a.name], staged[target.b.name]
 
 
 def _surely_finite(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> bool:
