@@ -85,6 +85,9 @@ def pytest_configure(config: pytest.Config) -> None:
 MAX_TEST_WORKERS = 4
 
 
+# optionalhook: without pytest-xdist (a GPU node's python, `make test-gpu`) the hook is unknown,
+# and pytest would refuse the conftest.
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto` (pytest-xdist): the cores this process may run on (the real ones, not
     ROLLSERVE_TEST_CPU_COUNT's), at most MAX_TEST_WORKERS; PYTEST_XDIST_AUTO_NUM_WORKERS, as

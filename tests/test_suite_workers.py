@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import conftest
 import pytest
@@ -23,3 +26,15 @@ def test_the_xdist_variable_overrides_the_cap(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     monkeypatch.setenv("PYTEST_XDIST_AUTO_NUM_WORKERS", "7")
     assert conftest.pytest_xdist_auto_num_workers(None) == 7
+
+
+def test_the_suite_runs_without_xdist() -> None:
+    """A python without pytest-xdist (the GPU node's, `make test-gpu`) still takes the conftest."""
+    tests = Path(__file__).parent
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+         str(tests / "test_suite_workers.py"), "-k", "cap"],
+        capture_output=True, text=True, timeout=120, cwd=tests.parent,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "5 passed" in result.stdout, result.stdout
