@@ -90,16 +90,29 @@ MAX_TEST_WORKERS = 4
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto` (pytest-xdist): the cores this process may run on (the real ones, not
-    ROLLSERVE_TEST_CPU_COUNT's), at most MAX_TEST_WORKERS; PYTEST_XDIST_AUTO_NUM_WORKERS, as
-    xdist documents it, decides when set."""
+    ROLLSERVE_TEST_CPU_COUNT's), at most MAX_TEST_WORKERS; none (the suite in this process)
+    where there is a GPU; PYTEST_XDIST_AUTO_NUM_WORKERS, as xdist documents it, decides when
+    set."""
     chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").strip()
     if chosen.isdigit():
         return int(chosen)
+    if gpu_present():
+        return 0  # in this process, as `-n 0`: the gpu tests share the device and read its memory
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this platform (macOS)
         cores = os.cpu_count() or 1
     return max(1, min(cores, MAX_TEST_WORKERS))
+
+
+def gpu_present() -> bool:
+    """Whether torch sees a GPU; torch is imported only where a GPU driver is (the `-n auto`
+    decision runs before any test module imports it)."""
+    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

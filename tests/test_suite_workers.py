@@ -1,5 +1,6 @@
 """`make test` runs the suite with `-n auto`: tests/conftest.py decides how many workers that is
-(the cores this process may use, capped), and xdist's own variable still overrides it."""
+(the cores this process may use, capped; none with a GPU), and xdist's own variable still
+overrides it."""
 
 from __future__ import annotations
 
@@ -18,8 +19,17 @@ def test_auto_is_a_worker_per_usable_core_up_to_the_cap(
 ) -> None:
     monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(conftest, "gpu_present", lambda: False)
     assert conftest.MAX_TEST_WORKERS == 4
     assert conftest.pytest_xdist_auto_num_workers(None) == workers
+
+
+def test_with_a_gpu_the_suite_runs_in_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gpu tests share the device and read its free memory: no parallel workers there."""
+    monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(conftest, "gpu_present", lambda: True)
+    assert conftest.pytest_xdist_auto_num_workers(None) == 0
 
 
 def test_the_xdist_variable_overrides_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
