@@ -30,8 +30,9 @@ serve: $(BIN)/.installed
 # The whole suite, then its 15 slowest tests. `gpu` tests skip without CUDA (tests/conftest.py);
 # ROLLSERVE_TEST_CPU_COUNT=16 runs it as if on 16 cores. Test files run in parallel, a file's
 # tests on one worker (its module fixtures built once), a worker per core up to
-# tests/conftest.py's cap: most tests wait on a server process or a socket, so on 2 cores the
-# suite takes ~0.6 of its serial time. ARGS="-n 0" runs it in this one process.
+# tests/conftest.py's cap (one process where there is a GPU): most tests wait on a server
+# process or a socket, so on 2 cores the suite takes ~0.6 of its serial time. ARGS="-n 0" runs
+# it in this one process.
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 $(ARGS)
 
