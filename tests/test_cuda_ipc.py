@@ -33,7 +33,7 @@ from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, load_models
 from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm
 from rollserve.server.serving.app import RolloutServer
-from rollserve.server.weights.cuda_ipc import KeptIpcBuffers, keeps_buffers
+from rollserve.server.weights.cuda_ipc import KEPT_UPDATES, KeptIpcBuffers, keeps_buffers
 from rollserve.server.weights.planes import Planes, offered_transports
 from rollserve.v1 import rollout_pb2 as pb
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -466,7 +466,7 @@ def _storage(nbytes: int = 16) -> torch.UntypedStorage:
 ACTOR, CRITIC = pb.MODEL_ROLE_ACTOR, pb.MODEL_ROLE_CRITIC
 
 
-def test_kept_buffers_are_found_by_role_and_key_and_replaced_by_the_roles_next_update() -> None:
+def test_kept_buffers_are_found_by_role_and_key_and_go_when_no_kept_update_names_them() -> None:
     kept = KeptIpcBuffers(keep_s=60.0)
     try:
         first, second, critics = _storage(), _storage(), _storage()
@@ -481,11 +481,22 @@ def test_kept_buffers_are_found_by_role_and_key_and_replaced_by_the_roles_next_u
         assert kept.take(ACTOR, (0, b"handle", 0, 32)) is None  # another size: another storage
         assert kept.take(ACTOR, (1, b"handle", 0, 16)) is None  # another device
         assert len(kept) == 3
-        # The actor's next update names only `first`: `second` is let go (closed once unused).
+        # The actor's next updates name only `first`: `second`, named by the last KEPT_UPDATES
+        # updates no more, is let go (closed once unused); until then it stays.
+        assert KEPT_UPDATES == 2
         dropped = StorageWeakRef(second)
+        kept.keep(ACTOR, {key: (first, {})})
+        assert kept.take(ACTOR, (0, b"handle", 16, 16)) is second and len(kept) == 3
         kept.keep(ACTOR, {key: (first, {})})
         del second
         assert dropped.expired() and kept.take(ACTOR, key) is first and len(kept) == 2
+        # A trainer alternating two buffers: both stay open.
+        other, other_key = _storage(), (0, b"other", 0, 16)
+        for _ in range(3):
+            kept.keep(ACTOR, {other_key: (other, {})})
+            kept.keep(ACTOR, {key: (first, {})})
+        assert kept.take(ACTOR, other_key) is other and kept.take(ACTOR, key) is first
+        assert len(kept) == 3
         # A storage in use by an update in flight stays open whatever is released meanwhile.
         in_use = kept.take(CRITIC, key)
         kept.release()

@@ -31,17 +31,18 @@ Kept open. A trainer sends every update from the same memory (its flattened weig
 pack buffer), and opening a CUDA IPC handle maps the trainer's allocation into this process
 (cudaIpcOpenMemHandle), closing it unmaps it and synchronises: work per update that does not
 depend on the update (SGLang and UCX keep opened handles for the same reason). `KeptIpcBuffers`
-keeps the storages of each role's last successful update open, keyed by what names the memory
-(this process's device, the handle, the storage's offset and size: a CUDA IPC handle names one
-allocation, and a new allocation gets a new handle even at the same address), so the next
-update of the same buffers opens nothing. They are closed when an update of the role names
-other buffers, after KEEP_S without a CUDA IPC update, and at shutdown. A storage that may be
+keeps the storages of each role's last KEPT_UPDATES successful updates open, keyed by what names
+the memory (this process's device, the handle, the storage's offset and size: a CUDA IPC handle
+names one allocation, and a new allocation gets a new handle even at the same address), so the
+next update of the same buffers (or of a trainer alternating two) opens nothing. They are closed
+when the role's later updates no longer name them, after KEEP_S without a CUDA IPC update, and
+at shutdown. A storage that may be
 kept is opened without torch's ref counter, and every counter an update brings is given back
 when the update ends (as for a buffer it never opened): the trainer's allocator may free or
 reuse its memory after the reply exactly as without keeping, and a trainer that exits leaves no
 count behind (torch would warn of one). Memory freed and allocated again comes with a new handle,
-so it is opened anew; the stale mapping is never read and goes with the role's next update of
-other buffers, or KEEP_S later. ROLLSERVE_CUDA_IPC_KEEP=0 opens (with the counter) and closes
+so it is opened anew; the stale mapping is never read and goes once the role's later updates
+no longer name it, or KEEP_S later. ROLLSERVE_CUDA_IPC_KEEP=0 opens (with the counter) and closes
 every buffer per update.
 
 A handle that does not open (the trainer exited or freed the memory) is FAILED_PRECONDITION
@@ -87,6 +88,7 @@ from .timings import UpdateTimings
 
 __all__ = [
     "KEEP_S",
+    "KEPT_UPDATES",
     "PIECE_BYTES",
     "BufferKey",
     "CudaIpcPlane",
@@ -121,46 +123,62 @@ def buffer_key(buffer: pb.CudaIpcBuffer, index: int) -> BufferKey:
     return (index, bytes(buffer.handle), buffer.storage_offset, buffer.storage_bytes)
 
 
+# The buffers of this many of a role's latest updates stay open: a trainer that alternates two
+# buffers (writing the next weights into one while the server reads the other) opens nothing.
+KEPT_UPDATES = 2
+
+# One kept buffer: the opened storage, and the staged views of memory placed from it (stream.py's
+# in-place views, remembered with the storage they view and gone with it).
+_Kept = tuple[torch.UntypedStorage, dict]
+
+
 class KeptIpcBuffers:
-    """The opened storages of each role's last successful CUDA IPC update (see the module):
-    `take` one for the next update, `keep` an update's set (closing the role's others),
-    `release` all. Thread-safe; a storage taken by an update in flight stays open until that
-    update drops it, whatever is released meanwhile (a storage closes with its last reference).
-    """
+    """The opened storages of each role's last KEPT_UPDATES successful CUDA IPC updates (see
+    the module): `take` one for the next update, `keep` an update's set (closing the role's
+    buffers that no kept update names any more), `release` all. Thread-safe; a storage taken by
+    an update in flight stays open until that update drops it, whatever is released meanwhile
+    (a storage closes with its last reference)."""
 
     def __init__(self, keep_s: float = KEEP_S) -> None:
         self._keep_s = keep_s
         self._lock = threading.Lock()
-        # role -> key -> (the opened storage, the staged views of memory placed from it:
-        # stream.py's in-place views, remembered with the storage they view and gone with it)
-        self._by_role: dict[int, dict[BufferKey, tuple[torch.UntypedStorage, dict]]] = {}
+        # role -> the sets of its latest updates, newest first (a buffer in the newest only)
+        self._by_role: dict[int, list[dict[BufferKey, _Kept]]] = {}
         self._timer: threading.Timer | None = None
         self._last_kept_s = 0.0
 
     def take(self, role: int, key: BufferKey) -> torch.UntypedStorage | None:
-        with self._lock:
-            kept = self._by_role.get(role, {}).get(key)
-            return None if kept is None else kept[0]
+        kept = self._find(role, key)
+        return None if kept is None else kept[0]
 
     def views(self, role: int, key: BufferKey) -> dict | None:
         """The views remembered with the kept storage of `key` (None: not kept)."""
-        with self._lock:
-            kept = self._by_role.get(role, {}).get(key)
-            return None if kept is None else kept[1]
+        kept = self._find(role, key)
+        return None if kept is None else kept[1]
 
-    def keep(
-        self, role: int, opened: Mapping[BufferKey, tuple[torch.UntypedStorage, dict]]
-    ) -> None:
-        """The role's kept set becomes `opened` (the buffers of its latest update, each with
-        its views); the storages it no longer holds close once nothing else refers to them."""
+    def keep(self, role: int, opened: Mapping[BufferKey, _Kept]) -> None:
+        """`opened` (the buffers of the role's latest update, each with its views) becomes the
+        role's newest set; the storages no kept set holds any more close once nothing else
+        refers to them."""
         with self._lock:
-            dropped = self._by_role.pop(role, {})
-            if opened:
-                self._by_role[role] = dict(opened)
+            sets = self._by_role.pop(role, [])
+            newest = dict(opened)
+            older = [{k: v for k, v in s.items() if k not in newest} for s in sets]
+            kept = [s for s in [newest, *older][:KEPT_UPDATES] if s]
+            dropped = older[KEPT_UPDATES - 1 :]
+            if kept:
+                self._by_role[role] = kept
             self._last_kept_s = time.monotonic()
             if self._timer is None and self._by_role:  # one timer, not a thread per update
                 self._arm(self._keep_s)
         dropped.clear()  # outside the lock: closing synchronises the device
+
+    def _find(self, role: int, key: BufferKey) -> _Kept | None:
+        with self._lock:
+            for kept in self._by_role.get(role, []):
+                if key in kept:
+                    return kept[key]
+            return None
 
     def release(self) -> None:
         with self._lock:
@@ -172,7 +190,7 @@ class KeptIpcBuffers:
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(len(kept) for kept in self._by_role.values())
+            return sum(len(kept) for sets in self._by_role.values() for kept in sets)
 
     def _arm(self, after_s: float) -> None:
         self._timer = threading.Timer(after_s, self._expire)
