@@ -34,6 +34,7 @@ from .calls import (
     BaseClient,
     SubscribedBatch,
     SubscribeRequests,
+    check_progress,
     join_micro_batches,
     land,
     subscribe_request,
@@ -43,8 +44,9 @@ from .channel import open_aio_channel, open_channel
 from .client import POLL_CALL_S
 from .protocol.errors import DeadlineExceeded, RolloutError, Unavailable, typed_errors
 from .protocol.experience import Experience, experience_from_proto
-from .protocol.requests import ExperienceOptions, Progress, Prompts
+from .protocol.requests import ExperienceOptions, Progress, Prompts, UpdateOptions
 from .protocol.results import HealthStatus, UpdateResult
+from .weights.distributed import WeightsGroup
 from .weights.update_file import Weights
 
 __all__ = ["AsyncRolloutClient"]
@@ -154,20 +156,42 @@ class AsyncRolloutClient(BaseClient):
             call.cancel()
 
     async def update_weights(
-        self, weights: Weights, *, progress: Progress | None = None, **arguments: Any
+        self,
+        weights: Weights,
+        *,
+        version: int,
+        group: WeightsGroup | None = None,
+        progress: Progress | None = None,
+        options: UpdateOptions | None = None,
+        **fields: Any,
     ) -> UpdateResult:
         """Send weights to the server; the arguments of RolloutClient.update_weights.
 
         The upload runs in a worker thread on this client's sync upload channel (see
         `_open_upload_channel`); `progress` is called on the event loop. Never retried.
+        Cancelling the awaiting task stops a "grpc" or "shm" upload at its next message, so the
+        server applies nothing unless the whole file was already sent (a "dist" broadcast or a
+        "cuda_ipc" hand-over, once started, runs to its end).
         """
+        options = UpdateOptions.of(options, **fields)
+        check_progress(progress)
         loop = asyncio.get_running_loop()
 
         def report(sent: int, total: int) -> None:  # from a sending thread
             loop.call_soon_threadsafe(progress, sent, total)
 
         on_loop = None if progress is None else report
-        return await asyncio.to_thread(self._update, weights, progress=on_loop, **arguments)
+        # Set when the task is cancelled: the thread itself cannot be, and it went on sending
+        # the update, which the server applied after the caller saw CancelledError.
+        cancel = threading.Event()
+        try:
+            return await asyncio.to_thread(
+                self._send_update, weights, version, options,
+                group=group, progress=on_loop, cancel=cancel,
+            )  # fmt: skip
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
 
     def _open_upload_channel(self) -> grpc.Channel:
         """UpdateWeights streams on a sync channel of this client's settings.

@@ -8,9 +8,9 @@ differ only in how they wait.
 
 from __future__ import annotations
 
-import math
 import queue
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,12 +37,14 @@ __all__ = [
     "AUTHORIZATION_KEY",
     "DEFAULT_SUBSCRIBE_WINDOW",
     "MAX_REQUEST_ID_CHARS",
+    "MAX_TIMEOUT_S",
     "REQUEST_ID_KEY",
     "BaseClient",
     "CallSettings",
     "Metadata",
     "SubscribeRequests",
     "SubscribedBatch",
+    "check_progress",
     "land",
     "subscribe_request",
     "subscribed_batch",
@@ -113,12 +115,18 @@ class CallSettings:
         return (*kept, (REQUEST_ID_KEY, request_id))
 
 
+# The longest deadline a call may have (about 3 years). gRPC turns a deadline past ~7e9 s from
+# now into one already expired: every call with a larger timeout_s failed DEADLINE_EXCEEDED at
+# once, without reaching the server.
+MAX_TIMEOUT_S = 100_000_000.0
+
+
 def _check_timeout(timeout_s: float) -> float:
     # A deadline is mandatory on every call: no None, no infinity, no zero.
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
-    if not (0 < timeout_s < math.inf):
-        raise ValueError(f"timeout_s must be positive and finite, got {timeout_s!r}")
+    if not (0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {timeout_s!r}")
     return float(timeout_s)
 
 
@@ -149,6 +157,11 @@ class BaseClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         channel_options: Sequence[tuple[str, object]] = (),
     ) -> None:
+        # gRPC failed on the first call only: AttributeError for a non-string, UNKNOWN for "".
+        if not isinstance(target, str):
+            raise TypeError(f"target must be a 'host:port' string, got {target!r}")
+        if not target.strip():
+            raise ValueError("target must be a non-empty 'host:port' string")
         self.target = target
         self._settings = CallSettings.build(timeout_s=timeout_s, token=token, metadata=metadata)
         tls = channel_credentials(
@@ -266,9 +279,25 @@ class BaseClient:
         never sent another way than asked, except "auto" (see weights/upload.py).
         `progress(sent_bytes, total_bytes)` is called as bytes go out.
 
-        RolloutClient.update_weights itself; AsyncRolloutClient runs it in a worker thread.
+        RolloutClient.update_weights itself; AsyncRolloutClient runs its body (`_send_update`)
+        in a worker thread.
         """
         options = UpdateOptions.of(options, **fields)
+        return self._send_update(weights, version, options, group=group, progress=progress)
+
+    def _send_update(
+        self,
+        weights: Weights,
+        version: int,
+        options: UpdateOptions,
+        *,
+        group: WeightsGroup | None = None,
+        progress: Progress | None = None,
+        cancel: threading.Event | None = None,
+    ) -> UpdateResult:
+        """The body of `_update`; `cancel` set from another thread ends a gRPC or shared-memory
+        upload before its next message (AsyncRolloutClient: the caller's task was cancelled)."""
+        check_progress(progress)
         through = group_of(group, options.transport)
         if through is not None:
             index = through.index(self)
@@ -282,9 +311,16 @@ class BaseClient:
         with typed_errors():
             reply = self._uploads.send(
                 update, call, transport=options.transport, streams=options.streams,
-                progress=progress, pack=options.pack,
+                progress=progress, pack=options.pack, cancel=cancel,
             )  # fmt: skip
         return UpdateResult.from_proto(reply, wall_s=time.monotonic() - started_s)
+
+
+def check_progress(progress: Progress | None) -> None:
+    """TypeError for a progress callback that cannot be called: it was first called in gRPC's
+    sending thread, and the update failed UNKNOWN "Exception iterating requests!"."""
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be callable as progress(sent, total), got {progress!r}")
 
 
 def land(experience: Experience, device: torch.device | str | None) -> Experience:

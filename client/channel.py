@@ -15,6 +15,7 @@ import grpc
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "MAX_MESSAGE_BYTES",
     "RETRIED_METHODS",
     "SERVICE_CONFIG",
     "SERVICE_NAME",
@@ -26,6 +27,8 @@ __all__ = [
 
 # 65 MiB: the largest weight chunk (64 MiB) plus its message framing fits.
 DEFAULT_MAX_MESSAGE_BYTES = 65 * 1024 * 1024
+# gRPC's message length options are C ints.
+MAX_MESSAGE_BYTES = (1 << 31) - 1
 SERVICE_NAME = "rollserve.v1.Rollout"
 
 _RETRY_POLICY = {
@@ -60,8 +63,15 @@ def channel_options(
     extra: Sequence[tuple[str, object]] = (),
 ) -> list[tuple[str, object]]:
     """gRPC channel arguments for talking to a rollserve server."""
-    if max_message_bytes <= 0:
-        raise ValueError("max_message_bytes must be positive (a finite limit)")
+    # gRPC takes the limit as a C int: a larger one raised OverflowError, and a bool or a float
+    # was passed on (True: a one-byte limit that failed every call).
+    if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int):
+        raise TypeError(f"max_message_bytes must be an int, got {max_message_bytes!r}")
+    if not 0 < max_message_bytes <= MAX_MESSAGE_BYTES:
+        raise ValueError(
+            f"max_message_bytes must be in [1, {MAX_MESSAGE_BYTES}] (a finite limit), got "
+            f"{max_message_bytes}"
+        )
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),

@@ -11,6 +11,7 @@ arguments mean the same request whether the experience is made locally or remote
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -95,6 +96,19 @@ class ExperienceOptions:
     request_id: str = ""  # also sent as x-request-id call metadata
 
     def __post_init__(self) -> None:
+        # A lone string iterates as its characters: gt_answers="42" was sent as ["4", "2"],
+        # stop_strings="</a>" stopped at any of "<", "/", "a", ">".
+        for name in ("gt_answers", "stop_strings"):
+            _check_strings(name, getattr(self, name))
+        if isinstance(self.rewards, (str, bytes)):
+            raise TypeError(
+                f"rewards must be a list of source names or a {{name: weight}} mapping, got "
+                f"{self.rewards!r}"
+            )
+        if self.algorithm is not None and not isinstance(self.algorithm, Mapping):
+            raise TypeError(
+                f"algorithm must be a mapping of AlgorithmOptions fields, got {self.algorithm!r}"
+            )
         unknown = set(self.algorithm or {}) - _ALGORITHM_FIELDS
         if unknown:
             raise TypeError(f"unknown algorithm options {sorted(unknown)}; see AlgorithmOptions")
@@ -139,8 +153,9 @@ class ExperienceOptions:
             seed=self.seed,
             logprobs_use_temperature=self.logprobs_use_temperature,
         )
-        for sequence in self.stop_sequences:
-            sampling.stop_sequences.add(token_ids=[int(t) for t in sequence])
+        for index, sequence in enumerate(self.stop_sequences):
+            ids = _token_ids(f"stop_sequences[{index}]", sequence)
+            sampling.stop_sequences.add(token_ids=ids)
         sampling.stop_strings.extend(self.stop_strings)
         sampling.ignore_eos = self.ignore_eos
 
@@ -152,7 +167,36 @@ def build_make_experience_request(
     return ExperienceOptions.of(options, **fields).request(prompts)
 
 
+def _check_strings(name: str, values: Sequence[str] | None) -> None:
+    # Items are checked in a sequence only: checking would use up a one-shot iterator.
+    if isinstance(values, (str, bytes)) or (
+        isinstance(values, Sequence) and not all(isinstance(v, str) for v in values)
+    ):
+        raise TypeError(f"{name} must be a list of strings, got {values!r:.120}")
+
+
+def _token_ids(name: str, ids: Any) -> list[int]:
+    """A sequence of integer token ids (ints, numpy or torch integers) as a list of ints.
+
+    int() was used before: it truncated float ids (1.9 -> 1) and parsed strings ("7" -> 7), and
+    bytes (b"hi") iterated as token ids 104, 105; now each is a TypeError naming `name`.
+    """
+    if isinstance(ids, (str, bytes, bytearray)):
+        raise TypeError(f"{name}: expected a sequence of integer token ids, got {ids!r:.120}")
+    try:
+        return [operator.index(i) for i in ids]
+    except TypeError:
+        raise TypeError(
+            f"{name}: expected a sequence of integer token ids, got {ids!r:.120}"
+        ) from None
+
+
 def _set_prompts(request: pb.MakeExperienceRequest, prompts: Prompts, chat: bool) -> None:
+    # One string (or bytes) iterates as characters: make_experience("Hi") sent two prompts.
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError(
+            f"prompts must be a list of prompts (strings or token-id lists), got {prompts!r:.120}"
+        )
     prompts = list(prompts)
     if prompts and all(isinstance(p, str) for p in prompts):
         request.texts.texts.extend(prompts)
@@ -163,8 +207,8 @@ def _set_prompts(request: pb.MakeExperienceRequest, prompts: Prompts, chat: bool
     if chat:
         raise TypeError("apply_chat_template needs text prompts")
     request.token_ids.SetInParent()  # an empty batch is still a token-id batch
-    for ids in prompts:
-        ids = [int(i) for i in ids]
+    for index, prompt in enumerate(prompts):
+        ids = _token_ids(f"prompts[{index}]", prompt)
         request.token_ids.values.extend(ids)
         request.token_ids.lengths.append(len(ids))
 
@@ -177,6 +221,10 @@ def _set_rewards(request: pb.MakeExperienceRequest, rewards: RewardRecipe | None
         term = request.rewards.add(source=source)
         if weight is not None:
             term.weight = float(weight)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _set_optional(message, **fields: object) -> None:
@@ -214,6 +262,17 @@ class UpdateOptions:
     pack: bool = False
 
     def __post_init__(self) -> None:
+        # Counts must be ints: a float chunk_bytes failed in gRPC's sending thread (UNKNOWN
+        # "Exception iterating requests!"), a float streams cut the file into a float number of
+        # parts, a string failed a comparison; True passed as 1.
+        for name, value in (("chunk_bytes", self.chunk_bytes), ("streams", self.streams)):
+            if (value is not None or name == "chunk_bytes") and not _is_int(value):
+                raise InvalidArgument(f"{name}: an int, got {value!r}")
+        # A flag that is not a bool: "false" is truthy (crc32="false" turned CRC-32 on), and
+        # allow_non_finite="false" failed in protobuf with a message naming no field.
+        for name in ("crc32", "sha256", "allow_non_finite", "manifest", "pack"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgument(f"{name}: True or False, got {getattr(self, name)!r}")
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise InvalidArgument(
                 f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], "

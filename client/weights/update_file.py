@@ -94,6 +94,8 @@ def _as_state_dict(weights: StateDict | torch.nn.Module) -> StateDict:
             raise InvalidArgument(f"invalid tensor name {name!r}")
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
             raise InvalidArgument(f"{name}: not a dense torch.Tensor")
+        if tensor.is_meta:  # it failed while being sent (NotImplementedError, or UNKNOWN)
+            raise InvalidArgument(f"{name}: a meta tensor has no data to send")
         if tensor.dtype not in SAFETENSORS_NAMES:
             supported = ", ".join(str(d).removeprefix("torch.") for d in SAFETENSORS_NAMES)
             raise InvalidArgument(f"{name}: dtype {tensor.dtype} not supported ({supported})")

@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from queue import SimpleQueue
 from typing import Any
 
@@ -38,7 +38,7 @@ import grpc
 import torch
 
 from ...v1 import rollout_pb2 as pb
-from ..protocol.errors import FailedPrecondition
+from ..protocol.errors import Cancelled, FailedPrecondition
 from ..protocol.requests import Progress
 from ..protocol.shared_memory import shm_host_id
 from ..protocol.transports import AUTO, CUDA_IPC, SHM
@@ -108,10 +108,13 @@ class Uploads:
         streams: int | None,
         progress: Progress | None,
         pack: bool = False,
+        cancel: threading.Event | None = None,
     ) -> pb.UpdateWeightsResponse:
         """Send one update over `transport` ("auto", "grpc", "shm" or "cuda_ipc", checked by
         UpdateOptions) and return the server's reply; `pack`: cuda_ipc from one buffer
-        (packing.py)."""
+        (packing.py). `cancel` set (from another thread) ends a gRPC or shared-memory upload
+        with Cancelled before its next message: the server applies nothing, unless the whole
+        file was already handed over."""
         if transport == CUDA_IPC or (transport == AUTO and self._auto_cuda_ipc(update, streams)):
             try:
                 return self._send_cuda_ipc(update, options, progress, pack)
@@ -131,7 +134,7 @@ class Uploads:
                 )
         if transport == SHM or (transport == AUTO and self._auto_shm(update, streams)):
             try:
-                return self._send_shm(update, options, progress)
+                return self._send_shm(update, options, progress, cancel)
             except grpc.RpcError as error:
                 if transport == SHM or not _unreachable(error, _SHM_UNREACHABLE):
                     raise
@@ -140,7 +143,7 @@ class Uploads:
                     "shared memory failed (%s); sending this update over gRPC", error.details()
                 )
         count = default_streams() if streams is None else streams
-        return self._send_grpc(update, options, count, progress)
+        return self._send_grpc(update, options, count, progress, cancel)
 
     def share(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Move the CPU tensors of `state_dict` into this client's memfd (see SharedMemoryFile)."""
@@ -182,7 +185,11 @@ class Uploads:
         return transport in health.weight_transports and bool(local) and health.shm_host_id == local
 
     def _send_shm(
-        self, update: UpdateFile, options: CallOptions, progress: Progress | None
+        self,
+        update: UpdateFile,
+        options: CallOptions,
+        progress: Progress | None,
+        cancel: threading.Event | None = None,
     ) -> pb.UpdateWeightsResponse:
         if not self._takes_same_host(SHM, options.timeout_s):
             raise FailedPrecondition(
@@ -200,7 +207,7 @@ class Uploads:
             # Streamed: the call starts once the head is written and the server copies each
             # part as soon as this side has written it (the two copies overlap).
             stream = _WrittenStream(
-                self._calls[0], options, lambda: self._shm_header(update), total_bytes
+                self._calls[0], options, lambda: self._shm_header(update), total_bytes, cancel
             )
             try:
                 self._shm.write(head, tensors, report, written=stream.written_to)
@@ -269,12 +276,35 @@ class Uploads:
     # ---- gRPC streams ------------------------------------------------------------------------
 
     def _send_grpc(
-        self, update: UpdateFile, options: CallOptions, streams: int, progress: Progress | None
+        self,
+        update: UpdateFile,
+        options: CallOptions,
+        streams: int,
+        progress: Progress | None,
+        cancel: threading.Event | None = None,
+    ) -> pb.UpdateWeightsResponse:
+        parts: list[_Messages] = []  # each stream's messages, with what they raised
+        try:
+            return self._send_parts(update, options, streams, progress, cancel, parts)
+        except grpc.RpcError:
+            for part in parts:
+                if part.error is not None:
+                    raise part.error from None
+            raise
+
+    def _send_parts(
+        self,
+        update: UpdateFile,
+        options: CallOptions,
+        streams: int,
+        progress: Progress | None,
+        cancel: threading.Event | None,
+        parts: list[_Messages],
     ) -> pb.UpdateWeightsResponse:
         ranges = _part_ranges(update, streams)
         if len(ranges) == 1:
-            messages = update.messages(progress=progress)
-            return self._calls[0](messages, timeout=options.timeout_s, metadata=options.metadata)
+            parts.append(_Messages(update.messages(progress=progress), cancel))
+            return self._calls[0](parts[0], timeout=options.timeout_s, metadata=options.metadata)
         calls = self._stream_calls(len(ranges))
         update_id = uuid.uuid4().hex
         sent = _PartProgress(progress, update.total_bytes, len(ranges))
@@ -287,9 +317,9 @@ class Uploads:
             header.parallel.index = index
             header.parallel.begin = begin
             header.parallel.end = end
-            messages = update.messages(header, begin, end, sent.part(index))
+            parts.append(_Messages(update.messages(header, begin, end, sent.part(index)), cancel))
             futures.append(
-                calls[index].future(messages, timeout=options.timeout_s, metadata=options.metadata)
+                calls[index].future(parts[-1], timeout=options.timeout_s, metadata=options.metadata)
             )
         return _settle(futures)
 
@@ -305,14 +335,50 @@ class _CannotExport(Exception):
     """torch could not export the tensors' memory (its cause says why); nothing was sent."""
 
 
+def _cancelled() -> Cancelled:
+    return Cancelled("the update was cancelled while being sent; the server applied nothing")
+
+
+class _Messages:
+    """An update's request messages as gRPC's sending thread takes them, keeping what they
+    raised: gRPC ends such a call with UNKNOWN "Exception iterating requests!" and drops the
+    exception, which hid the client's own error (a tensor resized while being sent, a progress
+    callback that raised). Ends with Cancelled once `cancel` is set."""
+
+    def __init__(self, messages: Iterator[bytes], cancel: threading.Event | None) -> None:
+        self._messages = messages
+        self._cancel = cancel
+        self.error: BaseException | None = None
+
+    def __iter__(self) -> _Messages:
+        return self
+
+    def __next__(self) -> bytes:
+        try:
+            if self._cancel is not None and self._cancel.is_set():
+                raise _cancelled()
+            return next(self._messages)
+        except StopIteration:
+            raise
+        except BaseException as error:
+            self.error = error
+            raise
+
+
 class _WrittenStream:
     """The UpdateWeights call of a streamed shared-memory update: the header once the file's
     head is written, then a SharedMemoryWritten whenever another _WRITTEN_STEP_BYTES are final
     (and at the end, with the file's size)."""
 
     def __init__(
-        self, call: StartCall, options: CallOptions, header: Callable[[], bytes], total_bytes: int
+        self,
+        call: StartCall,
+        options: CallOptions,
+        header: Callable[[], bytes],
+        total_bytes: int,
+        cancel: threading.Event | None = None,
     ) -> None:
+        self._cancel = cancel
         self._call = call
         self._options = options
         self._header = header
@@ -322,6 +388,8 @@ class _WrittenStream:
         self._sent = 0
 
     def written_to(self, end: int) -> None:
+        if self._cancel is not None and self._cancel.is_set():
+            raise _cancelled()  # the writer abandons the stream: the server applies nothing
         if self._future is None:  # the memfd is sized and the head is in it: start the call
             self._messages.put(self._header())
             self._future = self._call.future(

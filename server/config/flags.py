@@ -86,7 +86,8 @@ FLAGS: dict[str, Flag] = {
     "reward_endpoint": Flag(
         parse.named, "reward source NAME=URL (JSON over HTTP POST)", "NAME=URL"
     ),
-    "reward_timeout_s": Flag(parse.seconds, "timeout of one reward endpoint call", "S"),
+    # > 0: a timeout of 0 made every endpoint call fail at once (a non-blocking connect).
+    "reward_timeout_s": Flag(parse.positive_seconds, "timeout of one reward endpoint call", "S"),
     "shutdown_grace_s": Flag(
         parse.seconds, "seconds in-flight calls get to finish on shutdown", "S"
     ),

@@ -17,6 +17,12 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 GENERATION_PATHS = ("auto", "rollserve", "hf")  # server/generation/registry.py reads them
 # gRPC message length options are C ints: anything above this cannot be represented.
 MAX_GRPC_MESSAGE_BYTES = (1 << 31) - 1
+# The longest wait a setting may ask for (about 3 years: "never", in practice). Python's waits
+# (time.sleep, Condition.wait, socket timeouts) raise OverflowError past threading.TIMEOUT_MAX
+# (~9.2e9 s): a larger value was accepted and then crashed the shutdown (--drain-delay-s,
+# --shutdown-grace-s), every parallel update (--parallel-part-wait-s), every reward endpoint
+# call (--reward-timeout-s) or the stream watchdog (--stream-send-timeout-s).
+MAX_SECONDS = 100_000_000.0
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 BYTE_UNITS = {
     "": 1,
@@ -70,8 +76,8 @@ def seconds(raw: str) -> float:
         value = float(raw.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {raw!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {raw!r}")
+    if not math.isfinite(value) or not 0 <= value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, {MAX_SECONDS:g}], got {raw!r}")
     return value
 
 

@@ -81,7 +81,8 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class BindError(RuntimeError):
-    """The address could not be bound (in use, bad host, no permission)."""
+    """The address could not be bound (in use, bad host, no permission), or the bound port could
+    not be written to --port-file."""
 
 
 def grpc_server_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -392,8 +393,14 @@ def _bind(
 def _write_port_file(path: Path, port: int) -> None:
     # Write then rename, so a reader polling for the file never sees it half written.
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(f"{port}\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        # A missing folder or a directory at `path`: the CLI's one-line error (it was a
+        # traceback), after serve() stopped the server it had started.
+        tmp.unlink(missing_ok=True)
+        raise BindError(f"port_file: cannot write {path}: {exc}") from None
 
 
 class _StopWhileLoading(BaseException):

@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ..config.values import positive_seconds
 from .exit_codes import ExitCode, exit_codes_help
 
 __all__ = ["COMMANDS", "check_health", "main"]
@@ -69,7 +70,9 @@ def _health(args: list[str], prog: str) -> int:
         prog=prog, description="Exit 0 only when grpc.health.v1 Check answers SERVING."
     )
     parser.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the server")
-    parser.add_argument("--timeout-s", type=_positive_seconds, default=5.0, help="deadline")
+    # The serve flags' parser: finite and bounded. gRPC turns a deadline past ~7e9 s (inf
+    # included) into DEADLINE_EXCEEDED at once: the probe reported a serving server as down.
+    parser.add_argument("--timeout-s", type=positive_seconds, default=5.0, help="deadline")
     parser.add_argument("--service", default="", help='service name; "" is the whole server')
     # The health service needs no token, but TLS is below it: a TLS server needs a TLS probe.
     parser.add_argument("--tls-ca", metavar="FILE", help="PEM CA of the server's TLS certificate")
@@ -132,13 +135,3 @@ def check_health(
         except grpc.RpcError as exc:
             return exc.code().name  # UNAVAILABLE (nothing listens), NOT_FOUND, DEADLINE_EXCEEDED
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
-
-
-def _positive_seconds(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {raw!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {raw!r}")
-    return value
