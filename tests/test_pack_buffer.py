@@ -5,6 +5,8 @@ by the server) runs in tests/test_cuda_ipc.py (gpu)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers_weights import tiny_llama
@@ -76,8 +78,12 @@ def test_flattened_weights_are_sent_as_they_are() -> None:
 
 @pytest.mark.parametrize("second_device", ["meta"])
 def test_tensors_on_two_devices_are_not_packed(second_device: str) -> None:
-    weights = {"a": torch.ones(4), "b": torch.ones(4, device=second_device)}
-    update = prepare_update(weights, version=1)
+    # A meta tensor stands in for a second device: prepare_update refuses one (no data to
+    # send), so it replaces a checked tensor of the prepared update.
+    update = prepare_update({"a": torch.ones(4), "b": torch.ones(4)}, version=1)
+    update = dataclasses.replace(
+        update, state_dict={"a": torch.ones(4), "b": torch.ones(4, device=second_device)}
+    )
     assert PackBuffer().packed(update) is update
 
 
