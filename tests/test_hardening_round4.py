@@ -308,3 +308,14 @@ def test_cancelling_an_async_update_stops_it_and_nothing_is_applied(
 
     asyncio.run(cancel_while_sending())
     assert _snapshot(models, client) == before
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("seed", -1), ("top_k", 10**12), ("max_new_tokens", 2**40), ("micro_batch_size", 2**40)],
+)
+def test_a_value_protobuf_cannot_hold_names_its_field(field: str, value: int) -> None:
+    from rollserve.client.protocol.requests import build_make_experience_request
+
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        build_make_experience_request([[1, 2]], **{field: value})

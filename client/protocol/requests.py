@@ -135,9 +135,8 @@ class ExperienceOptions:
         if self.reward_moments is not None:
             request.algorithm.reward_moments.CopyFrom(self.reward_moments.to_proto())
         _set_rewards(request, self.rewards)
-        request.batching.micro_batch_size = self.micro_batch_size
-        request.batching.generate_batch_size = self.generate_batch_size
-        request.batching.forward_batch_size = self.forward_batch_size
+        for name in ("micro_batch_size", "generate_batch_size", "forward_batch_size"):
+            _set(request.batching, name, getattr(self, name))
         request.outputs.action_entropy = self.return_entropy
         request.outputs.response_texts = self.return_texts
         return request
@@ -231,7 +230,16 @@ def _set_optional(message, **fields: object) -> None:
     """Set the fields whose value is not None (proto3 `optional` keeps "unset" distinct)."""
     for name, value in fields.items():
         if value is not None:
-            setattr(message, name, value)
+            _set(message, name, value)
+
+
+def _set(message, name: str, value: object) -> None:
+    """setattr, with protobuf's own range and type errors naming the field (seed=-1 raised
+    "Value out of range: -1" and nothing more)."""
+    try:
+        setattr(message, name, value)
+    except (ValueError, TypeError) as error:
+        raise type(error)(f"{name}: {error}") from None
 
 
 # ---- UpdateWeights -----------------------------------------------------------------------------
