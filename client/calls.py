@@ -12,7 +12,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -88,6 +88,11 @@ class CallSettings:
     @classmethod
     def build(cls, *, timeout_s: float, token: str | None, metadata: Metadata) -> CallSettings:
         """Validated settings; `token` travels as "authorization: Bearer <token>"."""
+        # A dict iterated as pairs failed "not enough values to unpack"; ["ab"] was ("a", "b").
+        if isinstance(metadata, str | bytes | Mapping) or not all(
+            isinstance(pair, tuple | list) and len(pair) == 2 for pair in metadata
+        ):
+            raise TypeError(f"metadata must be a sequence of (key, value) pairs, got {metadata!r}")
         pairs = [_check_pair(key, value) for key, value in metadata]
         if token is not None:
             if not token or any(c.isspace() for c in _check_ascii("token", token)):

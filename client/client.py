@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from math import inf
 from typing import Any
 
 import torch
@@ -60,6 +61,10 @@ class RolloutClient(BaseClient):
         Polls use gRPC's wait-for-ready, so a server that is not listening yet is waited for
         instead of failing fast; a listening server that is still loading is polled.
         """
+        # Checked as a call's deadline is: nan or -1 waited for nothing, then DeadlineExceeded.
+        timeout_s = self._settings.timeout(timeout_s)
+        if isinstance(poll_s, bool) or not isinstance(poll_s, int | float) or not 0 < poll_s < inf:
+            raise ValueError(f"poll_s must be a positive number of seconds, got {poll_s!r}")
         deadline = time.monotonic() + timeout_s
         last: HealthStatus | RolloutError | None = None
         while (remaining := deadline - time.monotonic()) > 0:

@@ -319,3 +319,17 @@ def test_a_value_protobuf_cannot_hold_names_its_field(field: str, value: int) ->
 
     with pytest.raises(ValueError, match=rf"^{field}: "):
         build_make_experience_request([[1, 2]], **{field: value})
+
+
+@pytest.mark.parametrize("metadata", [{"x-a": "1"}, ["ab"], "ab", [("x-a", "1", "2")]])
+def test_metadata_that_is_not_pairs_is_refused_at_construction(metadata: object) -> None:
+    with pytest.raises(TypeError, match="metadata must be a sequence of"):
+        RolloutClient("127.0.0.1:1", metadata=metadata)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, 0.0])
+def test_wait_until_ready_refuses_a_timeout_it_cannot_wait(bad: float) -> None:
+    with RolloutClient("127.0.0.1:1") as client, pytest.raises(ValueError, match="timeout_s"):
+        client.wait_until_ready(bad)
+    with RolloutClient("127.0.0.1:1") as client, pytest.raises(ValueError, match="poll_s"):
+        client.wait_until_ready(1.0, poll_s=bad)
