@@ -37,6 +37,7 @@ from .calls import (
     check_progress,
     join_micro_batches,
     land,
+    landing_device,
     subscribe_request,
     subscribed_batch,
 )
@@ -92,6 +93,7 @@ class AsyncRolloutClient(BaseClient):
         **fields: Any,
     ) -> AsyncIterator[Experience]:
         """Experience micro-batches as the server makes them; closing early cancels the call."""
+        device = landing_device(device)
         request = ExperienceOptions.of(options, **fields)
         # aclosing: an abandoned stream cancels the call now, not when garbage collected.
         async with contextlib.aclosing(self._micro_batches(prompts, timeout_s, request)) as replies:
@@ -108,6 +110,7 @@ class AsyncRolloutClient(BaseClient):
         **fields: Any,
     ) -> Experience:
         """All rows of one request as one Experience (options: see RolloutClient)."""
+        device = landing_device(device)
         request = ExperienceOptions.of(options, **fields)
         replies = [r async for r in self._micro_batches(prompts, timeout_s, request)]
         return land(join_micro_batches(replies), device)
@@ -135,6 +138,7 @@ class AsyncRolloutClient(BaseClient):
         """Batches of the server's continuous rollout (see RolloutClient.subscribe, `window`
         included); closing the iterator (aclose, or leaving `async for` early) cancels the
         call."""
+        device = landing_device(device)
         requests = SubscribeRequests(subscribe_request(subscriber_id, max_batches, window))
         # A sync call read by a thread of its own (calls.py: _subscribe_call says why), its
         # replies handed to the loop; at most `window` of them wait at once.

@@ -46,6 +46,7 @@ __all__ = [
     "SubscribedBatch",
     "check_progress",
     "land",
+    "landing_device",
     "subscribe_request",
     "subscribed_batch",
 ]
@@ -326,6 +327,17 @@ def check_progress(progress: Progress | None) -> None:
     sending thread, and the update failed UNKNOWN "Exception iterating requests!"."""
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be callable as progress(sent, total), got {progress!r}")
+
+
+def landing_device(device: torch.device | str | None) -> torch.device | None:
+    """`device` parsed before a call starts: a name torch does not know ("nope", "cuda:x") was
+    a RuntimeError only once the server had made the whole request."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device: {device!r} is not a torch device ({error})") from None
 
 
 def land(experience: Experience, device: torch.device | str | None) -> Experience:

@@ -17,6 +17,7 @@ from .calls import (
     SubscribeRequests,
     join_micro_batches,
     land,
+    landing_device,
     subscribe_request,
     subscribed_batch,
 )
@@ -90,6 +91,7 @@ class RolloutClient(BaseClient):
 
         Closing the iterator early cancels the call, so the server stops making the rest.
         """
+        device = landing_device(device)
         request = ExperienceOptions.of(options, **fields)
         # closing: an abandoned stream cancels the call now, not when garbage collected.
         with contextlib.closing(self._micro_batches(prompts, timeout_s, request)) as replies:
@@ -112,6 +114,7 @@ class RolloutClient(BaseClient):
         temperature, seed, preset, algorithm={...}, rewards={...}, request_id, ... (see
         ExperienceOptions). A `request_id` also travels as x-request-id call metadata.
         """
+        device = landing_device(device)
         request = ExperienceOptions.of(options, **fields)
         replies = list(self._micro_batches(prompts, timeout_s, request))
         return land(join_micro_batches(replies), device)
@@ -148,6 +151,7 @@ class RolloutClient(BaseClient):
         trainer asks for it; 0: no acknowledgements, as clients before windows).
         FailedPrecondition when the server runs no continuous rollout.
         """
+        device = landing_device(device)
         requests = SubscribeRequests(subscribe_request(subscriber_id, max_batches, window))
         call = self._subscribe_call(requests, timeout_s)
         try:

@@ -333,3 +333,15 @@ def test_wait_until_ready_refuses_a_timeout_it_cannot_wait(bad: float) -> None:
         client.wait_until_ready(bad)
     with RolloutClient("127.0.0.1:1") as client, pytest.raises(ValueError, match="poll_s"):
         client.wait_until_ready(1.0, poll_s=bad)
+
+
+def test_a_device_torch_does_not_know_is_refused_before_the_call() -> None:
+    """Against an address nobody listens on: a ValueError naming the device, not UNAVAILABLE
+    (the device was parsed only after the server had made the whole request)."""
+    with RolloutClient("127.0.0.1:1", timeout_s=5.0) as client:
+        with pytest.raises(ValueError, match="device: 'nope'"):
+            client.make_experience([[1, 2]], device="nope")
+        with pytest.raises(ValueError, match="device: 'cuda:x'"):
+            next(client.stream_experience([[1, 2]], device="cuda:x"))
+        with pytest.raises(ValueError, match="device: 'nope'"):
+            next(client.subscribe(device="nope"))
