@@ -92,8 +92,8 @@ class StagedUpdate:
         started_s = time.perf_counter()
         try:
             # A LoRA merge and the adoption check read tensors beyond the targets.
-            model_tensors = _resolve(model, self._targets(), every_tensor=not self.on_device
-                                     or self.options.mode == pb.UPDATE_MODE_LORA)  # fmt: skip
+            every_tensor = not self.on_device or self.options.mode == pb.UPDATE_MODE_LORA
+            model_tensors = _resolve(model, self._targets(), every_tensor=every_tensor)
         except FailedPrecondition:
             if self.arena is not None:  # its remembered head was planned on the old model
                 self.arena.forget_head()
