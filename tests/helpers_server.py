@@ -134,12 +134,12 @@ def greedy_snapshot(target: str, timeout_s: float = 60.0) -> tuple[list[float], 
 
 
 def serve_in_process(models: ModelSet, **config: object) -> RolloutServer:
-    """A started RolloutServer on 127.0.0.1:0 over already loaded models, on the CPU; the caller
-    stops it."""
-    server = RolloutServer(
-        ServerConfig(host="127.0.0.1", port=0, device="cpu", log_level="WARNING", **config),
-        models=models,
-    )
+    """A started RolloutServer on 127.0.0.1:0 over already loaded models, on the CPU, without a
+    metrics port unless `config` names one (test files run in parallel: a fixed port would be
+    taken twice); the caller stops it."""
+    settings = {"host": "127.0.0.1", "port": 0, "device": "cpu", "log_level": "WARNING",
+                "metrics_port": 0, **config}  # fmt: skip
+    server = RolloutServer(ServerConfig(**settings), models=models)
     server.start()
     return server
 

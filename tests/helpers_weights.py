@@ -54,6 +54,12 @@ def state_hash(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def weights_and_version(module: torch.nn.Module, client: object) -> tuple[str, int]:
+    """The served actor's weights (state_hash of `module`) and its version (the client's
+    Health): two equal snapshots say a refused update changed nothing."""
+    return state_hash(module), client.health().policy_version  # type: ignore[attr-defined]
+
+
 def perturbed(module: torch.nn.Module, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
     """A trainer-side state dict: every floating tensor moved by seeded noise."""
     generator = torch.Generator().manual_seed(seed)

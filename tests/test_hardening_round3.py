@@ -36,7 +36,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from helpers_weights import state_hash
+from helpers_server import serve_in_process
+from helpers_weights import weights_and_version
 from rollserve.client import RolloutClient
 from rollserve.client.calls import MAX_REQUEST_ID_CHARS
 from rollserve.client.protocol.errors import InvalidArgument
@@ -60,9 +61,11 @@ def models(tiny_actor_dir: Path) -> ModelSet:
 
 @pytest.fixture(scope="module")
 def server(models: ModelSet) -> Iterator[RolloutServer]:
-    config = ServerConfig(host="127.0.0.1", port=0, device="cpu", metrics_port=0)
-    with RolloutServer(config, models=models) as running:
+    running = serve_in_process(models)
+    try:
         yield running
+    finally:
+        running.stop()
 
 
 @pytest.fixture(scope="module")
@@ -89,23 +92,18 @@ def _experience(client: RolloutClient, **fields: object):
     )
 
 
-def _snapshot(models: ModelSet, client: RolloutClient) -> tuple[str, int]:
-    """The actor's weights (hash) and version (Health): equal snapshots, nothing changed."""
-    return state_hash(models.actor.module), client.health().policy_version
-
-
 # ---- UpdateWeights -------------------------------------------------------------------------------
 
 
 def test_a_version_beyond_int64_is_refused_and_experience_still_works(
     models: ModelSet, client: RolloutClient
 ) -> None:
-    before = _snapshot(models, client)
+    before = weights_and_version(models.actor.module, client)
     weights = {k: t.detach().clone() for k, t in models.actor.module.state_dict().items()}
     for version in (2**63, 2**64 - 1):
         with pytest.raises(InvalidArgument, match=r"header\.version: at most 2\*\*63 - 1"):
             client.update_weights(weights, version=version)
-    assert _snapshot(models, client) == before
+    assert weights_and_version(models.actor.module, client) == before
     experience = _experience(client)
     assert experience.policy_version.tolist() == [before[1]] * 4
 
@@ -114,7 +112,7 @@ def test_a_version_beyond_int64_is_refused_and_experience_still_works(
 def test_a_dtype_that_is_not_a_string_is_invalid_argument(
     models: ModelSet, client: RolloutClient, stub: rollout_pb2_grpc.RolloutStub, dtype: object
 ) -> None:
-    before = _snapshot(models, client)
+    before = weights_and_version(models.actor.module, client)
     document = {f"{Q_PROJ}.weight": {"dtype": dtype, "shape": [1], "data_offsets": [0, 4]}}
     raw = json.dumps(document).encode()
     file = struct.pack("<Q", len(raw)) + raw + struct.pack("<f", 1.0)
@@ -129,7 +127,7 @@ def test_a_dtype_that_is_not_a_string_is_invalid_argument(
         stub.UpdateWeights(iter(messages), timeout=CALL_S)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert "unsupported dtype" in info.value.details()
-    assert _snapshot(models, client) == before
+    assert weights_and_version(models.actor.module, client) == before
 
 
 def _adapter(models: ModelSet, scales: dict[str, float], rank: int = 2) -> dict[str, torch.Tensor]:
@@ -153,7 +151,7 @@ def test_a_lora_adapter_whose_merge_overflows_is_refused_and_writes_nothing(
     # A valid adapter first: the refused one must leave its merge (and its bases) as they are.
     version = client.health().policy_version + 1
     client.update_weights(_adapter(models, {Q_PROJ: 0.01}), version=version, mode="lora", lora=lora)
-    before = _snapshot(models, client)
+    before = weights_and_version(models.actor.module, client)
     # Finite factors and alpha (each checked as it arrived), but alpha / r * B @ A = 5e29 * 2e10
     # overflows float32 in k_proj. q_proj's merge is finite and differs from its weight now (it
     # takes the first adapter out), so a merge that wrote as it went would have changed it.
@@ -162,7 +160,7 @@ def test_a_lora_adapter_whose_merge_overflows_is_refused_and_writes_nothing(
         client.update_weights(
             overflowing, version=version + 1, mode="lora", lora=pb.LoraAdapter(rank=2, alpha=1e30)
         )
-    assert _snapshot(models, client) == before
+    assert weights_and_version(models.actor.module, client) == before
     assert torch.isfinite(actor.state_dict()[f"{K_PROJ}.weight"]).all()
     # The same adapter without its overflowing module merges onto the same bases.
     client.update_weights(

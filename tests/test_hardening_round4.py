@@ -43,7 +43,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers_weights import state_hash
+from helpers_server import serve_in_process
+from helpers_weights import weights_and_version
 from rollserve.client import (
     AsyncRolloutClient,
     ExperienceOptions,
@@ -76,9 +77,11 @@ def server(models: ModelSet) -> Iterator[RolloutServer]:
         name: MAX_SECONDS
         for name in ("parallel_part_wait_s", "stream_send_timeout_s", "update_idle_timeout_s")
     }
-    config = ServerConfig(host="127.0.0.1", port=0, device="cpu", metrics_port=0, **longest)
-    with RolloutServer(config, models=models) as running:
+    running = serve_in_process(models, **longest)
+    try:
         yield running
+    finally:
+        running.stop()
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +92,6 @@ def client(server: RolloutServer) -> Iterator[RolloutClient]:
 
 def _weights(models: ModelSet) -> dict[str, torch.Tensor]:
     return {k: t.detach().clone() for k, t in models.actor.module.state_dict().items()}
-
-
-def _snapshot(models: ModelSet, client: RolloutClient) -> tuple[str, int]:
-    """The actor's weights (hash) and version (Health): equal snapshots, nothing changed."""
-    return state_hash(models.actor.module), client.health().policy_version
 
 
 # ---- server flags ----------------------------------------------------------------------------
@@ -238,7 +236,7 @@ def _fail(sent: int, total: int) -> None:
 def test_an_error_raised_while_sending_reaches_the_caller_as_itself(
     models: ModelSet, client: RolloutClient, streams: int
 ) -> None:
-    before = _snapshot(models, client)
+    before = weights_and_version(models.actor.module, client)
     weights = _weights(models)
     update = {"version": before[1] + 1, "transport": "grpc", "streams": streams}
     with pytest.raises(_ProgressFailed):
@@ -248,7 +246,7 @@ def test_an_error_raised_while_sending_reaches_the_caller_as_itself(
     weights["model.norm.weight"] = torch.empty_like(weights["model.norm.weight"], device="meta")
     with pytest.raises(InvalidArgument, match="model.norm.weight: a meta tensor"):
         client.update_weights(weights, **update)
-    assert _snapshot(models, client) == before
+    assert weights_and_version(models.actor.module, client) == before
 
 
 class _Gated(Mapping):
@@ -283,7 +281,7 @@ class _Gated(Mapping):
 def test_cancelling_an_async_update_stops_it_and_nothing_is_applied(
     models: ModelSet, server: RolloutServer, client: RolloutClient, transport: str
 ) -> None:
-    before = _snapshot(models, client)
+    before = weights_and_version(models.actor.module, client)
     weights = _Gated(_weights(models))
     # The loop's default executor runs the upload: shutting it down waits until the upload
     # thread ended. The test's own waits run in another.
@@ -307,7 +305,7 @@ def test_cancelling_an_async_update_stops_it_and_nothing_is_applied(
         waits.shutdown()
 
     asyncio.run(cancel_while_sending())
-    assert _snapshot(models, client) == before
+    assert weights_and_version(models.actor.module, client) == before
 
 
 @pytest.mark.parametrize(
