@@ -40,6 +40,7 @@ from .calls import (
     landing_device,
     subscribe_request,
     subscribed_batch,
+    wait_bounds,
 )
 from .channel import open_aio_channel, open_channel
 from .client import POLL_CALL_S
@@ -71,6 +72,7 @@ class AsyncRolloutClient(BaseClient):
         self, timeout_s: float = 60.0, *, poll_s: float = 0.2
     ) -> HealthStatus:
         """Wait until the server reports SERVING; DeadlineExceeded after `timeout_s`."""
+        timeout_s, poll_s = wait_bounds(timeout_s, poll_s)
         deadline = time.monotonic() + timeout_s
         last: HealthStatus | RolloutError | None = None
         while (remaining := deadline - time.monotonic()) > 0:

@@ -49,6 +49,7 @@ __all__ = [
     "landing_device",
     "subscribe_request",
     "subscribed_batch",
+    "wait_bounds",
 ]
 
 AUTHORIZATION_KEY = "authorization"
@@ -127,13 +128,19 @@ class CallSettings:
 MAX_TIMEOUT_S = 100_000_000.0
 
 
-def _check_timeout(timeout_s: float) -> float:
+def _check_timeout(timeout_s: float, name: str = "timeout_s") -> float:
     # A deadline is mandatory on every call: no None, no infinity, no zero.
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-        raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+        raise TypeError(f"{name} must be a number of seconds, got {timeout_s!r}")
     if not (0 < timeout_s <= MAX_TIMEOUT_S):
-        raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {timeout_s!r}")
+        raise ValueError(f"{name} must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {timeout_s!r}")
     return float(timeout_s)
+
+
+def wait_bounds(timeout_s: float, poll_s: float) -> tuple[float, float]:
+    """wait_until_ready's (timeout_s, poll_s), checked as a call's deadline is (sync and
+    asyncio clients): nan or -1 waited for nothing and then said DeadlineExceeded."""
+    return _check_timeout(timeout_s), _check_timeout(poll_s, "poll_s")
 
 
 class BaseClient:
@@ -289,6 +296,7 @@ class BaseClient:
         in a worker thread.
         """
         options = UpdateOptions.of(options, **fields)
+        check_progress(progress)
         return self._send_update(weights, version, options, group=group, progress=progress)
 
     def _send_update(
@@ -302,8 +310,8 @@ class BaseClient:
         cancel: threading.Event | None = None,
     ) -> UpdateResult:
         """The body of `_update`; `cancel` set from another thread ends a gRPC or shared-memory
-        upload before its next message (AsyncRolloutClient: the caller's task was cancelled)."""
-        check_progress(progress)
+        upload before its next message (AsyncRolloutClient: the caller's task was cancelled);
+        the caller has checked `progress` (check_progress)."""
         through = group_of(group, options.transport)
         if through is not None:
             index = through.index(self)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from math import inf
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from .calls import (
     landing_device,
     subscribe_request,
     subscribed_batch,
+    wait_bounds,
 )
 from .channel import open_channel
 from .protocol.errors import DeadlineExceeded, RolloutError, Unavailable, typed_errors
@@ -62,10 +62,7 @@ class RolloutClient(BaseClient):
         Polls use gRPC's wait-for-ready, so a server that is not listening yet is waited for
         instead of failing fast; a listening server that is still loading is polled.
         """
-        # Checked as a call's deadline is: nan or -1 waited for nothing, then DeadlineExceeded.
-        timeout_s = self._settings.timeout(timeout_s)
-        if isinstance(poll_s, bool) or not isinstance(poll_s, int | float) or not 0 < poll_s < inf:
-            raise ValueError(f"poll_s must be a positive number of seconds, got {poll_s!r}")
+        timeout_s, poll_s = wait_bounds(timeout_s, poll_s)
         deadline = time.monotonic() + timeout_s
         last: HealthStatus | RolloutError | None = None
         while (remaining := deadline - time.monotonic()) > 0:

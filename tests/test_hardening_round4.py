@@ -332,6 +332,15 @@ def test_wait_until_ready_refuses_a_timeout_it_cannot_wait(bad: float) -> None:
     with RolloutClient("127.0.0.1:1") as client, pytest.raises(ValueError, match="poll_s"):
         client.wait_until_ready(1.0, poll_s=bad)
 
+    async def wait_async(timeout_s: float, poll_s: float) -> None:
+        async with AsyncRolloutClient("127.0.0.1:1") as client:
+            await client.wait_until_ready(timeout_s, poll_s=poll_s)
+
+    with pytest.raises(ValueError, match="timeout_s"):
+        asyncio.run(wait_async(bad, 0.2))
+    with pytest.raises(ValueError, match="poll_s"):
+        asyncio.run(wait_async(1.0, bad))
+
 
 def test_a_device_torch_does_not_know_is_refused_before_the_call() -> None:
     """Against an address nobody listens on: a ValueError naming the device, not UNAVAILABLE
