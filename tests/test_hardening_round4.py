@@ -352,3 +352,13 @@ def test_a_device_torch_does_not_know_is_refused_before_the_call() -> None:
             next(client.stream_experience([[1, 2]], device="cuda:x"))
         with pytest.raises(ValueError, match="device: 'nope'"):
             next(client.subscribe(device="nope"))
+
+
+def test_client_and_server_bound_waits_and_messages_alike() -> None:
+    """The same bounds written on both sides (the server's config imports neither torch nor the
+    client package): they must not drift apart."""
+    from rollserve.client.channel import MAX_MESSAGE_BYTES
+    from rollserve.server.config.values import MAX_GRPC_MESSAGE_BYTES
+
+    assert MAX_SECONDS == MAX_TIMEOUT_S
+    assert MAX_GRPC_MESSAGE_BYTES == MAX_MESSAGE_BYTES

@@ -22,6 +22,8 @@ MAX_GRPC_MESSAGE_BYTES = (1 << 31) - 1
 # (~9.2e9 s): a larger value was accepted and then crashed the shutdown (--drain-delay-s,
 # --shutdown-grace-s), every parallel update (--parallel-part-wait-s), every reward endpoint
 # call (--reward-timeout-s) or the stream watchdog (--stream-send-timeout-s).
+# The client bounds a call's deadline the same (client/calls.py MAX_TIMEOUT_S); the value is
+# written twice because this module imports neither torch nor the client package.
 MAX_SECONDS = 100_000_000.0
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 BYTE_UNITS = {
