@@ -348,32 +348,30 @@ class CudaIpcPlane:
         """Keep the opened buffers for the next update (after a success, when buffers are
         kept) or close them (drop the storages), and give back every counter no storage's
         deleter gives back; before the reply, whatever happened."""
-        if error is not None and any(s is not None for s in self._opened):
+        opened = {n: s for n, s in enumerate(self._opened) if s is not None}
+        if error is not None and opened:
             # Copies of a failed update may still be in flight on the stager's stream: they
             # must end before the trainer may free the memory.
             for index in {self._device_index(), *self._indices}:
                 torch.cuda.synchronize(index)
-        for number in [n for n, storage in enumerate(self._opened) if storage is not None]:
+        for number in opened:
             # Opened with its counter (buffers not kept): torch's deleter decrements it when
             # the storage closes. Opened without (kept, see the module): given back below.
             self._released[number] = self._kept is None
-        keeping = error is None and self._kept is not None
-        if keeping and self._kept is not None and self._opened:
-            buffers, opened = self._source.buffers, self._opened
-            self._kept.keep(self._role, {
-                buffer_key(buffers[number], self._indices[number]):
-                    (storage, self._views.get(number, {}))
-                for number, storage in enumerate(opened)
-                if storage is not None and not buffers[number].event_sync_required
+        keeper = self._kept if error is None else None  # a failed update keeps nothing
+        if keeper is not None and opened:
+            buffers = self._source.buffers
+            keeper.keep(self._role, {
+                buffer_key(buffers[n], self._indices[n]): (storage, self._views.get(n, {}))
+                for n, storage in opened.items() if not buffers[n].event_sync_required
             })  # fmt: skip
         self._views = {}
         # The last references here: dropping them closes the handles that are not kept
         # (torch's deleter syncs the device's current stream, decrements the trainer's counter,
         # closes the mapping).
         closing_s = time.perf_counter()
-        closed = (
-            0 if keeping else len([s for s in self._opened if s is not None]) - len(self._reused)
-        )
+        closed = 0 if keeper is not None else len(opened) - len(self._reused)
+        opened.clear()
         self._opened = []
         if closed:
             self._timings.add("ipc_handle_close", time.perf_counter() - closing_s, closed)

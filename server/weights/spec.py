@@ -94,9 +94,11 @@ class _Lookup:
             if prefix not in modules:
                 module: torch.nn.Module | None = model
                 for part in prefix.split("."):
-                    child = module._modules.get(part) if module is not None else None
-                    if module is not None and child is not None:
-                        links[(id(module), part)] = (module, part, child)
+                    child = module._modules.get(part)
+                    if child is None:  # no such module: the name is left out
+                        module = None
+                        break
+                    links[(id(module), part)] = (module, part, child)
                     module = child
                 modules[prefix] = module
             holder = modules[prefix]
