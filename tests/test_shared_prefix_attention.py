@@ -9,6 +9,8 @@ tests compile them with Inductor on CUDA (Inductor's CPU flex kernel has no log-
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from rollserve.server.generation.attention import (
@@ -157,6 +159,23 @@ def test_flex_shared_compiled_on_cuda_equals_sdpa() -> None:
             assert_agrees(out, reference)
 
 
+@pytest.mark.gpu
+def test_flex_shared_under_head_dim_16_on_cuda_runs_the_matmul_form(caplog) -> None:
+    """Inductor's CUDA flex kernel refuses a head_dim under 16, and flex's eager fallback
+    cannot be captured: the flex form runs the matmul one there, nothing fails to compile."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    q, k, v, mask = grouped_cache(4, 4, 2, device="cuda")  # head_dim 16: narrowed to 8
+    q, k, v = q[..., :8].contiguous(), k[..., :8], v[..., :8]
+    options = dict(samples=4, prefix=PROMPT)
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        expected = shared_prefix_decode_attention(q, k, v, mask, 0.35, form="matmul", **options)
+        out = shared_prefix_decode_attention(q, k, v, mask, 0.35, form="flex", compiled=True,
+                                             **options)  # fmt: skip
+    assert not [r for r in caplog.records if "failed" in r.getMessage()], caplog.text
+    assert_agrees(out, expected)
+
+
 # ---- in the engine (ROLLSERVE_SHARED_PREFIX_ATTENTION) -----------------------------------------
 
 ENGINE_VOCAB = 96
@@ -166,11 +185,12 @@ STOP_TOKENS = tuple(range(88, 96))  # an eighth of the vocabulary: rows stop at 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
 def tiny_model(request, tmp_path_factory: pytest.TempPathFactory):
     """A tiny causal LM saved and loaded from disk in float32 (Mistral with a sliding window
-    shorter than the shared columns, so the windowed mask of those columns matters)."""
+    shorter than the shared columns, so the windowed mask of those columns matters); head_dim
+    16, the least that Inductor's CUDA flex kernel takes (flex_shared is compiled on CUDA)."""
     import transformers as tf
 
     common = dict(
-        vocab_size=ENGINE_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=ENGINE_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         pad_token_id=0, bos_token_id=None, eos_token_id=None,
     )  # fmt: skip

@@ -89,7 +89,9 @@ class FileData:
         # in_place: the "arena" is the plane's own memory, handed over by Lane.place (until
         # then an empty placeholder, and no pipeline).
         self.in_place = in_place
-        self.arena_np = arena.numpy() if pipeline is None and not in_place else None
+        # A host arena's bytes as numpy (the host lanes write through it); a device arena has
+        # none: its pipeline is set by the stager once this object exists (its hooks name it).
+        self.arena_np = arena.numpy() if arena.device.type == "cpu" and not in_place else None
         self.segment_begins = [begin for begin, _, _ in layout.segments]
         self.entry_ends = [entry.end for entry in entries]
 
