@@ -714,7 +714,10 @@ def server_process(
         deadline = time.monotonic() + timeout_s
         while not port_file.exists() or not port_file.read_text().strip():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not bind (exit {proc.poll()})")
+                raise RuntimeError(
+                    f"the server did not bind in {timeout_s:.0f} s, the lane's share of the "
+                    f"budget (exit {proc.poll()})"
+                )
             time.sleep(0.05)
         address = f"127.0.0.1:{int(port_file.read_text())}"
         with RolloutClient(address) as client:

@@ -62,7 +62,10 @@ step() {  # step NAME SECONDS COMMAND...: run with a time bound, log to $OUT/NAM
     shift 2
     case " ${SKIP_STEPS:-} " in *" $name "*) echo "=== $name skipped (SKIP_STEPS)"; return;; esac
     echo "=== $name (at most ${limit}s) $(date -u +%T)"
-    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    # SIGINT at the bound, not TERM: pytest then prints the failures it has so far (a TERM
+    # left an H200 run of 2026-11-27 with a FAILED line and no traceback), a bench its
+    # KeyboardInterrupt's trace and its finally blocks (its server processes stopped).
+    timeout --signal=INT --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "=== $name rc=$? $(date -u +%T)"
     # What a step killed at its bound may leave running (servers the tests started in their
     # own sessions, compile workers) would take the next step's CPU and skew its host times.

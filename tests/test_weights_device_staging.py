@@ -701,10 +701,13 @@ def test_a_cuda_bf16_server_is_updated_on_the_device(
     models = load_models(config)
     actor = models.actor.module
     arena = staging_arena(actor)
-    where = pointers(actor)
     pinned_before = _host_pinned_bytes()
     with RolloutServer(config, models=models) as server:
         with RolloutClient(server.address, timeout_s=WAIT_S) as client:
+            # After the warm-up: the engine fuses q/k/v and gate/up there (fused.py), so the
+            # parameters become views of new tensors, which its CUDA graphs then read.
+            client.wait_until_ready(WAIT_S)
+            where = pointers(actor)
             for version, device in ((1, "cpu"), (2, "cuda")):
                 source = {k: v.float().cpu() for k, v in actor.state_dict().items()}
                 weights = {k: (v + 0.01 * version).to(device) for k, v in perturbed_dict(source)}
