@@ -30,7 +30,11 @@
 # gets 260 s: its full run was estimated at ~190 s without the small request (the 17:11 UTC
 # figures: HF first call 16 s, the engine's warm-up 28 s, the server process's start 38 s, the
 # scoring section's six lanes), and a run whose budget ends inside the gRPC lane (the last of
-# the end-to-end lanes) has no gRPC figures. The small request is for a call with time left.
+# the end-to-end lanes) has no gRPC figures: the diagnostic lanes (scoring, engine thread, gRPC
+# in the bench's process) now leave it 75 s (bench_gpu.py --grpc-reserve-s), since an H200 call
+# of BENCH_GPU_S=175 spent it all before the gRPC lane (2026-11-27). On that H200 the first call
+# took 305 s of wall time (the gpu tests 218 s, 18 of them failing fast; the profile 67 s) and
+# the machine's start ~45 s. The small request is for a call with time left.
 # --staged-baseline adds the cuda_ipc flat lane into a second server that stages
 # (ROLLSERVE_CUDA_IPC_IN_PLACE=0): ~30 s. bench-gpu's scoring section times the engine path's
 # lm_head both ways (position blocks, vocabulary chunks). With time left, a third call profiles

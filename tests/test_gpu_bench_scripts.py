@@ -191,3 +191,23 @@ def test_the_gpu_benches_model_is_the_issues_case(
     if tied:
         update = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         assert round(update / 1e9, 2) == 0.83
+
+
+def test_a_diagnostic_lane_leaves_the_grpc_lane_its_reserve(bench_gpu) -> None:
+    """On an H200 the diagnostics ran first and the gRPC lane got too little time to bind:
+    a diagnostic lane now runs only with the gRPC lane's reserve left beyond its own."""
+    calls: list[int] = []
+    budget = bench_gpu.Budget(100.0)
+    try:
+        args = bench_gpu.parse_args(["--device", "cpu", "--lane-reserve-s", "15",
+                                     "--grpc-reserve-s", "90"])  # fmt: skip
+        reserve = bench_gpu.diagnostic_reserve_s(args)
+        assert reserve == 90.0
+        options = dict(reps=1, first=False, args=args, budget=budget, device="cpu")
+        lane = bench_gpu.measure("diagnostic", lambda: calls.append(1), reserve_s=reserve,
+                                 **options)  # fmt: skip
+        assert lane.error == "skipped: out of budget" and not calls  # 100 s < 15 + 90
+        args = bench_gpu.parse_args(["--device", "cpu", "--skip", "grpc"])
+        assert bench_gpu.diagnostic_reserve_s(args) == 0.0  # nothing to leave it to
+    finally:
+        budget.cancel()
