@@ -34,7 +34,7 @@ on, exit status 1):
    engine path) against the decoder body alone (Forward.hidden_states), with the TFLOP/s of
    their matmuls, and the top kernels of one call.
    New prefill shapes: the first prefill of a prompt count the process never ran against its
-   repeat, with SDPA's own pick and (CUDA) held to its efficient backend: what a first request
+   repeat, with SDPA's own pick and (CUDA) without its cuDNN backend (the default): what a request
    pays for a new shape, and whether the attention's per-shape plans are that cost.
 5. Summary: the lines to read first.
 
@@ -57,12 +57,10 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -80,6 +78,8 @@ from rollserve.server.experience.scoring import (  # noqa: E402
 )
 from rollserve.server.generation import Engine, engine_for, scoring_forward  # noqa: E402
 from rollserve.server.generation.attention import (  # noqa: E402
+    PREFILL_ATTENTION,
+    PrefillBackends,
     additive_mask,
     decode_attention_variants,
     pick_decode_attention,
@@ -694,9 +694,11 @@ def new_shape_costs(model: torch.nn.Module, case: Case, device: torch.device,
     token count (dynamic shapes), so the difference is the attention's."""
     forward = scoring_forward(model, "rollserve")
     assert forward is not None
-    variants: list[tuple[str, SDPBackend | None]] = [("sdpa (its pick)", None)]
+    # Each variant is the forward's own setting (ROLLSERVE_PREFILL_ATTENTION's), put back after.
+    variants: list[tuple[str, PrefillBackends]] = [("sdpa (its pick)", PREFILL_ATTENTION["sdpa"])]
     if device.type == "cuda":
-        variants.append(("efficient", SDPBackend.EFFICIENT_ATTENTION))
+        variants.append(("efficient (no cuDNN)", PREFILL_ATTENTION["efficient"]))
+    configured = forward.prefill_backend
     counts, rows = iter(NEW_PROMPT_COUNTS), []
     for name, backend in variants:
         extra = []
@@ -710,13 +712,15 @@ def new_shape_costs(model: torch.nn.Module, case: Case, device: torch.device,
             def prefill(ids=ids, valid=valid, positions=positions) -> object:
                 return forward.prefill(ids, valid, positions, None)
 
+            forward.prefill_backend = backend
             try:
-                with sdpa_kernel(backend) if backend is not None else nullcontext():
-                    first, again = (1e3 * timed(prefill, device.type) for _ in range(2))
+                first, again = (1e3 * timed(prefill, device.type) for _ in range(2))
             except RuntimeError as error:  # a backend that does not take these inputs
                 rows.append([name, str(prompts), f"failed: {str(error).splitlines()[0][:80]}",
                              "-", "-"])  # fmt: skip
                 continue
+            finally:
+                forward.prefill_backend = configured
             extra.append(first - again)
             rows.append([name, str(prompts), f"{first:.2f}", f"{again:.2f}",
                          f"{first - again:.2f}"])  # fmt: skip

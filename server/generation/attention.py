@@ -36,9 +36,11 @@ __all__ = [
     "COMPILED_DECODE_ATTENTION",
     "DECODE_ATTENTION",
     "DEFAULT_DECODE_ATTENTION",
+    "DEFAULT_PREFILL_ATTENTION",
     "DecodeAttention",
     "PREFILL_ATTENTION",
     "PREFILL_ATTENTION_ENV",
+    "PrefillBackends",
     "additive_mask",
     "decode_attention",
     "decode_attention_flex",
@@ -92,17 +94,31 @@ def prefill_mask(valid: torch.Tensor, window: int | None, first_query: int = 0) 
 
 
 PREFILL_ATTENTION_ENV = "ROLLSERVE_PREFILL_ATTENTION"
-# What ROLLSERVE_PREFILL_ATTENTION may name: SDPA's own pick, or its efficient backend held
-# (CUDA only; ignored elsewhere). SDPA's pick on an H100 is cuDNN's kernel, which builds a plan
-# per new shape; a prefill's shape follows a request's count of distinct prompts, which no
-# warm-up can cover. profile_gpu.py ("New prefill shapes") times both on a new shape.
-PREFILL_ATTENTION = {"sdpa": None, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+# The backends prefill and scoring attention may take on CUDA (None: any, SDPA's own pick).
+PrefillBackends = tuple[SDPBackend, ...] | None
+# What ROLLSERVE_PREFILL_ATTENTION may name: SDPA's own pick ("sdpa"), or SDPA without its cuDNN
+# backend ("efficient", the default; ignored off CUDA): for a masked attention that is the
+# efficient kernel (flash takes no mask), math only for inputs it does not take. SDPA's pick on
+# an H100 and an H200 is cuDNN's kernel, which builds a plan per new shape: on the H200
+# (2026-11-27, profile_gpu.py "New prefill shapes") a new prefill shape cost +51-56 ms over its
+# repeat with it, +7-10 ms with the efficient kernel, whose repeats were as fast (16.4-18.4 ms
+# against 17.2-19.4). A request's shapes follow its prompt count and lengths, which no warm-up
+# covers: in RL nearly every prefill and scoring batch is a shape the server has not seen.
+PREFILL_ATTENTION: dict[str, PrefillBackends] = {
+    "sdpa": None,
+    "efficient": (
+        SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
+    ),
+}  # fmt: skip
+DEFAULT_PREFILL_ATTENTION = "efficient"
 
 
-def prefill_backend() -> SDPBackend | None:
-    """The backend ROLLSERVE_PREFILL_ATTENTION holds prefill and scoring attention to on CUDA
-    (None: SDPA picks, the default); ValueError for a name not in PREFILL_ATTENTION."""
-    return PREFILL_ATTENTION[env_choice(PREFILL_ATTENTION_ENV, PREFILL_ATTENTION, "sdpa")]
+def prefill_backend() -> PrefillBackends:
+    """The backends ROLLSERVE_PREFILL_ATTENTION (unset: DEFAULT_PREFILL_ATTENTION) holds prefill
+    and scoring attention to on CUDA (None: SDPA picks among all of them); ValueError for a name
+    not in PREFILL_ATTENTION."""
+    name = env_choice(PREFILL_ATTENTION_ENV, PREFILL_ATTENTION, DEFAULT_PREFILL_ATTENTION)
+    return PREFILL_ATTENTION[name]
 
 
 def prefill_attention(
@@ -111,10 +127,10 @@ def prefill_attention(
     v: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
-    backend: SDPBackend | None = None,
+    backend: PrefillBackends = None,
 ) -> torch.Tensor:
     """q (b, H, q, D), k/v (b, Hkv, s, D), mask (b, 1, q, s) -> (b, H, q, D); on CUDA through
-    `backend` when one is given (prefill_backend), else SDPA's pick."""
+    the backends `backend` allows when it is given (prefill_backend), else SDPA's pick."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # as HF's repeat_kv: prefill runs once per request
         k = k.repeat_interleave(groups, dim=1)
@@ -122,7 +138,7 @@ def prefill_attention(
     if backend is None or q.device.type != "cuda":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     # Process-wide flags while inside (not per thread): only the engine thread runs attention.
-    with sdpa_kernel(backend):
+    with sdpa_kernel(list(backend)):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
@@ -152,7 +168,7 @@ def _sdpa_with(backend: SDPBackend) -> DecodeAttention:
         # sdpa_kernel sets process-wide flags while inside (not per thread): the context spans
         # this one call, so no other SDPA call (prefill, scoring) ever runs under it. It only
         # steers the choice at call time: a CUDA graph captured here replays the kernel chosen.
-        with sdpa_kernel(backend):
+        with sdpa_kernel(list(backend)):
             return decode_attention(q, k, v, mask, scale)
 
     return attend
