@@ -6,6 +6,8 @@ kernel has no CPU version)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from rollserve.server.generation.attention import (
@@ -13,6 +15,7 @@ from rollserve.server.generation.attention import (
     additive_mask,
     prefill_attention,
     prefill_backend,
+    prefill_backends,
     prefill_mask,
 )
 from torch.nn.attention import SDPBackend
@@ -46,7 +49,8 @@ def _inputs(device: str, dtype: torch.dtype):
 
 def test_off_cuda_the_backend_is_ignored() -> None:
     q, k, v, mask = _inputs("cpu", torch.float32)
-    held = prefill_attention(q, k, v, mask, 0.25, (SDPBackend.EFFICIENT_ATTENTION,))
+    with prefill_backends((SDPBackend.EFFICIENT_ATTENTION,), q.device):
+        held = prefill_attention(q, k, v, mask, 0.25)
     assert torch.equal(held, prefill_attention(q, k, v, mask, 0.25))
 
 
@@ -67,10 +71,13 @@ def test_an_unknown_name_fails_the_engine_build(
 @pytest.mark.gpu
 def test_on_cuda_the_efficient_backend_equals_sdpas_pick() -> None:
     q, k, v, mask = _inputs("cuda", torch.bfloat16)
+    picked = prefill_attention(q, k, v, mask, 0.25)
     for held_to in ((SDPBackend.EFFICIENT_ATTENTION,), WITHOUT_CUDNN):
-        held = prefill_attention(q, k, v, mask, 0.25, held_to)
-        torch.testing.assert_close(held, prefill_attention(q, k, v, mask, 0.25), atol=2e-2,
-                                   rtol=2e-2)  # fmt: skip
+        with prefill_backends(held_to, q.device):
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+            held = prefill_attention(q, k, v, mask, 0.25)
+        torch.testing.assert_close(held, picked, atol=2e-2, rtol=2e-2)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the process's flags are back
 
 
 def test_the_forward_hands_its_backend_to_every_prefill_and_scoring_attention(
@@ -83,13 +90,24 @@ def test_the_forward_hands_its_backend_to_every_prefill_and_scoring_attention(
 
     model = AutoModelForCausalLM.from_pretrained(tiny_actor_dir, dtype=torch.float32).eval()
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, "sdpa")  # not the default: it must come through
-    seen = []
+    seen: list[object] = []  # per attention call: the backends of the context it ran in
+    active: list[object] = []
 
-    def spy(*args):
-        seen.append(args[5])
+    @contextlib.contextmanager
+    def backends_spy(backend, device):
+        active.append(backend)
+        try:
+            with prefill_backends(backend, device):
+                yield
+        finally:
+            active.pop()
+
+    def attention_spy(*args):
+        seen.append(active[-1] if active else "outside any")
         return prefill_attention(*args)
 
-    monkeypatch.setattr(generation_model, "prefill_attention", spy)
+    monkeypatch.setattr(generation_model, "prefill_backends", backends_spy)
+    monkeypatch.setattr(generation_model, "prefill_attention", attention_spy)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12, 13]])  # one prompt, 2 samples
     action_log_probs(model, ids, torch.ones_like(ids), 3, forward_batch_size=2, path="rollserve")
     layers = model.config.num_hidden_layers

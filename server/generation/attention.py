@@ -17,6 +17,7 @@ force it by name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -52,6 +53,7 @@ __all__ = [
     "pick_decode_attention",
     "prefill_attention",
     "prefill_backend",
+    "prefill_backends",
     "prefill_mask",
 ]
 
@@ -121,25 +123,33 @@ def prefill_backend() -> PrefillBackends:
     return PREFILL_ATTENTION[name]
 
 
+def prefill_backends(
+    backend: PrefillBackends, device: torch.device
+) -> contextlib.AbstractContextManager[object]:
+    """SDPA held to `backend` (prefill_backend) while the context lasts, on CUDA; nothing
+    elsewhere or with None. Entered once per forward, around its layers: entering sdpa_kernel
+    costs 10-30 us, ~1 ms of a scoring batch's host time if each of its 48 attentions did (the
+    batch is host-bound on an H200). The flags are process-wide, not per thread: only the
+    engine thread runs attention."""
+    if backend is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(list(backend))
+
+
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
-    backend: PrefillBackends = None,
 ) -> torch.Tensor:
-    """q (b, H, q, D), k/v (b, Hkv, s, D), mask (b, 1, q, s) -> (b, H, q, D); on CUDA through
-    the backends `backend` allows when it is given (prefill_backend), else SDPA's pick."""
+    """q (b, H, q, D), k/v (b, Hkv, s, D), mask (b, 1, q, s) -> (b, H, q, D) by SDPA, through
+    the backends a surrounding prefill_backends allows."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # as HF's repeat_kv: prefill runs once per request
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    if backend is None or q.device.type != "cuda":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    # Process-wide flags while inside (not per thread): only the engine thread runs attention.
-    with sdpa_kernel(list(backend)):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def decode_attention(

@@ -31,6 +31,7 @@ from .attention import (
     decode_attention_variant,
     prefill_attention,
     prefill_backend,
+    prefill_backends,
     prefill_mask,
 )
 from .compiling import maybe_compiled
@@ -298,12 +299,13 @@ class Forward:
             w: additive_mask(prefill_mask(valid, w), x.dtype)
             for w in {layer.window for layer in f.layers}
         }
-        for index, layer in enumerate(f.layers):
-            q, k, v = self._sequence_inputs(layer, x, cos, sin)
-            if write is not None:
-                write(index, k, v)
-            out = prefill_attention(q, k, v, masks[layer.window], f.scaling, self.prefill_backend)
-            x = self._sequence_mlp(layer, x, out.transpose(1, 2).reshape(*ids.shape, -1))
+        with prefill_backends(self.prefill_backend, x.device):
+            for index, layer in enumerate(f.layers):
+                q, k, v = self._sequence_inputs(layer, x, cos, sin)
+                if write is not None:
+                    write(index, k, v)
+                out = prefill_attention(q, k, v, masks[layer.window], f.scaling)
+                x = self._sequence_mlp(layer, x, out.transpose(1, 2).reshape(*ids.shape, -1))
         return rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
 
     def hidden_states(
@@ -357,12 +359,13 @@ class Forward:
         masks = {
             w: additive_mask(prefill_mask(valid, w, first_query=width), x.dtype) for w in windows
         }
-        for (k_prompt, v_prompt), layer in zip(prompt_kv, f.layers, strict=True):
-            q, k, v = self._sequence_inputs(layer, x, cos, sin)
-            k = torch.cat([k_prompt[of_row], k], dim=2)  # (b, Hkv, s, D)
-            v = torch.cat([v_prompt[of_row], v], dim=2)
-            out = prefill_attention(q, k, v, masks[layer.window], f.scaling, self.prefill_backend)
-            x = self._sequence_mlp(layer, x, out.transpose(1, 2).reshape(*x.shape[:2], -1))
+        with prefill_backends(self.prefill_backend, x.device):
+            for (k_prompt, v_prompt), layer in zip(prompt_kv, f.layers, strict=True):
+                q, k, v = self._sequence_inputs(layer, x, cos, sin)
+                k = torch.cat([k_prompt[of_row], k], dim=2)  # (b, Hkv, s, D)
+                v = torch.cat([v_prompt[of_row], v], dim=2)
+                out = prefill_attention(q, k, v, masks[layer.window], f.scaling)
+                x = self._sequence_mlp(layer, x, out.transpose(1, 2).reshape(*x.shape[:2], -1))
         tail = rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
         return torch.cat([head[of_row], tail], dim=1)
 
