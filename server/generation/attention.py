@@ -178,7 +178,7 @@ def _sdpa_with(backend: SDPBackend) -> DecodeAttention:
         # sdpa_kernel sets process-wide flags while inside (not per thread): the context spans
         # this one call, so no other SDPA call (prefill, scoring) ever runs under it. It only
         # steers the choice at call time: a CUDA graph captured here replays the kernel chosen.
-        with sdpa_kernel(list(backend)):
+        with sdpa_kernel(backend):
             return decode_attention(q, k, v, mask, scale)
 
     return attend
