@@ -78,12 +78,14 @@ from rollserve.server.experience.scoring import (  # noqa: E402
 )
 from rollserve.server.generation import Engine, engine_for, scoring_forward  # noqa: E402
 from rollserve.server.generation.attention import (  # noqa: E402
+    DEFAULT_PREFILL_ATTENTION,
     PREFILL_ATTENTION,
     PrefillBackends,
     additive_mask,
     decode_attention_variants,
     pick_decode_attention,
 )
+from rollserve.server.generation.model import Forward  # noqa: E402
 from rollserve.server.generation.runner import attention_width, batch_bucket  # noqa: E402
 from rollserve.server.generation.shared_prefix import (  # noqa: E402
     SharedPrefix,
@@ -635,6 +637,7 @@ class Scoring:
     body: Callable[[], object]  # Forward.hidden_states of the same rows
     body_tflop: float  # of the body's matmuls (attention's left out)
     head_tflop: float  # of lm_head over every action position
+    forward: Forward  # the engine's forward that `body` runs (its prefill_backend is read per call)
 
 
 def scoring_calls(model: torch.nn.Module, case: Case) -> Scoring:
@@ -651,7 +654,8 @@ def scoring_calls(model: torch.nn.Module, case: Case) -> Scoring:
     def body() -> object:
         return forward.hidden_states(sequences, mask, positions, case.prompt_len)
 
-    return Scoring(whole, body, *scoring_tflop(model, case))
+    assert forward is not None
+    return Scoring(whole, body, *scoring_tflop(model, case), forward)
 
 
 def scoring_timings(scoring: Scoring, timer: Timer, figures: dict[str, float]) -> None:
@@ -671,6 +675,29 @@ def scoring_timings(scoring: Scoring, timer: Timer, figures: dict[str, float]) -
         ],
     )  # fmt: skip
     print("(bench_gpu.py scores 8 such forward batches per model: x8 for its figure)\n")
+    body_by_setting(scoring, timer, body_ms)  # off CUDA the settings are ignored: equal
+
+
+def body_by_setting(scoring: Scoring, timer: Timer, default_ms: float) -> None:
+    """The decoder body under each other ROLLSERVE_PREFILL_ATTENTION setting, at this steady
+    shape (the warm call builds any per-shape plan): what the default costs or saves once
+    shapes repeat (its reason is the new shapes' cost, "New prefill shapes" below)."""
+    forward, configured = scoring.forward, scoring.forward.prefill_backend
+    rows = [[f"{DEFAULT_PREFILL_ATTENTION} (the default)", f"{default_ms:.2f}", "1.00x"]]
+    for name, backends in PREFILL_ATTENTION.items():
+        if name == DEFAULT_PREFILL_ATTENTION:
+            continue
+        forward.prefill_backend = backends
+        try:
+            ms = timer.median_ms(scoring.body)
+        except RuntimeError as error:  # a backend that does not take these inputs
+            rows.append([name, f"failed: {str(error).splitlines()[0][:80]}", "-"])
+            continue
+        finally:
+            forward.prefill_backend = configured
+        rows.append([name, f"{ms:.2f}", f"{ms / default_ms:.2f}x"])
+    print("Decoder body by ROLLSERVE_PREFILL_ATTENTION (steady shape, medians):\n")
+    print_table(["setting", "body ms", "vs the default"], rows)
 
 
 def scoring_kernels(scoring: Scoring, device: torch.device, top: int) -> None:
