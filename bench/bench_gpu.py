@@ -28,7 +28,8 @@ prints its error and the run goes on; a watchdog ends the run (and its server pr
    Each lane prints its phases (info time/<phase>_s summed over the rows) and the seconds
    outside them (streaming, transfer, joining), which is where gRPC differs from in-process.
    Before it, scoring alone: actor log-probs of the same rows on the HF path and on the
-   engine path (forward batch 64), and each path's decoder body alone (best of 3).
+   engine path (forward batch 64), and each path's decoder body alone (best of 3), the
+   engine's once more at the end (a drift across the section shows there).
 3. The ratios the issue sets targets for.
 4. The small request of bench_make_experience.py (32 prompts x 4, 64 new tokens, a random
    Llama of hidden 256 x 4 layers, the server's default dtype): in-process against gRPC from a
@@ -378,6 +379,10 @@ def scoring_section(model, args: argparse.Namespace, budget: Budget) -> None:
         "actor log-probs, engine path, vocabulary chunks": log_probs("rollserve", "1"),
         "decoder body only, hf path": body("hf"),
         "decoder body only, engine path": body("rollserve"),
+        # Once more, last: on an H200 the engine lanes here took 1.65x HF's while the profile's
+        # scoring batch (and the maker's actor phase) said ~1x; a drift (the engine's warm-up
+        # compile workers, the clocks) shows as this row differing from the first.
+        "decoder body only, engine path, again": body("rollserve"),
     }
     for name, fn in lanes.items():
         if budget.left() < args.lane_reserve_s + diagnostic_reserve_s(args):

@@ -37,6 +37,8 @@ def test_bench_gpu_cpu_quick_run_fills_every_lane() -> None:
     for lane in ("in-process", "engine thread", "grpc, same process", "grpc"):
         assert re.search(rf"^\| {lane} \| [\d,]+ \| ", out, re.M), lane
     assert re.search(r"^\| generation alone: engine / HF generate \| [\d.]+ \|", out, re.M)
+    for lane in ("hf path", "engine path", "engine path, again"):  # the scoring section's
+        assert re.search(rf"^\| decoder body only, {lane} \| [\d.]+ \(first", out, re.M), lane
     assert "in-process phases' device memory: n/a (CUDA only)" in out
     # The server process's own account of its warm-up, from its log.
     assert re.search(r"^server log: engine memory after the warm-up .*graph_pool", out, re.M)
