@@ -56,7 +56,8 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -644,6 +645,7 @@ def scoring_calls(model: torch.nn.Module, case: Case) -> Scoring:
     device = model.get_input_embeddings().weight.device
     sequences, mask = scoring_rows(case, model.config.vocab_size, device)
     forward = scoring_forward(model, "rollserve")
+    assert forward is not None
     positions = position_ids_from_mask(mask)
     actions = case.new_tokens
 
@@ -654,7 +656,6 @@ def scoring_calls(model: torch.nn.Module, case: Case) -> Scoring:
     def body() -> object:
         return forward.hidden_states(sequences, mask, positions, case.prompt_len)
 
-    assert forward is not None
     return Scoring(whole, body, *scoring_tflop(model, case), forward)
 
 
@@ -678,23 +679,32 @@ def scoring_timings(scoring: Scoring, timer: Timer, figures: dict[str, float]) -
     body_by_setting(scoring, timer, body_ms)  # off CUDA the settings are ignored: equal
 
 
+@contextmanager
+def prefill_setting(forward: Forward, backends: PrefillBackends) -> Iterator[None]:
+    """`forward` runs its prefill and scoring attention with `backends` (one of
+    PREFILL_ATTENTION's settings) inside, its own setting again after."""
+    configured = forward.prefill_backend
+    forward.prefill_backend = backends
+    try:
+        yield
+    finally:
+        forward.prefill_backend = configured
+
+
 def body_by_setting(scoring: Scoring, timer: Timer, default_ms: float) -> None:
     """The decoder body under each other ROLLSERVE_PREFILL_ATTENTION setting, at this steady
     shape (the warm call builds any per-shape plan): what the default costs or saves once
     shapes repeat (its reason is the new shapes' cost, "New prefill shapes" below)."""
-    forward, configured = scoring.forward, scoring.forward.prefill_backend
     rows = [[f"{DEFAULT_PREFILL_ATTENTION} (the default)", f"{default_ms:.2f}", "1.00x"]]
     for name, backends in PREFILL_ATTENTION.items():
         if name == DEFAULT_PREFILL_ATTENTION:
             continue
-        forward.prefill_backend = backends
         try:
-            ms = timer.median_ms(scoring.body)
+            with prefill_setting(scoring.forward, backends):
+                ms = timer.median_ms(scoring.body)
         except RuntimeError as error:  # a backend that does not take these inputs
             rows.append([name, f"failed: {str(error).splitlines()[0][:80]}", "-"])
             continue
-        finally:
-            forward.prefill_backend = configured
         rows.append([name, f"{ms:.2f}", f"{ms / default_ms:.2f}x"])
     print("Decoder body by ROLLSERVE_PREFILL_ATTENTION (steady shape, medians):\n")
     print_table(["setting", "body ms", "vs the default"], rows)
@@ -721,11 +731,9 @@ def new_shape_costs(model: torch.nn.Module, case: Case, device: torch.device,
     token count (dynamic shapes), so the difference is the attention's."""
     forward = scoring_forward(model, "rollserve")
     assert forward is not None
-    # Each variant is the forward's own setting (ROLLSERVE_PREFILL_ATTENTION's), put back after.
     variants: list[tuple[str, PrefillBackends]] = [("sdpa (its pick)", PREFILL_ATTENTION["sdpa"])]
     if device.type == "cuda":
         variants.append(("efficient (no cuDNN)", PREFILL_ATTENTION["efficient"]))
-    configured = forward.prefill_backend
     counts, rows = iter(NEW_PROMPT_COUNTS), []
     for name, backend in variants:
         extra = []
@@ -739,15 +747,13 @@ def new_shape_costs(model: torch.nn.Module, case: Case, device: torch.device,
             def prefill(ids=ids, valid=valid, positions=positions) -> object:
                 return forward.prefill(ids, valid, positions, None)
 
-            forward.prefill_backend = backend
             try:
-                first, again = (1e3 * timed(prefill, device.type) for _ in range(2))
+                with prefill_setting(forward, backend):
+                    first, again = (1e3 * timed(prefill, device.type) for _ in range(2))
             except RuntimeError as error:  # a backend that does not take these inputs
                 rows.append([name, str(prompts), f"failed: {str(error).splitlines()[0][:80]}",
                              "-", "-"])  # fmt: skip
                 continue
-            finally:
-                forward.prefill_backend = configured
             extra.append(first - again)
             rows.append([name, str(prompts), f"{first:.2f}", f"{again:.2f}",
                          f"{first - again:.2f}"])  # fmt: skip
