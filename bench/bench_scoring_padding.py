@@ -146,8 +146,9 @@ def peak_of(args: argparse.Namespace) -> None:
     from rollserve.server.generation import model as generation_model
     from rollserve.server.generation import scoring_forward
 
-    if args.peak_of == "whole":
+    if args.peak_of == "whole":  # one call of one chunk a layer
         generation_model.MLP_CHUNK_TOKENS = 1 << 62
+        generation_model.MLP_CALL_CHUNKS = 1
     model = build_model(args)
     ids, mask, actions = padded_request(args)
     ids, mask = ids[: args.forward_batch], mask[: args.forward_batch]
@@ -177,7 +178,7 @@ def _status_bytes(field: str) -> int:
 
 
 def memory_lanes(args: argparse.Namespace, argv: list[str]) -> None:
-    from rollserve.server.generation.model import MLP_CHUNK_TOKENS
+    from rollserve.server.generation.model import MLP_CALL_CHUNKS, MLP_CHUNK_TOKENS
 
     peaks = {}
     for lane in ("whole", "chunked"):
@@ -189,7 +190,8 @@ def memory_lanes(args: argparse.Namespace, argv: list[str]) -> None:
     tokens = args.forward_batch * (args.prompt_len[1] + args.response_len[1])
     print(
         f"hidden_states of one forward batch ({tokens} tokens): peak RSS above start, MLP at once "
-        f"{peaks['whole']:.0f} MiB, in chunks of {MLP_CHUNK_TOKENS} tokens "
+        f"{peaks['whole']:.0f} MiB, in chunks of {MLP_CHUNK_TOKENS} tokens or fewer "
+        f"({MLP_CALL_CHUNKS} a call) "
         f"{peaks['chunked']:.0f} MiB; ratio chunked/whole = {peaks['chunked'] / peaks['whole']:.2f}"
     )
 

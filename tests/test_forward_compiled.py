@@ -54,6 +54,18 @@ def _rows(rows: int, prompt: int, response: int, g: torch.Generator) -> tuple[to
     return ids, mask, position_ids_from_mask(mask)
 
 
+def _count_calls(forward: Forward, name: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets the token count of every call of `forward`'s function `name`."""
+    function, calls = getattr(forward, name), []
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return function(*args)
+
+    monkeypatch.setattr(forward, name, counted)
+    return calls
+
+
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
 def test_compiled_sequence_forward_equals_eager_and_compiles_once(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -65,6 +77,7 @@ def test_compiled_sequence_forward_equals_eager_and_compiles_once(
     # Compiled as on CUDA: with the projections fused (fused.py), against the plain eager forward.
     eager, compiled = Forward(family, rope), Forward(family, rope, compiled=True, fused=True)
     assert compiled.fused_projections == 2 * len(family.layers)
+    layer_functions = (compiled._token_inputs, compiled._token_mlp)
     torch._dynamo.reset()  # compiled code is cached per function: build it for this model
     counters = torch._dynamo.utils.counters["stats"]
     g = torch.Generator().manual_seed(1)
@@ -86,13 +99,20 @@ def test_compiled_sequence_forward_equals_eager_and_compiles_once(
             f.hidden_states(one, ones, position_ids_from_mask(ones)) for f in (eager, compiled)
         )
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
-        monkeypatch.setattr(generation_model, "MLP_CHUNK_TOKENS", 16)
-        ids, mask, positions = _rows(4, 6, 5, g)  # 44 tokens: chunks of 14, 15 and 15
-        want, got = (f.hidden_states(ids, mask, positions) for f in (eager, compiled))
+        # 44 tokens: one call of the MLP function a layer, in MLP_CALL_CHUNKS (8) slices of 5
+        # and 6 tokens, then two calls a layer (22 tokens each, in slices of 2 and 3), with the
+        # code of the first shape (a compiled call costs the host per call, not per slice).
+        ids, mask, positions = _rows(4, 6, 5, g)
+        want = eager.hidden_states(ids, mask, positions)
         real = mask.bool()
-        assert torch.allclose(got[real], want[real], atol=1e-5, rtol=1e-4)
-    assert compiled._token_inputs.compiled is not None  # no fallback to eager
-    assert compiled._token_mlp.compiled is not None
+        mlp_calls = _count_calls(compiled, "_token_mlp", monkeypatch)
+        for chunk_tokens, calls in ((16, 1), (4, 2)):
+            monkeypatch.setattr(generation_model, "MLP_CHUNK_TOKENS", chunk_tokens)
+            mlp_calls.clear()
+            got = compiled.hidden_states(ids, mask, positions)
+            assert len(mlp_calls) == calls * len(family.layers)
+            assert torch.allclose(got[real], want[real], atol=1e-5, rtol=1e-4)
+    assert all(fn.compiled is not None for fn in layer_functions)  # no fallback to eager
     assert graphs_after_first >= graphs_before + 2  # both functions compiled
     assert counters["unique_graphs"] == graphs_after_first  # the later shapes built nothing
 

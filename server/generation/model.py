@@ -135,6 +135,30 @@ def _we(module: torch.nn.Module | None) -> tuple[torch.Tensor, float] | None:
 # so chunks of tokens give the same numbers; 4096 bounds them at ~120 MB there, and a chunk
 # is still a large matmul.
 MLP_CHUNK_TOKENS = 4096
+# Chunks one call of the MLP function (`mlp_chunks`) runs one after another (Inductor keeps
+# each chunk's wide temporaries apart: allocated and freed per chunk). A call of a compiled
+# function costs the host its guards and its wrapper; with a call per chunk, a scoring forward
+# batch of that model made ~7 calls a layer (~170 a batch) and was host-bound on an H200
+# (kernels ~42 of its 59 ms). On this project's 2-core CPU, a 24-layer tiny model with the
+# same call structure (bench/RESULTS.md, session of 2026-11-27 14:40): a call per chunk 72-78
+# ms a forward (median), 8 chunks a call 51 ms. 8 covers a forward batch of 64 rows x 512
+# columns in one call a layer.
+MLP_CALL_CHUNKS = 8
+
+
+def mlp_chunks(*args: Any) -> torch.Tensor:
+    """mlp_block over (tokens, ...) inputs (mlp_block's arguments) in MLP_CALL_CHUNKS equal
+    slices of tokens, one after another, so that only one slice's temporaries exist at a time.
+    tokens >= 2 * MLP_CALL_CHUNKS: compiled with dynamic shapes, a slice of 0 or 1 token is
+    specialised (a new graph)."""
+    x, attended, *weights = args
+    parts = _equal_parts(x.shape[0], MLP_CALL_CHUNKS)
+    return torch.cat([mlp_block(x[a:b], attended[a:b], *weights) for a, b in parts])
+
+
+def _equal_parts(size: int, parts: int) -> list[tuple[int, int]]:
+    """(start, end) of `parts` slices of 0 .. size whose lengths differ by at most one."""
+    return [(size * i // parts, size * (i + 1) // parts) for i in range(parts)]
 
 
 def _token_row(t: torch.Tensor) -> torch.Tensor:
@@ -142,12 +166,15 @@ def _token_row(t: torch.Tensor) -> torch.Tensor:
     return _two_or_more(t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:]), dim=1)
 
 
-def _two_or_more(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """t with a size-1 `dim` repeated to 2 (the caller keeps the first result): compiled with
-    dynamic shapes, a size of 1 is specialised, and would compile again on the request path."""
-    if t.shape[dim] != 1:
+def _two_or_more(t: torch.Tensor, dim: int, least: int = 2) -> torch.Tensor:
+    """t with a `dim` of fewer than `least` (default 2) entries repeated up to `least` or more
+    (the caller keeps the first results): compiled with dynamic shapes, a size of 1 is
+    specialised, and would compile again on the request path."""
+    size = t.shape[dim]
+    if size >= least:
         return t
-    return t.repeat(*(2 if d == dim else 1 for d in range(t.dim())))
+    times = -(-least // size)
+    return t.repeat(*(times if d == dim else 1 for d in range(t.dim())))
 
 
 class Forward:
@@ -182,7 +209,7 @@ class Forward:
         # warm-up's scoring batch: eager, its RMSNorms, RoPE, SwiGLU and residuals are ~40 %
         # of a scoring forward batch's time on an H100 (bench/RESULTS.md, 16:31 profile).
         self._token_inputs = maybe_compiled(token_inputs, compiled, dynamic=True)
-        self._token_mlp = maybe_compiled(mlp_block, compiled, dynamic=True)
+        self._token_mlp = maybe_compiled(mlp_chunks, compiled, dynamic=True)
         self.decode_attention_variant = DEFAULT_DECODE_ATTENTION
         # The attention decode runs for grouped rows (decode's `shared`): a name of
         # shared_prefix.SHARED_PREFIX_ATTENTION, compiled where the layers are.
@@ -260,21 +287,24 @@ class Forward:
         return heads_first(q), heads_first(k), heads_first(v)
 
     def _sequence_mlp(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """mlp_block over (b, s, ...) inputs as one row of tokens, MLP_CHUNK_TOKENS at a time."""
+        """mlp_block over (b, s, ...) inputs as one row of tokens, MLP_CHUNK_TOKENS at a time:
+        calls of `mlp_chunks` over MLP_CALL_CHUNKS * MLP_CHUNK_TOKENS tokens or fewer (one call
+        a layer for a forward batch of up to 32,768 tokens: 64 rows of 512 columns)."""
         b, s, hidden = x.shape
         tokens = b * s
-        # (tokens, features) matrices: a chunk is then a slice of rows, with the strides of a
-        # whole matrix (a chunk of a (1, tokens, ...) row has another outer stride: a recompile).
-        flat_x, flat_attended = x.reshape(tokens, hidden), attended.reshape(tokens, -1)
-        if tokens <= MLP_CHUNK_TOKENS:
-            out = self._layer_mlp(layer, _two_or_more(flat_x, 0), _two_or_more(flat_attended, 0),
-                                  self._token_mlp)  # fmt: skip
+        # (tokens, features) matrices: a call's input is then a slice of rows, with the strides
+        # of a whole matrix (a slice of a (1, tokens, ...) row has another outer stride: a
+        # recompile).
+        flat = flat_x, flat_attended = x.reshape(tokens, hidden), attended.reshape(tokens, -1)
+        calls = -(-tokens // (MLP_CALL_CHUNKS * MLP_CHUNK_TOKENS))
+        if calls == 1:
+            x_in, attended_in = (_two_or_more(t, 0, 2 * MLP_CALL_CHUNKS) for t in flat)
+            out = self._layer_mlp(layer, x_in, attended_in, self._token_mlp)
             return out[:tokens].view(b, s, hidden)
         out = torch.empty_like(flat_x)
-        # Equal chunks (sizes differ by at most one), so none is a single token.
-        chunks = -(-tokens // MLP_CHUNK_TOKENS)
-        bounds = [tokens * i // chunks for i in range(chunks + 1)]
-        for start, end in zip(bounds, bounds[1:], strict=False):
+        # Equal parts of more than 2 * MLP_CALL_CHUNKS tokens each (calls > 1: each is over
+        # MLP_CALL_CHUNKS * MLP_CHUNK_TOKENS / 2).
+        for start, end in _equal_parts(tokens, calls):
             out[start:end] = self._layer_mlp(
                 layer, flat_x[start:end], flat_attended[start:end], self._token_mlp
             )
