@@ -78,6 +78,7 @@ from rollserve.server.experience.scoring import (  # noqa: E402
     position_ids_from_mask,
 )
 from rollserve.server.generation import Engine, engine_for, scoring_forward  # noqa: E402
+from rollserve.server.generation import model as generation_model  # noqa: E402
 from rollserve.server.generation.attention import (  # noqa: E402
     DEFAULT_PREFILL_ATTENTION,
     PREFILL_ATTENTION,
@@ -706,8 +707,25 @@ def body_by_setting(scoring: Scoring, timer: Timer, default_ms: float) -> None:
             rows.append([name, f"failed: {str(error).splitlines()[0][:80]}", "-"])
             continue
         rows.append([name, f"{ms:.2f}", f"{ms / default_ms:.2f}x"])
+    # The call structure before 5d3ce2b: a compiled MLP call per MLP_CHUNK_TOKENS tokens (its
+    # first run here compiles, in the timer's warm call): what one call a layer saves the host.
+    with mlp_call_chunks(1):
+        ms = timer.median_ms(scoring.body)
+    rows.append(["efficient, a call per MLP chunk", f"{ms:.2f}", f"{ms / default_ms:.2f}x"])
     print("Decoder body by ROLLSERVE_PREFILL_ATTENTION (steady shape, medians):\n")
     print_table(["setting", "body ms", "vs the default"], rows)
+
+
+@contextmanager
+def mlp_call_chunks(chunks: int) -> Iterator[None]:
+    """The engine's full-sequence forward runs `chunks` MLP chunks per compiled call inside
+    (model.MLP_CALL_CHUNKS), its own number again after."""
+    configured = generation_model.MLP_CALL_CHUNKS
+    generation_model.MLP_CALL_CHUNKS = chunks
+    try:
+        yield
+    finally:
+        generation_model.MLP_CALL_CHUNKS = configured
 
 
 def scoring_kernels(scoring: Scoring, device: torch.device, top: int) -> None:

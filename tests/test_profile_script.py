@@ -44,6 +44,8 @@ def test_cpu_quick_run_prints_every_section_and_its_tables() -> None:
     # The body under every ROLLSERVE_PREFILL_ATTENTION setting (equal off CUDA: ignored there).
     assert re.search(r"^\| efficient \(the default\) \| [\d.]+ \| 1\.00x \|$", out, re.M)
     assert re.search(r"^\| sdpa \| [\d.]+ \| [\d.]+x \|$", out, re.M)
+    # ... and with a compiled MLP call per chunk (the call structure before one call a layer).
+    assert re.search(r"^\| efficient, a call per MLP chunk \| [\d.]+ \| [\d.]+x \|$", out, re.M)
     # The whole step with the shared-prefix attention against the plain one, per width.
     assert re.search(r"^\| 192 \| [\d.]+ \| [\d.]+ \([\d.]+x\) \|$", out, re.M)
     # The shared-prefix variant timed on the request's grouped cache, and agreeing with sdpa.
