@@ -46,6 +46,10 @@ def test_cpu_quick_run_prints_every_section_and_its_tables() -> None:
     assert re.search(r"^\| sdpa \| [\d.]+ \| [\d.]+x \|$", out, re.M)
     # ... and with a compiled MLP call per chunk (the call structure before one call a layer).
     assert re.search(r"^\| efficient, a call per MLP chunk \| [\d.]+ \| [\d.]+x \|$", out, re.M)
+    # ... and with every row's prompt its own (no prompt run once for its group).
+    assert re.search(
+        r"^\| efficient, each row's prompt its own \| [\d.]+ \| [\d.]+x \|$", out, re.M
+    )
     # The whole step with the shared-prefix attention against the plain one, per width.
     assert re.search(r"^\| 192 \| [\d.]+ \| [\d.]+ \([\d.]+x\) \|$", out, re.M)
     # The shared-prefix variant timed on the request's grouped cache, and agreeing with sdpa.
