@@ -22,13 +22,14 @@ def test_smoke_run_prints_both_lanes_and_their_compiled_calls() -> None:
         )
     }
     # Per layer, 64 x 6 tokens in MLP chunks of 64: the default one q/k/v call and one MLP
-    # call (two of each with shared prompts: the prompts', the rest's); a call per chunk: one
-    # q/k/v call and 6 MLP calls (the prompts' 1 + 1, the rest's 1 + 4).
+    # call, with or without shared prompts (the prompts' tokens run once, with the rest's in
+    # one row of tokens: 8 x 2 + 64 x 4); a call per chunk: one q/k/v call and an MLP call
+    # per chunk (6 of 384 tokens, 5 of 272).
     assert calls == {
         ("default", "each row's own"): 4,
-        ("default", "run once a group"): 8,
+        ("default", "run once a group"): 4,
         ("a call per chunk", "each row's own"): 14,
-        ("a call per chunk", "run once a group"): 14,
+        ("a call per chunk", "run once a group"): 12,
     }, out
     assert re.search(r"^default / a call per chunk \(own prompts\): [\d.]+$", out, re.M), out
     assert re.search(r"^default / a call per chunk \(shared prompts\): [\d.]+$", out, re.M), out

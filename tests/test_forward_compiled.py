@@ -106,6 +106,11 @@ def test_compiled_sequence_forward_equals_eager_and_compiles_once(
         want = eager.hidden_states(ids, mask, positions)
         real = mask.bool()
         mlp_calls = _count_calls(compiled, "_token_mlp", monkeypatch)
+        input_calls = _count_calls(compiled, "_token_inputs", monkeypatch)
+        # Shared prompts: the prompts' tokens and the rest's in one row, a call each a layer.
+        got = compiled.hidden_states(ids, mask, positions, 6)
+        assert len(input_calls) == len(mlp_calls) == len(family.layers)
+        assert torch.allclose(got[real], want[real], atol=1e-5, rtol=1e-4)
         for chunk_tokens, calls in ((16, 1), (4, 2)):
             monkeypatch.setattr(generation_model, "MLP_CHUNK_TOKENS", chunk_tokens)
             mlp_calls.clear()

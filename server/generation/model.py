@@ -162,8 +162,8 @@ def _equal_parts(size: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _token_row(t: torch.Tensor) -> torch.Tensor:
-    """t (b, s, ...) as one row of its b * s tokens (1, b * s, ...), a single token twice."""
-    return _two_or_more(t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:]), dim=1)
+    """A (1, tokens, ...) row of tokens, a single token twice (see _two_or_more)."""
+    return _two_or_more(t, dim=1)
 
 
 def _two_or_more(t: torch.Tensor, dim: int, least: int = 2) -> torch.Tensor:
@@ -273,42 +273,57 @@ class Forward:
     def _sequence_inputs(
         self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """token_inputs over (b, s) tokens as one row of b * s (every step of it is per
-        token): q (b, H, s, D), k and v (b, Hkv, s, D), heads-first views of the token-major
-        (1, b * s, heads, D)."""
+        """token_inputs over (b, s) tokens: q (b, H, s, D), k and v (b, Hkv, s, D),
+        heads-first views of the token-major outputs of `_row_inputs`."""
         b, s, hidden = x.shape
-        q, k, v = self._layer_inputs(
-            layer, _token_row(x), _token_row(cos), _token_row(sin), self._token_inputs
+        q, k, v = self._row_inputs(
+            layer, x.reshape(b * s, hidden), cos.reshape(b * s, -1), sin.reshape(b * s, -1)
         )
 
         def heads_first(t: torch.Tensor) -> torch.Tensor:
-            return t[:, : b * s].view(b, s, *t.shape[2:]).transpose(1, 2)
+            return t.view(b, s, *t.shape[1:]).transpose(1, 2)
 
         return heads_first(q), heads_first(k), heads_first(v)
 
+    def _row_inputs(
+        self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """token_inputs over (tokens, hidden) as one row of tokens (every step of it is per
+        token, so the compiled code varies in one size): q (tokens, H, D), k and v
+        (tokens, Hkv, D), token-major."""
+        tokens = x.shape[0]
+        q, k, v = self._layer_inputs(
+            layer, _token_row(x[None]), _token_row(cos[None]), _token_row(sin[None]),
+            self._token_inputs,
+        )  # fmt: skip
+        return q[0, :tokens], k[0, :tokens], v[0, :tokens]
+
     def _sequence_mlp(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """mlp_block over (b, s, ...) inputs as one row of tokens, MLP_CHUNK_TOKENS at a time:
-        calls of `mlp_chunks` over MLP_CALL_CHUNKS * MLP_CHUNK_TOKENS tokens or fewer (one call
-        a layer for a forward batch of up to 32,768 tokens: 64 rows of 512 columns)."""
+        """mlp_block over (b, s, ...) inputs: `_row_mlp` of their tokens."""
         b, s, hidden = x.shape
-        tokens = b * s
-        # (tokens, features) matrices: a call's input is then a slice of rows, with the strides
-        # of a whole matrix (a slice of a (1, tokens, ...) row has another outer stride: a
-        # recompile).
-        flat = flat_x, flat_attended = x.reshape(tokens, hidden), attended.reshape(tokens, -1)
+        out = self._row_mlp(layer, x.reshape(b * s, hidden), attended.reshape(b * s, -1))
+        return out.view(b, s, hidden)
+
+    def _row_mlp(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """mlp_block over (tokens, hidden) x and (tokens, H * D) attended, MLP_CHUNK_TOKENS at a
+        time: calls of `mlp_chunks` over MLP_CALL_CHUNKS * MLP_CHUNK_TOKENS tokens or fewer
+        (one call a layer for a forward batch of up to 32,768 tokens: 64 rows of 512 columns).
+        (tokens, features) matrices: a call's input is then a slice of rows, with the strides
+        of a whole matrix (a slice of a (1, tokens, ...) row has another outer stride: a
+        recompile)."""
+        tokens = x.shape[0]
         calls = -(-tokens // (MLP_CALL_CHUNKS * MLP_CHUNK_TOKENS))
         if calls == 1:
-            x_in, attended_in = (_two_or_more(t, 0, 2 * MLP_CALL_CHUNKS) for t in flat)
-            out = self._layer_mlp(layer, x_in, attended_in, self._token_mlp)
-            return out[:tokens].view(b, s, hidden)
-        out = torch.empty_like(flat_x)
+            x_in, attended_in = (_two_or_more(t, 0, 2 * MLP_CALL_CHUNKS) for t in (x, attended))
+            return self._layer_mlp(layer, x_in, attended_in, self._token_mlp)[:tokens]
+        out = torch.empty_like(x)
         # Equal parts of more than 2 * MLP_CALL_CHUNKS tokens each (calls > 1: each is over
         # MLP_CALL_CHUNKS * MLP_CHUNK_TOKENS / 2).
         for start, end in _equal_parts(tokens, calls):
             out[start:end] = self._layer_mlp(
-                layer, flat_x[start:end], flat_attended[start:end], self._token_mlp
+                layer, x[start:end], attended[start:end], self._token_mlp
             )
-        return out.view(b, s, hidden)
+        return out
 
     def prefill(
         self,
@@ -369,35 +384,61 @@ class Forward:
         self, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, width: int
     ) -> torch.Tensor | None:
         """hidden_states with each distinct prompt (the first `width` columns) run once; None
-        when every row's prompt is its own (nothing to share)."""
+        when every row's prompt is its own (nothing to share).
+
+        The distinct prompts' tokens and every row's other tokens are one row of tokens for
+        the per-token work of a layer (norms, projections, RoPE, MLP: one compiled call each,
+        as the plain forward makes; a compiled call is host time, and a scoring batch is
+        host-bound on an H200); only the attention runs apart: the prompts' against
+        themselves, the other columns against their group's prompt and themselves."""
         f = self.family
-        rows = ids.shape[0]
+        rows, columns = ids.shape
         prompts = torch.where(valid[:, :width], ids[:, :width], -1)
         distinct, of_row = torch.unique(prompts, dim=0, return_inverse=True)
-        if distinct.shape[0] == rows:
+        groups = distinct.shape[0]
+        if groups == rows:
             return None
-        first = torch.full((distinct.shape[0],), rows, dtype=torch.long, device=ids.device)
+        first = torch.full((groups,), rows, dtype=torch.long, device=ids.device)
         first.scatter_reduce_(0, of_row, torch.arange(rows, device=ids.device), "amin")
-        prompt_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        head = self.prefill(
-            ids[first, :width], valid[first, :width], positions[first, :width],
-            lambda _, k, v: prompt_kv.append((k, v)),
-        )  # fmt: skip
-        x = F.embedding(ids[:, width:], f.embed.weight)  # (b, s - P, hidden)
-        cos, sin = self.rope.at(positions[:, width:])
+        rest = columns - width
+        head_tokens = groups * width  # the prompts' tokens come first in the row
+
+        def row_of(t: torch.Tensor) -> torch.Tensor:  # (rows, columns) -> the row's (tokens,)
+            return torch.cat([t[first, :width].reshape(-1), t[:, width:].reshape(-1)])
+
+        x = F.embedding(row_of(ids), f.embed.weight)  # (tokens, hidden)
+        cos, sin = self.rope.at(row_of(positions))
         windows = {layer.window for layer in f.layers}
+        head_valid = valid[first, :width]
+        head_masks = {w: additive_mask(prefill_mask(head_valid, w), x.dtype) for w in windows}
         masks = {
             w: additive_mask(prefill_mask(valid, w, first_query=width), x.dtype) for w in windows
         }
+
+        def parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """Token-major (tokens, heads, D) -> the prompts' (groups, heads, width, D) and
+            the rest's (rows, heads, columns - width, D), heads-first views."""
+            head = t[:head_tokens].view(groups, width, *t.shape[1:])
+            tail = t[head_tokens:].view(rows, rest, *t.shape[1:])
+            return head.transpose(1, 2), tail.transpose(1, 2)
+
         with prefill_backends(self.prefill_backend, x.device):
-            for (k_prompt, v_prompt), layer in zip(prompt_kv, f.layers, strict=True):
-                q, k, v = self._sequence_inputs(layer, x, cos, sin)
-                k = torch.cat([k_prompt[of_row], k], dim=2)  # (b, Hkv, s, D)
-                v = torch.cat([v_prompt[of_row], v], dim=2)
+            for layer in f.layers:
+                inputs = self._row_inputs(layer, x, cos, sin)
+                (q_head, q), (k_head, k), (v_head, v) = (parts(t) for t in inputs)
+                out_head = prefill_attention(q_head, k_head, v_head, head_masks[layer.window],
+                                             f.scaling)  # fmt: skip
+                k = torch.cat([k_head[of_row], k], dim=2)  # (rows, Hkv, columns, D)
+                v = torch.cat([v_head[of_row], v], dim=2)
                 out = prefill_attention(q, k, v, masks[layer.window], f.scaling)
-                x = self._sequence_mlp(layer, x, out.transpose(1, 2).reshape(*x.shape[:2], -1))
-        tail = rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
-        return torch.cat([head[of_row], tail], dim=1)
+                attended = x.new_empty(x.shape[0], out.shape[1] * out.shape[3])
+                attended_head, attended_rest = parts(attended.view(-1, *out.shape[1::2]))
+                attended_head.copy_(out_head)
+                attended_rest.copy_(out)
+                x = self._row_mlp(layer, x, attended)
+        x = rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
+        head = x[:head_tokens].view(groups, width, -1)
+        return torch.cat([head[of_row], x[head_tokens:].view(rows, rest, -1)], dim=1)
 
     def decode(
         self,
