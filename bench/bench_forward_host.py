@@ -10,7 +10,7 @@ MLP_CHUNK_TOKENS 64.
 
 Lanes, interleaved in one process (the first reps dropped), medians: the default (the MLP in
 MLP_CALL_CHUNKS chunks a compiled call) and the baseline of a compiled MLP call per chunk
-(MLP_CALL_CHUNKS = 1: the call structure before 2026-11-27), each with every row's prompt its
+(MLP_CALL_CHUNKS = 1: the MLP's call structure before 2026-11-27), each with every row's prompt its
 own and with each prompt run once for its group (scoring's shared prompts). Prints ms per
 forward, the compiled calls a forward makes, and default / baseline (none set: below 1.0 is
 what one call a layer buys the host; the GPU's own figure is profile_gpu.py's body table).

@@ -716,8 +716,8 @@ def body_by_setting(scoring: Scoring, timer: Timer, default_ms: float) -> None:
     with mlp_call_chunks(1):
         ms = timer.median_ms(scoring.body)
     rows.append(["efficient, a call per MLP chunk", f"{ms:.2f}", f"{ms / default_ms:.2f}x"])
-    # A group's prompt run once saves a third of the matmuls here but doubles the compiled
-    # calls a layer (the prompts', the rest's): which wins on a host-bound batch.
+    # A group's prompt run once saves ~30 % of the matmuls here, for a gather and two K/V
+    # concatenations a layer: what that buys on this device.
     ms = timer.median_ms(scoring.body_unshared)
     rows.append(["efficient, each row's prompt its own", f"{ms:.2f}", f"{ms / default_ms:.2f}x"])
     print("Decoder body by ROLLSERVE_PREFILL_ATTENTION (steady shape, medians):\n")
