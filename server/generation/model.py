@@ -209,7 +209,13 @@ class Forward:
         # warm-up's scoring batch: eager, its RMSNorms, RoPE, SwiGLU and residuals are ~40 %
         # of a scoring forward batch's time on an H100 (bench/RESULTS.md, 16:31 profile).
         self._token_inputs = maybe_compiled(token_inputs, compiled, dynamic=True)
-        self._token_mlp = maybe_compiled(mlp_chunks, compiled, dynamic=True)
+        # Compiled, the MLP runs MLP_CALL_CHUNKS token chunks a call (a call is host time);
+        # eager, a call per chunk: eager ops cost the same however they are grouped, and more
+        # chunks than the memory bound needs are only more of them (a small CPU forward took
+        # twice as long in 8 chunks).
+        self._token_mlp = (
+            maybe_compiled(mlp_chunks, compiled, dynamic=True) if compiled else mlp_block
+        )
         self.decode_attention_variant = DEFAULT_DECODE_ATTENTION
         # The attention decode runs for grouped rows (decode's `shared`): a name of
         # shared_prefix.SHARED_PREFIX_ATTENTION, compiled where the layers are.
@@ -306,19 +312,20 @@ class Forward:
 
     def _row_mlp(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """mlp_block over (tokens, hidden) x and (tokens, H * D) attended, MLP_CHUNK_TOKENS at a
-        time: calls of `mlp_chunks` over MLP_CALL_CHUNKS * MLP_CHUNK_TOKENS tokens or fewer
-        (one call a layer for a forward batch of up to 32,768 tokens: 64 rows of 512 columns).
-        (tokens, features) matrices: a call's input is then a slice of rows, with the strides
-        of a whole matrix (a slice of a (1, tokens, ...) row has another outer stride: a
-        recompile)."""
+        time. Compiled: calls of `mlp_chunks` over MLP_CALL_CHUNKS * MLP_CHUNK_TOKENS tokens or
+        fewer (one call a layer for a forward batch of up to 32,768 tokens: 64 rows of 512
+        columns); eager: a call per chunk. (tokens, features) matrices: a call's input is then
+        a slice of rows, with the strides of a whole matrix (a slice of a (1, tokens, ...) row
+        has another outer stride: a recompile)."""
         tokens = x.shape[0]
-        calls = -(-tokens // (MLP_CALL_CHUNKS * MLP_CHUNK_TOKENS))
+        per_call = MLP_CALL_CHUNKS if self._compiled else 1  # chunks a call of _token_mlp runs
+        calls = -(-tokens // (per_call * MLP_CHUNK_TOKENS))
         if calls == 1:
-            x_in, attended_in = (_two_or_more(t, 0, 2 * MLP_CALL_CHUNKS) for t in (x, attended))
+            x_in, attended_in = (_two_or_more(t, 0, 2 * per_call) for t in (x, attended))
             return self._layer_mlp(layer, x_in, attended_in, self._token_mlp)[:tokens]
         out = torch.empty_like(x)
-        # Equal parts of more than 2 * MLP_CALL_CHUNKS tokens each (calls > 1: each is over
-        # MLP_CALL_CHUNKS * MLP_CHUNK_TOKENS / 2).
+        # Equal parts of more than 2 * per_call tokens each (calls > 1: each is over
+        # per_call * MLP_CHUNK_TOKENS / 2).
         for start, end in _equal_parts(tokens, calls):
             out[start:end] = self._layer_mlp(
                 layer, x[start:end], attended[start:end], self._token_mlp
