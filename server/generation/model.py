@@ -162,11 +162,11 @@ def _equal_parts(size: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _token_row(t: torch.Tensor) -> torch.Tensor:
-    """A (1, tokens, ...) row of tokens, a single token twice (see _two_or_more)."""
-    return _two_or_more(t, dim=1)
+    """A (1, tokens, ...) row of tokens, a single token twice (see _at_least)."""
+    return _at_least(t, dim=1)
 
 
-def _two_or_more(t: torch.Tensor, dim: int, least: int = 2) -> torch.Tensor:
+def _at_least(t: torch.Tensor, dim: int, least: int = 2) -> torch.Tensor:
     """t with a `dim` of fewer than `least` (default 2) entries repeated up to `least` or more
     (the caller keeps the first results): compiled with dynamic shapes, a size of 1 is
     specialised, and would compile again on the request path."""
@@ -321,7 +321,7 @@ class Forward:
         per_call = MLP_CALL_CHUNKS if self._compiled else 1  # chunks a call of _token_mlp runs
         calls = -(-tokens // (per_call * MLP_CHUNK_TOKENS))
         if calls == 1:
-            x_in, attended_in = (_two_or_more(t, 0, 2 * per_call) for t in (x, attended))
+            x_in, attended_in = (_at_least(t, 0, 2 * per_call) for t in (x, attended))
             return self._layer_mlp(layer, x_in, attended_in, self._token_mlp)[:tokens]
         out = torch.empty_like(x)
         # Equal parts of more than 2 * per_call tokens each (calls > 1: each is over
