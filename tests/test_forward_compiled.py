@@ -149,3 +149,48 @@ def test_compiled_decode_steps_generate_what_eager_ones_do(tmp_path: Path) -> No
     assert compiled.response_mask.all()
     assert torch.equal(compiled.response, eager.response)
     torch.testing.assert_close(compiled.log_probs, eager.log_probs, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_compiled_mlp_call_holds_one_chunks_products_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One compiled MLP call runs MLP_CALL_CHUNKS token chunks (model.mlp_chunks): the bound on
+    a forward's MLP temporaries holds only if the compiler keeps each chunk's wide products
+    (gate/up, SwiGLU: 3 x intermediate a token) apart, freed before the next chunk's. The
+    allocator's peak of a compiled forward with its MLP in 8 chunks against in one."""
+    import transformers as tf
+
+    config = tf.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=4096, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    model = model.to("cuda").eval()
+    family = read_family(model)
+    assert family is not None
+    rope = RopeTable(family.rotary, family.max_positions, torch.bfloat16)
+    forward = Forward(family, rope, compiled=True, fused=True)
+    rows, columns = 8, 512  # 4096 tokens, one MLP call
+    ids = torch.randint(1, VOCAB, (rows, columns), device="cuda")
+    mask = torch.ones_like(ids)
+    positions = position_ids_from_mask(mask)
+    monkeypatch.setattr(generation_model, "MLP_CHUNK_TOKENS", 1 << 20)
+    peaks = {}
+    with torch.inference_mode():
+        for chunks in (1, 8):
+            monkeypatch.setattr(generation_model, "MLP_CALL_CHUNKS", chunks)
+            forward.hidden_states(ids, mask, positions)  # compiles for this chunk count
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            forward.hidden_states(ids, mask, positions)
+            torch.cuda.synchronize()
+            peaks[chunks] = torch.cuda.max_memory_allocated() - start
+    assert forward._token_mlp.compiled is not None  # compiled, not the eager fallback
+    wide = rows * columns * 3 * config.intermediate_size * 2  # bytes of the products at once
+    # In 8 chunks an eighth of them is live at a time: at least half of them saved.
+    assert peaks[8] < peaks[1] - wide / 2, (peaks, wide)
