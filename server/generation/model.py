@@ -161,11 +161,6 @@ def _equal_parts(size: int, parts: int) -> list[tuple[int, int]]:
     return [(size * i // parts, size * (i + 1) // parts) for i in range(parts)]
 
 
-def _token_row(t: torch.Tensor) -> torch.Tensor:
-    """A (1, tokens, ...) row of tokens, a single token twice (see _at_least)."""
-    return _at_least(t, dim=1)
-
-
 def _at_least(t: torch.Tensor, dim: int, least: int = 2) -> torch.Tensor:
     """t with a `dim` of fewer than `least` (default 2) entries repeated up to `least` or more
     (the caller keeps the first results): compiled with dynamic shapes, a size of 1 is
@@ -299,9 +294,8 @@ class Forward:
         (tokens, Hkv, D), token-major."""
         tokens = x.shape[0]
         q, k, v = self._layer_inputs(
-            layer, _token_row(x[None]), _token_row(cos[None]), _token_row(sin[None]),
-            self._token_inputs,
-        )  # fmt: skip
+            layer, *(_at_least(t[None], dim=1) for t in (x, cos, sin)), self._token_inputs
+        )
         return q[0, :tokens], k[0, :tokens], v[0, :tokens]
 
     def _sequence_mlp(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -332,6 +326,14 @@ class Forward:
             )
         return out
 
+    def _prefill_masks(
+        self, valid: torch.Tensor, dtype: torch.dtype, first_query: int = 0
+    ) -> dict[int | None, torch.Tensor]:
+        """Each layer window's additive prefill mask (prefill_mask) of `valid`, made once per
+        forward."""
+        windows = {layer.window for layer in self.family.layers}
+        return {w: additive_mask(prefill_mask(valid, w, first_query), dtype) for w in windows}
+
     def prefill(
         self,
         ids: torch.Tensor,
@@ -347,10 +349,7 @@ class Forward:
         f = self.family
         x = F.embedding(ids, f.embed.weight)
         cos, sin = self.rope.at(positions)  # (b, s, D)
-        masks = {
-            w: additive_mask(prefill_mask(valid, w), x.dtype)
-            for w in {layer.window for layer in f.layers}
-        }
+        masks = self._prefill_masks(valid, x.dtype)
         with prefill_backends(self.prefill_backend, x.device):
             for index, layer in enumerate(f.layers):
                 q, k, v = self._sequence_inputs(layer, x, cos, sin)
@@ -415,12 +414,8 @@ class Forward:
 
         x = F.embedding(row_of(ids), f.embed.weight)  # (tokens, hidden)
         cos, sin = self.rope.at(row_of(positions))
-        windows = {layer.window for layer in f.layers}
-        head_valid = valid[first, :width]
-        head_masks = {w: additive_mask(prefill_mask(head_valid, w), x.dtype) for w in windows}
-        masks = {
-            w: additive_mask(prefill_mask(valid, w, first_query=width), x.dtype) for w in windows
-        }
+        head_masks = self._prefill_masks(valid[first, :width], x.dtype)
+        masks = self._prefill_masks(valid, x.dtype, first_query=width)
 
         def parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """Token-major (tokens, heads, D) -> the prompts' (groups, heads, width, D) and
