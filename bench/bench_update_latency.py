@@ -11,8 +11,12 @@ trip (the floor of any RPC on this machine). Each lane runs two ways:
 * new head: the updates alternate between two orders of the tensors, so each head differs from
   the one before and is parsed and planned again (the cost before heads were remembered).
 
-    python bench/bench_update_latency.py                  # a CPU server: grpc and shm (~1 min)
+    python bench/bench_update_latency.py                  # a CPU server: grpc, shm, dist (~1 min)
     python bench/bench_update_latency.py --device cuda    # + cuda_ipc, per tensor and flat
+
+A second table sets the calls that carry only the header and the file's head (dist; cuda_ipc
+on CUDA) as one unary UpdateWeightsAtOnce against the same messages on a stream, interleaved
+update by update.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent / "tests"))
 from helpers_server import start_server_process  # noqa: E402
 from rollserve.client import RolloutClient  # noqa: E402
+from rollserve.client.weights.distributed import WeightsGroup  # noqa: E402
 from rollserve.client.weights.flat_weights import flatten_weights  # noqa: E402
 
 WAIT_S = 120.0
@@ -61,31 +66,71 @@ class Lane:
     """Updates of one transport: (client wall seconds, server seconds) per update."""
 
     def __init__(
-        self, client: RolloutClient, transport: str, version: int, pack: bool = False
+        self,
+        client: RolloutClient,
+        transport: str,
+        version: int,
+        pack: bool = False,
+        group: WeightsGroup | None = None,
     ) -> None:
         self.client = client
         self.transport = transport
         self.version = version
         self.pack = pack  # cuda_ipc: copied into one buffer of the client first
+        self.group = group  # dist: the group whose broadcast carries the data
 
-    def run(self, states: list[dict[str, torch.Tensor]], updates: int) -> tuple[float, float]:
+    def run(
+        self, states: list[dict[str, torch.Tensor]], updates: int, warm_up: bool = True
+    ) -> tuple[float, float]:
         """Median client and server ms over `updates` updates cycling through `states`, after
-        one warm-up update of each state."""
+        one warm-up update of each state (unless not `warm_up`)."""
         walls, servers = [], []
-        for index in range(len(states) + updates):
+        skipped = len(states) if warm_up else 0
+        for index in range(skipped + updates):
             self.version += 1
             state = states[index % len(states)]
             started = time.perf_counter()
-            result = self.client.update_weights(
-                state, version=self.version, transport=self.transport, streams=None, pack=self.pack
-            )
+            if self.group is not None:
+                result = self.client.update_weights(state, version=self.version, group=self.group)
+            else:
+                result = self.client.update_weights(
+                    state,
+                    version=self.version,
+                    transport=self.transport,
+                    streams=None,
+                    pack=self.pack,
+                )
             wall = time.perf_counter() - started
             if result.transport != self.transport:
                 raise RuntimeError(f"asked for {self.transport}, got {result.transport}")
-            if index >= len(states):
+            if index >= skipped:
                 walls.append(wall)
                 servers.append(result.server_seconds)
         return median_ms(walls), median_ms(servers)
+
+
+def at_once_against_stream(lane: Lane, state: dict[str, torch.Tensor], updates: int) -> str:
+    """The lane's updates alternating between one UpdateWeightsAtOnce call and a stream of the
+    same messages (ServerCalls.use_at_once), `updates` of each after one warm-up of each: a
+    table row of median client ms (server ms) for both and their ratio."""
+    calls = lane.client.weights_calls
+    walls: dict[bool, list[float]] = {True: [], False: []}
+    servers: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for index in range(2 * (updates + 1)):
+            at_once = index % 2 == 0
+            calls.use_at_once = at_once
+            wall, server = lane.run([state], 1, warm_up=False)
+            if index >= 2:
+                walls[at_once].append(wall)
+                servers[at_once].append(server)
+    finally:
+        calls.use_at_once = True
+    one, stream = statistics.median(walls[True]), statistics.median(walls[False])
+    return (
+        f"{one:.2f} ({statistics.median(servers[True]):.2f}) | "
+        f"{stream:.2f} ({statistics.median(servers[False]):.2f}) | {one / stream:.2f}"
+    )
 
 
 def last_phases(log: str) -> str:
@@ -161,6 +206,20 @@ def main(argv: list[str]) -> int:
                     if args.phases:
                         print(f"  same head, last update: {same_phases}")
                         print(f"  new head, last update: {last_phases(proc.log_text())}")
+                # The calls that carry only the header and the head (dist, cuda_ipc): one
+                # unary UpdateWeightsAtOnce against a stream of the same messages, interleaved.
+                print("\n| lane | tensors | at once ms (server) | stream ms (server) | "
+                      "at once / stream |\n| --- | --- | --- | --- | --- |")  # fmt: skip
+                with WeightsGroup([client], timeout_s=WAIT_S) as group:
+                    lane = Lane(client, "dist", version, group=group)
+                    row = at_once_against_stream(lane, state, args.updates)
+                    version = lane.version
+                print(f"| dist | CPU tensors (gloo) | {row} |", flush=True)
+                if args.device == "cuda":
+                    lane = Lane(client, "cuda_ipc", version)
+                    row = at_once_against_stream(lane, flat(on_cuda(state)), args.updates)
+                    version = lane.version
+                    print(f"| cuda_ipc | CUDA, flat | {row} |", flush=True)
         finally:
             proc.terminate()
             proc.wait(30)

@@ -19,7 +19,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers_server import ServerProcess, free_port, start_server_process
 from prometheus_client.parser import text_string_to_metric_families
+from rollserve.client import RolloutClient
 from rollserve.client.protocol.codec import decode_tensor
+from rollserve.client.weights.distributed import WeightsGroup
 from rollserve.v1 import rollout_pb2 as pb
 from rollserve.v1 import rollout_pb2_grpc
 
@@ -172,6 +174,33 @@ def test_weight_update_metrics_and_policy_version(server, stub) -> None:
 
     assert delta("rollserve_rpc_received_bytes_total") == sum(m.ByteSize() for m in messages)
     assert delta("rollserve_rpc_sent_bytes_total") == response.ByteSize() > 0
+
+
+def test_a_group_update_sends_its_header_and_head_as_one_unary_call(server) -> None:
+    """A WeightsGroup update's call carries only the header and the file's head: the client
+    sends it as one UpdateWeightsAtOnce (after one empty probe, answered INVALID_ARGUMENT), and
+    never opens an UpdateWeights stream for it."""
+    _, target, metrics_port = server
+    before = scrape(metrics_port)
+    version = int(value(before, "rollserve_policy_version", role="actor")) + 1
+    norm = {"model.norm.weight": torch.full((64,), 0.25 + version)}
+    with RolloutClient(target, timeout_s=WAIT_S) as client:
+        with WeightsGroup([client], timeout_s=WAIT_S) as group:
+            for step in range(2):
+                result = client.update_weights(
+                    norm, version=version + step, mode="partial", group=group
+                )
+                assert (result.transport, result.version) == ("dist", version + step)
+    after = scrape(metrics_port)
+
+    def calls(method: str, code: str) -> float:
+        labels = {"service": "rollserve.v1.Rollout", "method": method, "code": code}
+        name = "rollserve_rpc_handled_total"
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert calls("UpdateWeightsAtOnce", "OK") == 2
+    assert calls("UpdateWeightsAtOnce", "INVALID_ARGUMENT") == 1  # the probe, once per client
+    assert calls("UpdateWeights", "OK") == 0
 
 
 def test_request_ids_are_echoed_and_logged(server, stub) -> None:

@@ -301,12 +301,17 @@ def test_data_plane_calls_need_a_valid_token(
     assert code == expected
 
 
-def test_update_weights_needs_the_admin_token(secure_channel: grpc.Channel) -> None:
+@pytest.mark.parametrize("rpc", ["UpdateWeights", "UpdateWeightsAtOnce"])
+def test_update_weights_needs_the_admin_token(secure_channel: grpc.Channel, rpc: str) -> None:
     stub = rollout_pb2_grpc.RolloutStub(secure_channel)
     version = stub.Health(pb.HealthRequest(), metadata=bearer(DATA_TOKEN)).policy_version + 1
 
     def update(metadata) -> grpc.StatusCode:
-        return call_code(stub.UpdateWeights, iter(weight_update(version)), metadata=metadata)
+        messages = weight_update(version)
+        if rpc == "UpdateWeightsAtOnce":
+            request = pb.UpdateWeightsAtOnceRequest(messages=messages)
+            return call_code(stub.UpdateWeightsAtOnce, request, metadata=metadata)
+        return call_code(stub.UpdateWeights, iter(messages), metadata=metadata)
 
     assert update(bearer(None)) == grpc.StatusCode.UNAUTHENTICATED
     assert update(bearer("wrong-token")) == grpc.StatusCode.UNAUTHENTICATED
@@ -451,6 +456,7 @@ def test_roles_of_methods() -> None:
     assert required_role(MAKE) is Role.DATA
     assert required_role("/rollserve.v1.Rollout/Health") is Role.DATA
     assert required_role(UPDATE) is Role.ADMIN
+    assert required_role("/rollserve.v1.Rollout/UpdateWeightsAtOnce") is Role.ADMIN
     assert required_role("/grpc.health.v1.Health/Check") is Role.OPEN
     assert required_role("/grpc.health.v1.Health/Watch") is Role.OPEN
     reflection = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import fcntl
-import itertools
 import mmap
 import os
 import threading
@@ -472,15 +471,13 @@ def test_flattened_weights_are_broadcast_in_plain_slices_over_every_lane(
     trainer that did not sends the ranges that follow the tensors. Both land bit for bit."""
     actor = models.actor.module
     sent_headers: list[pb.WeightsHeader] = []
-    start_update = client.weights_calls.start_update
+    start_small = client.weights_calls.start_small
 
     def recording(messages, timeout_s, request_id):  # type: ignore[no-untyped-def]
-        messages = iter(messages)
-        first = next(messages)
-        sent_headers.append(pb.UpdateWeightsRequest.FromString(first).header)
-        return start_update(itertools.chain([first], messages), timeout_s, request_id)
+        sent_headers.append(pb.UpdateWeightsRequest.FromString(messages[0]).header)
+        return start_small(messages, timeout_s, request_id)
 
-    monkeypatch.setattr(client.weights_calls, "start_update", recording)
+    monkeypatch.setattr(client.weights_calls, "start_small", recording)
     trainer = copy.deepcopy(actor).requires_grad_(True)
     with WeightsGroup([client], timeout_s=WAIT_S, bucket_bytes=64 * KIB, lanes=4) as group:
         assert group.lanes == 4

@@ -25,7 +25,7 @@ both give identical values.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -34,18 +34,23 @@ from ...v1 import rollout_pb2 as pb
 
 __all__ = [
     "CRC32_IMPLEMENTATION",
+    "UPDATE_WEIGHTS_AT_ONCE_METHOD",
     "UPDATE_WEIGHTS_METHOD",
     "MalformedRequest",
     "WireChunk",
     "crc32",
     "crc32_of_pieces",
+    "encode_at_once",
     "encode_chunk",
     "encode_varint",
+    "parse_update_at_once",
     "parse_update_request",
+    "update_weights_at_once_callable",
     "update_weights_callable",
 ]
 
 UPDATE_WEIGHTS_METHOD = "/rollserve.v1.Rollout/UpdateWeights"
+UPDATE_WEIGHTS_AT_ONCE_METHOD = "/rollserve.v1.Rollout/UpdateWeightsAtOnce"
 
 crc32: Callable[..., int]  # crc32(data, value=0) -> int, zlib's signature and values
 try:
@@ -62,6 +67,7 @@ _VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
 _REQUEST_HEADER = 1 << 3 | _LEN  # UpdateWeightsRequest.header
 _REQUEST_CHUNK = 2 << 3 | _LEN  # UpdateWeightsRequest.chunk
 _REQUEST_SHM_WRITTEN = 3 << 3 | _LEN  # UpdateWeightsRequest.shm_written
+_AT_ONCE_MESSAGE = 1 << 3 | _LEN  # UpdateWeightsAtOnceRequest.messages (repeated)
 _CHUNK_OFFSET = 1 << 3 | _VARINT  # WeightsChunk.offset (uint64)
 _CHUNK_DATA = 2 << 3 | _LEN  # WeightsChunk.data (bytes)
 _CHUNK_CRC32 = 3 << 3 | _FIXED32  # WeightsChunk.crc32 (optional fixed32)
@@ -132,6 +138,17 @@ def encode_chunk(
     return b"".join([prefix, *pieces, tail])  # the one copy of the payload
 
 
+def encode_at_once(messages: Iterable[bytes]) -> bytes:
+    """UpdateWeightsAtOnceRequest{messages: [...]} of already encoded UpdateWeightsRequests,
+    byte for byte what SerializeToString writes."""
+    out = bytearray()
+    for message in messages:
+        out.append(_AT_ONCE_MESSAGE)
+        out += encode_varint(len(message))
+        out += message
+    return bytes(out)
+
+
 def update_weights_callable(
     channel: grpc.Channel | grpc.aio.Channel,
 ) -> grpc.StreamUnaryMultiCallable | grpc.aio.StreamUnaryMultiCallable:
@@ -144,6 +161,15 @@ def update_weights_callable(
     # into its own buffer; grpcio 1.85 accepts only bytes there, not memoryviews).
     return channel.stream_unary(
         UPDATE_WEIGHTS_METHOD,
+        request_serializer=None,
+        response_deserializer=pb.UpdateWeightsResponse.FromString,
+    )
+
+
+def update_weights_at_once_callable(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
+    """Rollout.UpdateWeightsAtOnce on a sync `channel`, taking `encode_at_once` bytes."""
+    return channel.unary_unary(
+        UPDATE_WEIGHTS_AT_ONCE_METHOD,
         request_serializer=None,
         response_deserializer=pb.UpdateWeightsResponse.FromString,
     )
@@ -232,3 +258,33 @@ def parse_update_request(message: bytes) -> pb.UpdateWeightsRequest | WireChunk 
         return MalformedRequest(str(error))
     except Exception as error:  # protobuf's DecodeError on a malformed header
         return MalformedRequest(f"the {field} does not parse: {error}")
+
+
+def parse_update_at_once(
+    message: bytes,
+) -> list[pb.UpdateWeightsRequest | WireChunk | MalformedRequest]:
+    """A received UpdateWeightsAtOnceRequest: its messages, each parsed as
+    `parse_update_request` parses a stream's (an empty list for none). A request that is not
+    a list of messages gives one MalformedRequest, which fails the update as a stream's would.
+
+    Use as the request_deserializer of UpdateWeightsAtOnce on the server. Never raises.
+    """
+    view = memoryview(message)
+    end = len(view)
+    parsed: list[pb.UpdateWeightsRequest | WireChunk | MalformedRequest] = []
+    pos = 0
+    try:
+        while pos < end:
+            tag, pos = _read_varint(view, pos, end)
+            if tag != _AT_ONCE_MESSAGE:
+                raise _Malformed(
+                    f"UpdateWeightsAtOnceRequest field {tag >> 3} (wire type {tag & 7}) is "
+                    "unknown to this server"
+                )
+            length, pos = _read_length(view, pos, end)
+            # A copy of each message: the call carries a header and a head of a few KB.
+            parsed.append(parse_update_request(bytes(view[pos : pos + length])))
+            pos += length
+    except _Malformed as error:
+        return [MalformedRequest(str(error))]
+    return parsed

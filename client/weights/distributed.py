@@ -7,7 +7,7 @@
 
 The trainer is rank 0 and hosts the rendezvous (a TCPStore on master_address:master_port; port 0
 picks a free one); every server joins through InitWeightsGroup (the admin token is needed). An
-update sends each server the header and the file's head over its UpdateWeights stream, then all
+update sends each server the header and the file's head (one UpdateWeightsAtOnce call), then all
 ranks vote (an all-reduce MAX: a server that refuses, e.g. a stale version, votes 1 and nobody
 broadcasts), then rank 0 broadcasts the data section in ranges of at most bucket_bytes, taking
 the group's `lanes` (process groups over the one rendezvous, each its own connections) in turn
@@ -304,8 +304,8 @@ class WeightsGroup:
         header.distributed.bucket_bytes = plan.bucket_bytes
         header.distributed.contiguous = plan.run is not None
         return [
-            client.weights_calls.start_update(
-                update.messages(header, 0, plan.head_bytes), timeout_s, request_id
+            client.weights_calls.start_small(
+                list(update.messages(header, 0, plan.head_bytes)), timeout_s, request_id
             )
             for client in self.clients
         ]

@@ -10,7 +10,8 @@ settings, see AsyncRolloutClient._open_upload_channel).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +20,17 @@ import grpc
 from ...v1 import rollout_pb2 as pb
 from ...v1 import rollout_pb2_grpc
 from ..protocol.errors import typed_errors
-from ..protocol.wire import update_weights_callable
+from ..protocol.wire import (
+    encode_at_once,
+    update_weights_at_once_callable,
+    update_weights_callable,
+)
 
-__all__ = ["CallOptions", "ServerCalls"]
+__all__ = ["AT_ONCE_MAX_BYTES", "CallOptions", "ServerCalls"]
+
+# The most bytes of messages sent as one UpdateWeightsAtOnce (a head of ~30,000 tensors); more go
+# as a stream, whose chunks the server stages as they come.
+AT_ONCE_MAX_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -40,13 +49,67 @@ class ServerCalls:
     """The weights-side RPCs of one server on `channel` (a sync channel).
 
     `update_weights` is UpdateWeights as a raw-bytes callable (protocol/wire.py): the messages
-    are the hand-encoded bytes of update_file.py.
+    are the hand-encoded bytes of update_file.py. `send_small` and `start_small` send the few
+    messages of an update whose data travel outside the call (cuda_ipc, dist) as one
+    UpdateWeightsAtOnce where the server has it: a unary call costs the host about half of a
+    stream's (bench/RESULTS.md, 2026-11-27).
     """
 
     def __init__(self, channel: grpc.Channel, options_for: OptionsFor) -> None:
         self.update_weights: Any = update_weights_callable(channel)
+        self._update_at_once: Any = update_weights_at_once_callable(channel)
         self._stub = rollout_pb2_grpc.RolloutStub(channel)
         self.options_for = options_for
+        # False: every update as a stream (bench_update_latency.py's baseline).
+        self.use_at_once = True
+        # Whether the server has UpdateWeightsAtOnce: None until a probe got a clear answer.
+        self._has_at_once: bool | None = None
+        self._probe_lock = threading.Lock()
+
+    def send_small(
+        self, messages: Sequence[bytes], options: CallOptions
+    ) -> pb.UpdateWeightsResponse:
+        """UpdateWeights with these messages, as one UpdateWeightsAtOnce where it can be."""
+        if self._at_once(messages, options):
+            return self._update_at_once(
+                encode_at_once(messages), timeout=options.timeout_s, metadata=options.metadata
+            )
+        return self.update_weights(
+            iter(messages), timeout=options.timeout_s, metadata=options.metadata
+        )
+
+    def start_small(
+        self, messages: Sequence[bytes], timeout_s: float | None, request_id: str | None
+    ) -> grpc.Future:
+        """`send_small` as a grpc.Future of its reply."""
+        options = self.options_for(timeout_s, request_id)
+        if self._at_once(messages, options):
+            return self._update_at_once.future(
+                encode_at_once(messages), timeout=options.timeout_s, metadata=options.metadata
+            )
+        return self.update_weights.future(
+            iter(messages), timeout=options.timeout_s, metadata=options.metadata
+        )
+
+    def _at_once(self, messages: Sequence[bytes], options: CallOptions) -> bool:
+        """Whether these messages go as one UpdateWeightsAtOnce: few enough bytes, and a server
+        that has the method (asked once with an empty request: INVALID_ARGUMENT from one that
+        has it, UNIMPLEMENTED from an older one; any other answer is asked again next time,
+        and this update goes as a stream, which reports whatever is wrong)."""
+        if not self.use_at_once or sum(len(message) for message in messages) > AT_ONCE_MAX_BYTES:
+            return False
+        with self._probe_lock:
+            if self._has_at_once is None:
+                probe = self.options_for(options.timeout_s, None)  # not the update's request id
+                try:
+                    self._update_at_once(b"", timeout=probe.timeout_s, metadata=probe.metadata)
+                except grpc.RpcError as error:
+                    code = error.code()  # type: ignore[attr-defined]
+                    if code == grpc.StatusCode.INVALID_ARGUMENT:
+                        self._has_at_once = True
+                    elif code == grpc.StatusCode.UNIMPLEMENTED:
+                        self._has_at_once = False
+            return bool(self._has_at_once)
 
     def health(self, timeout_s: float, *, wait_for_ready: bool = False) -> pb.HealthResponse:
         """Health, as gRPC raises it (Uploads asks it whether the server shares this host; a
@@ -58,15 +121,6 @@ class ServerCalls:
             timeout=options.timeout_s,
             metadata=options.metadata,
             wait_for_ready=wait_for_ready,
-        )
-
-    def start_update(
-        self, messages: Iterable[bytes], timeout_s: float | None, request_id: str | None
-    ) -> grpc.Future:
-        """UpdateWeights with these messages, as a grpc.Future of its reply."""
-        options = self.options_for(timeout_s, request_id)
-        return self.update_weights.future(
-            messages, timeout=options.timeout_s, metadata=options.metadata
         )
 
     def init_weights_group(

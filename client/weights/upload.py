@@ -83,6 +83,7 @@ class Uploads:
     def __init__(
         self, calls: ServerCalls, open_stream: Callable[[], tuple[StartCall, grpc.Channel]]
     ) -> None:
+        self._server = calls
         self._calls: list[StartCall] = [calls.update_weights]
         self._extra_channels: list[grpc.Channel] = []
         self._open_stream = open_stream
@@ -264,10 +265,9 @@ class Uploads:
         head_bytes = len(update.layout()[0])
         if progress is not None:
             progress(0, update.total_bytes)
-        # The head as chunks; the data section stays where it is. `export` holds the memory
-        # until the call has ended, whatever its outcome.
-        messages = update.messages(header, 0, head_bytes)
-        reply = self._calls[0](messages, timeout=options.timeout_s, metadata=options.metadata)
+        # The head as chunks, in one unary call where the server has it; the data section stays
+        # where it is. `export` holds the memory until the call has ended, whatever its outcome.
+        reply = self._server.send_small(list(update.messages(header, 0, head_bytes)), options)
         export.keep_alive.clear()
         if progress is not None:
             progress(update.total_bytes, update.total_bytes)

@@ -2,7 +2,8 @@
 
 Like the generated `rollout_pb2_grpc.add_RolloutServicer_to_server`, for every method of the
 rollserve.v1.Rollout service in the descriptor, except that UpdateWeights requests are parsed
-by `protocol.wire.parse_update_request`: a chunk's data stays a view into the bytes gRPC
+by `protocol.wire.parse_update_request` (UpdateWeightsAtOnce's by `parse_update_at_once`, a list
+of them): a chunk's data stays a view into the bytes gRPC
 received instead of being copied into a protobuf message and copied out again on `.data`.
 The stream consumer (server/weights/staging.py) takes both forms.
 """
@@ -16,7 +17,7 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor
 
-from ...client.protocol.wire import parse_update_request
+from ...client.protocol.wire import parse_update_at_once, parse_update_request
 from ...v1 import rollout_pb2 as pb
 
 __all__ = ["ROLLOUT_SERVICE", "add_rollout_servicer", "rollout_method_handlers"]
@@ -26,6 +27,7 @@ ROLLOUT_SERVICE = _SERVICE.full_name  # "rollserve.v1.Rollout"
 # Methods whose requests skip protobuf: name -> request_deserializer.
 _WIRE_DESERIALIZERS: Mapping[str, Callable[[bytes], Any]] = {
     "UpdateWeights": parse_update_request,
+    "UpdateWeightsAtOnce": parse_update_at_once,
 }
 
 

@@ -50,6 +50,7 @@ OPEN_SERVICES = frozenset(
 _ADMIN_METHODS = frozenset(
     {
         "/rollserve.v1.Rollout/UpdateWeights",
+        "/rollserve.v1.Rollout/UpdateWeightsAtOnce",
         # They make the server connect to an address the caller names and take weights from it.
         "/rollserve.v1.Rollout/InitWeightsGroup",
         "/rollserve.v1.Rollout/DestroyWeightsGroup",

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import grpc
 
-from ...client.protocol.errors import FailedPrecondition, Unavailable
+from ...client.protocol.errors import FailedPrecondition, InvalidArgument, Unavailable
 from ...client.protocol.roles import WIRE_ROLES as _ROLE
 from ...client.protocol.shared_memory import shm_host_id
 from ...v1 import rollout_pb2 as pb
@@ -27,6 +27,7 @@ from ..generation import GenerationSettings, built_engine, engine_path
 from ..state import Phase, ServerState
 from ..weights import WeightUpdates
 from ..weights.planes import offered_transports
+from ..weights.staging import Request
 from .idle_deadline import IdleDeadline
 from .metrics import ServerMetrics
 from .status import handles_errors
@@ -88,6 +89,21 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         idle_s = self._state.config.update_idle_timeout_s
         with IdleDeadline(context, idle_s, "UpdateWeights") as deadline:
             response = self._loaded(self._updates).update(deadline.wrap(request_iterator))
+        self._metrics.observe_weight_update(response)
+        return response
+
+    @handles_errors
+    def UpdateWeightsAtOnce(
+        self, request: list[Request], context: grpc.ServicerContext
+    ) -> pb.UpdateWeightsResponse:
+        # `request`: the stream's messages, parsed (handlers.py). Nothing to wait for, so no
+        # idle deadline; an empty one is how a client asks whether this method exists.
+        if not request:
+            raise InvalidArgument(
+                "an UpdateWeightsAtOnceRequest with no message (what a client sends to learn "
+                "whether this server has the method)"
+            )
+        response = self._loaded(self._updates).update(iter(request))
         self._metrics.observe_weight_update(response)
         return response
 

@@ -450,6 +450,12 @@ class UpdateWeightsRequest(_message.Message):
     shm_written: SharedMemoryWritten
     def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., chunk: _Optional[_Union[WeightsChunk, _Mapping]] = ..., shm_written: _Optional[_Union[SharedMemoryWritten, _Mapping]] = ...) -> None: ...
 
+class UpdateWeightsAtOnceRequest(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[UpdateWeightsRequest]
+    def __init__(self, messages: _Optional[_Iterable[_Union[UpdateWeightsRequest, _Mapping]]] = ...) -> None: ...
+
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("target", "version", "tensors", "bytes", "seconds", "transport")
     TARGET_FIELD_NUMBER: _ClassVar[int]

@@ -46,6 +46,11 @@ class RolloutStub:
                 request_serializer=rollserve_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=rollserve_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeightsAtOnce = channel.unary_unary(
+                '/rollserve.v1.Rollout/UpdateWeightsAtOnce',
+                request_serializer=rollserve_dot_v1_dot_rollout__pb2.UpdateWeightsAtOnceRequest.SerializeToString,
+                response_deserializer=rollserve_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/rollserve.v1.Rollout/Health',
                 request_serializer=rollserve_dot_v1_dot_rollout__pb2.HealthRequest.SerializeToString,
@@ -89,6 +94,19 @@ class RolloutServicer:
         safetensors file in order as chunks. The new weights serve only after every byte arrived
         and verified; any failure (bad name, shape, dtype, checksum, a cut stream, a deadline)
         leaves the old weights serving bit for bit. Never retried automatically.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsAtOnce(self, request, context):
+        """UpdateWeights as one unary call: the request holds the messages the stream would carry,
+        in order. For updates whose data section travels outside the call (cuda_ipc, dist), the
+        stream carries only the header and the file's head, and one message costs the host about
+        half of a client stream's round trip (bench/RESULTS.md): what a colocated update of a few
+        milliseconds is made of. Same checks, reply and errors as UpdateWeights; a request with
+        no message is INVALID_ARGUMENT and touches nothing (clients send one to learn whether a
+        server has this method: an older one answers UNIMPLEMENTED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -155,6 +173,11 @@ def add_RolloutServicer_to_server(servicer, server):
             'UpdateWeights': grpc.stream_unary_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=rollserve_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=rollserve_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'UpdateWeightsAtOnce': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsAtOnce,
+                    request_deserializer=rollserve_dot_v1_dot_rollout__pb2.UpdateWeightsAtOnceRequest.FromString,
                     response_serializer=rollserve_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
@@ -233,6 +256,33 @@ class Rollout:
             target,
             '/rollserve.v1.Rollout/UpdateWeights',
             rollserve_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
+            rollserve_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsAtOnce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rollserve.v1.Rollout/UpdateWeightsAtOnce',
+            rollserve_dot_v1_dot_rollout__pb2.UpdateWeightsAtOnceRequest.SerializeToString,
             rollserve_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
