@@ -191,7 +191,9 @@ class BaseClient:
         self._upload_channel = self._open_upload_channel()
         # Sync calls on the upload channel (for both clients): Health for the transport choice,
         # the weights-group RPCs, and UpdateWeights on one or more connections (upload.py).
-        self._weights_calls = ServerCalls(self._upload_channel, self._call_options)
+        self._weights_calls = ServerCalls(
+            self._upload_channel, self._call_options, max_message_bytes=max_message_bytes
+        )
         self._uploads = Uploads(self._weights_calls, self._open_upload_stream)
 
     @property

@@ -28,7 +28,6 @@ from rollserve.client.protocol.wire import (
     parse_update_request,
     update_weights_at_once_callable,
 )
-from rollserve.client.weights import server_calls
 from rollserve.client.weights.server_calls import AT_ONCE_MAX_BYTES, CallOptions, ServerCalls
 from rollserve.client.weights.update_file import MIN_CHUNK_BYTES, update_weights_messages
 from rollserve.server.config import ServerConfig
@@ -209,7 +208,7 @@ class OlderServer(rollout_pb2_grpc.RolloutServicer):
 
 
 @pytest.fixture
-def older_server() -> Iterator[tuple[OlderServer, ServerCalls]]:
+def older_server() -> Iterator[tuple[OlderServer, grpc.Channel]]:
     torch.manual_seed(1)
     servicer = OlderServer(torch.nn.Sequential(torch.nn.Linear(30, 40), torch.nn.LayerNorm(40)))
     server = grpc.server(futures.ThreadPoolExecutor(2))
@@ -217,7 +216,7 @@ def older_server() -> Iterator[tuple[OlderServer, ServerCalls]]:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield servicer, ServerCalls(channel, lambda timeout_s, request_id: OPTIONS)
+        yield servicer, channel
     server.stop(None)
 
 
@@ -226,7 +225,8 @@ def shifted(model: torch.nn.Module, version: int) -> dict[str, torch.Tensor]:
 
 
 def test_an_older_server_gets_streams_after_one_probe(older_server) -> None:
-    servicer, calls = older_server
+    servicer, channel = older_server
+    calls = ServerCalls(channel, lambda timeout_s, request_id: OPTIONS)
     for version in (1, 2):
         weights = shifted(servicer.model, version)
         messages = list(update_weights_messages(weights, version=version, mode="full"))
@@ -239,12 +239,12 @@ def test_an_older_server_gets_streams_after_one_probe(older_server) -> None:
     assert (servicer.at_once_calls, servicer.streams) == (1, 2)
 
 
-def test_messages_over_the_bound_go_as_a_stream_unasked(
-    older_server, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    servicer, calls = older_server
+def test_messages_over_the_channels_limit_go_as_a_stream_unasked(older_server) -> None:
+    servicer, channel = older_server
     messages = list(update_weights_messages(shifted(servicer.model, 1), version=1, mode="full"))
-    monkeypatch.setattr(server_calls, "AT_ONCE_MAX_BYTES", sum(map(len, messages)) - 1)
+    # A client whose channel sends smaller messages than one request of these would be.
+    limit = sum(map(len, messages)) + 8
+    calls = ServerCalls(channel, lambda timeout_s, request_id: OPTIONS, max_message_bytes=limit)
     assert calls.send_small(messages, OPTIONS).version == 1
     assert (servicer.at_once_calls, servicer.streams) == (0, 1)
 

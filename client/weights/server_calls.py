@@ -31,6 +31,8 @@ __all__ = ["AT_ONCE_MAX_BYTES", "CallOptions", "ServerCalls"]
 # The most bytes of messages sent as one UpdateWeightsAtOnce (a head of ~30,000 tensors); more go
 # as a stream, whose chunks the server stages as they come.
 AT_ONCE_MAX_BYTES = 4 << 20
+# What gRPC's message limit counts beyond the request's bytes (none today; a margin).
+_AT_ONCE_FRAMING = 64
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,19 @@ class ServerCalls:
     stream's (bench/RESULTS.md, 2026-11-27).
     """
 
-    def __init__(self, channel: grpc.Channel, options_for: OptionsFor) -> None:
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        options_for: OptionsFor,
+        *,
+        max_message_bytes: int = AT_ONCE_MAX_BYTES,
+    ) -> None:
+        # max_message_bytes: the channel's send limit; an at-once request stays under it.
         self.update_weights: Any = update_weights_callable(channel)
         self._update_at_once: Any = update_weights_at_once_callable(channel)
         self._stub = rollout_pb2_grpc.RolloutStub(channel)
         self.options_for = options_for
+        self._at_once_max_bytes = min(AT_ONCE_MAX_BYTES, max_message_bytes - _AT_ONCE_FRAMING)
         # False: every update as a stream (bench_update_latency.py's baseline).
         self.use_at_once = True
         # Whether the server has UpdateWeightsAtOnce: None until a probe got a clear answer.
@@ -96,7 +106,9 @@ class ServerCalls:
         that has the method (asked once with an empty request: INVALID_ARGUMENT from one that
         has it, UNIMPLEMENTED from an older one; any other answer is asked again next time,
         and this update goes as a stream, which reports whatever is wrong)."""
-        if not self.use_at_once or sum(len(message) for message in messages) > AT_ONCE_MAX_BYTES:
+        # Each message framed: a tag and a length of at most 5 bytes (messages under 4 GiB).
+        framed = sum(len(message) + 6 for message in messages)
+        if not self.use_at_once or framed > self._at_once_max_bytes:
             return False
         with self._probe_lock:
             if self._has_at_once is None:
