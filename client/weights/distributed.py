@@ -316,18 +316,30 @@ class WeightsGroup:
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MAX
         work = self._process_groups[0].allreduce([flag], options)
+        # Woken by the vote's end or by any call's end (no polling: a vote of a small update
+        # is a fraction of a millisecond).
+        woken, wake_s = threading.Event(), _REPLY_POLL_S
+        try:
+            work.get_future().add_done_callback(lambda _: woken.set())
+        except (RuntimeError, NotImplementedError):  # a backend without futures: look often
+            wake_s = 0.001
+        for call in calls:
+            call.add_done_callback(lambda _: woken.set())
         deadline = time.monotonic() + self._timeout_s
         while not work.is_completed():
+            woken.clear()
             # A server that refuses votes first and then fails its call, so a failed call may
             # race its own vote: give the vote a moment. One that failed before it could vote
             # (an unknown group, say) never votes: then the group is out of step.
             if any(call.done() and call.exception() is not None for call in calls):
                 deadline = min(deadline, time.monotonic() + _VOTE_GRACE_S)
-            if time.monotonic() > deadline:
+            left_s = deadline - time.monotonic()
+            if left_s < 0:
                 failed = [c.exception() for c in calls if c.done() and c.exception() is not None]
                 reason = f"a server failed before voting: {failed[0]}" if failed else "no vote"
                 raise RuntimeError(f"{reason} (waited {self._timeout_s:g} s at most)")
-            time.sleep(0.001)
+            if not work.is_completed():
+                woken.wait(min(left_s, wake_s))
         work.wait()
         return int(flag.item()) == _READY
 
