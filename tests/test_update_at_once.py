@@ -61,7 +61,7 @@ def test_the_encoding_is_protobufs_in_both_directions(chunks: list[tuple[int, by
         messages=[pb.UpdateWeightsRequest.FromString(m) for m in messages]
     )
     assert encoded == as_protobuf.SerializeToString()
-    parsed = parse_update_at_once(as_protobuf.SerializeToString())
+    parsed = list(parse_update_at_once(as_protobuf.SerializeToString()))
     assert parsed[0] == HEADER
     assert [(c.offset, bytes(c.data)) for c in parsed[1:]] == chunks
     assert all(type(c) is WireChunk for c in parsed[1:])
@@ -69,7 +69,9 @@ def test_the_encoding_is_protobufs_in_both_directions(chunks: list[tuple[int, by
 
 def test_an_empty_request_is_no_message() -> None:
     assert encode_at_once([]) == b""
-    assert parse_update_at_once(b"") == []
+    assert not parse_update_at_once(b"") and list(parse_update_at_once(b"")) == []
+    one_empty_message = parse_update_at_once(b"\x0a\x00")
+    assert one_empty_message and isinstance(list(one_empty_message)[0], MalformedRequest)
 
 
 @pytest.mark.parametrize(
@@ -84,16 +86,22 @@ def test_an_empty_request_is_no_message() -> None:
 def test_a_request_that_is_no_list_of_messages_is_one_malformed_request(
     message: bytes, reason: str
 ) -> None:
-    parsed = parse_update_at_once(message)
+    parsed = list(parse_update_at_once(message))
     assert len(parsed) == 1 and isinstance(parsed[0], MalformedRequest)
     assert reason in parsed[0].reason
 
 
-def test_each_message_is_parsed_as_a_streams_would_be() -> None:
+def test_each_message_is_parsed_as_a_streams_would_be_and_as_it_is_read() -> None:
     bad_chunk = b"\x12\x02\x20\x01"  # a WeightsChunk field this server does not know
-    parsed = parse_update_at_once(encode_at_once([HEADER.SerializeToString(), bad_chunk]))
+    parsed = list(parse_update_at_once(encode_at_once([HEADER.SerializeToString(), bad_chunk])))
     assert parsed == [HEADER, parse_update_request(bad_chunk)]
     assert isinstance(parsed[1], MalformedRequest)
+    # Good messages come before the bytes that are none: read one at a time, never all first.
+    good_then_garbage = parse_update_at_once(encode_at_once([HEADER.SerializeToString()]) + b"\xff")
+    messages = iter(good_then_garbage)
+    assert next(messages) == HEADER
+    assert isinstance(next(messages), MalformedRequest)
+    assert next(messages, None) is None
 
 
 @FAST

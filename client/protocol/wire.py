@@ -25,7 +25,7 @@ both give identical values.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -34,6 +34,7 @@ from ...v1 import rollout_pb2 as pb
 
 __all__ = [
     "CRC32_IMPLEMENTATION",
+    "AtOnceMessages",
     "UPDATE_WEIGHTS_AT_ONCE_METHOD",
     "UPDATE_WEIGHTS_METHOD",
     "MalformedRequest",
@@ -226,7 +227,9 @@ def _parse_chunk(view: memoryview, pos: int, end: int) -> WireChunk:
     return WireChunk(offset or 0, data if data is not None else view[0:0], crc32_value)
 
 
-def parse_update_request(message: bytes) -> pb.UpdateWeightsRequest | WireChunk | MalformedRequest:
+def parse_update_request(
+    message: bytes | memoryview,
+) -> pb.UpdateWeightsRequest | WireChunk | MalformedRequest:
     """One received UpdateWeightsRequest: a header or shm_written (protobuf), a WireChunk, or why
     it is none of them.
 
@@ -260,31 +263,41 @@ def parse_update_request(message: bytes) -> pb.UpdateWeightsRequest | WireChunk 
         return MalformedRequest(f"the {field} does not parse: {error}")
 
 
-def parse_update_at_once(
-    message: bytes,
-) -> list[pb.UpdateWeightsRequest | WireChunk | MalformedRequest]:
-    """A received UpdateWeightsAtOnceRequest: its messages, each parsed as
-    `parse_update_request` parses a stream's (an empty list for none). A request that is not
-    a list of messages gives one MalformedRequest, which fails the update as a stream's would.
+def parse_update_at_once(message: bytes) -> AtOnceMessages:
+    """A received UpdateWeightsAtOnceRequest, to be parsed as it is read (AtOnceMessages).
 
     Use as the request_deserializer of UpdateWeightsAtOnce on the server. Never raises.
     """
-    view = memoryview(message)
-    end = len(view)
-    parsed: list[pb.UpdateWeightsRequest | WireChunk | MalformedRequest] = []
-    pos = 0
-    try:
-        while pos < end:
-            tag, pos = _read_varint(view, pos, end)
-            if tag != _AT_ONCE_MESSAGE:
-                raise _Malformed(
-                    f"UpdateWeightsAtOnceRequest field {tag >> 3} (wire type {tag & 7}) is "
-                    "unknown to this server"
-                )
-            length, pos = _read_length(view, pos, end)
-            # A copy of each message: the call carries a header and a head of a few KB.
-            parsed.append(parse_update_request(bytes(view[pos : pos + length])))
-            pos += length
-    except _Malformed as error:
-        return [MalformedRequest(str(error))]
-    return parsed
+    return AtOnceMessages(message)
+
+
+@dataclass(frozen=True, slots=True)
+class AtOnceMessages:
+    """The messages of an UpdateWeightsAtOnceRequest, each parsed as `parse_update_request`
+    parses a stream's, one at a time as the update reads them: a request that is many tiny
+    messages costs no more than a stream of them (no list of them all, and an update that
+    fails stops the parse). Bytes that are no list of messages end it with a MalformedRequest,
+    which fails the update as on a stream. Falsy for a request with no message."""
+
+    data: bytes
+
+    def __bool__(self) -> bool:
+        return len(self.data) > 0
+
+    def __iter__(self) -> Iterator[pb.UpdateWeightsRequest | WireChunk | MalformedRequest]:
+        view = memoryview(self.data)
+        end, pos = len(view), 0
+        try:
+            while pos < end:
+                tag, pos = _read_varint(view, pos, end)
+                if tag != _AT_ONCE_MESSAGE:
+                    raise _Malformed(
+                        f"UpdateWeightsAtOnceRequest field {tag >> 3} (wire type {tag & 7}) is "
+                        "unknown to this server"
+                    )
+                length, pos = _read_length(view, pos, end)
+                # A view: a chunk's data stays in the bytes gRPC received, as on a stream.
+                yield parse_update_request(view[pos : pos + length])
+                pos += length
+        except _Malformed as error:
+            yield MalformedRequest(str(error))

@@ -19,6 +19,7 @@ import grpc
 from ...client.protocol.errors import FailedPrecondition, InvalidArgument, Unavailable
 from ...client.protocol.roles import WIRE_ROLES as _ROLE
 from ...client.protocol.shared_memory import shm_host_id
+from ...client.protocol.wire import AtOnceMessages
 from ...v1 import rollout_pb2 as pb
 from ...v1 import rollout_pb2_grpc
 from ..continuous import ContinuousRollout, RolloutStats, serve_subscribe
@@ -27,7 +28,6 @@ from ..generation import GenerationSettings, built_engine, engine_path
 from ..state import Phase, ServerState
 from ..weights import WeightUpdates
 from ..weights.planes import offered_transports
-from ..weights.staging import Request
 from .idle_deadline import IdleDeadline
 from .metrics import ServerMetrics
 from .status import handles_errors
@@ -94,10 +94,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @handles_errors
     def UpdateWeightsAtOnce(
-        self, request: list[Request], context: grpc.ServicerContext
+        self, request: AtOnceMessages, context: grpc.ServicerContext
     ) -> pb.UpdateWeightsResponse:
-        # `request`: the stream's messages, parsed (handlers.py). Nothing to wait for, so no
-        # idle deadline; an empty one is how a client asks whether this method exists.
+        # `request`: the stream's messages, parsed as read (handlers.py). Nothing to wait for,
+        # so no idle deadline; an empty one is how a client asks whether this method exists.
         if not request:
             raise InvalidArgument(
                 "an UpdateWeightsAtOnceRequest with no message (what a client sends to learn "
