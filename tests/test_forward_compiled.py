@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from rollserve.server.experience.scoring import position_ids_from_mask
 from rollserve.server.generation import model as generation_model
 from rollserve.server.generation.families import read_family
@@ -120,6 +122,58 @@ def test_compiled_sequence_forward_equals_eager_and_compiles_once(
     assert all(fn.compiled is not None for fn in layer_functions)  # no fallback to eager
     assert graphs_after_first >= graphs_before + 2  # both functions compiled
     assert counters["unique_graphs"] == graphs_after_first  # the later shapes built nothing
+
+
+@pytest.fixture(scope="module")
+def qwen2_forwards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Forward, Forward]:
+    """A qwen2's eager forward and its compiled one over fused projections (CUDA's default)."""
+    model = _model("qwen2", tmp_path_factory.mktemp("qwen2-layouts"))
+    family = read_family(model)
+    assert family is not None
+    rope = RopeTable(family.rotary, family.max_positions, torch.float32)
+    return Forward(family, rope), Forward(family, rope, compiled=True, fused=True)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    groups=st.lists(
+        st.tuples(st.integers(1, 6), st.lists(st.integers(0, 6), min_size=1, max_size=4)),
+        min_size=1,
+        max_size=4,
+    ),
+    share=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_compiled_forward_equals_eager_for_any_layout(
+    qwen2_forwards: tuple[Forward, Forward],
+    groups: list[tuple[int, list[int]]],
+    share: bool,
+    seed: int,
+) -> None:
+    """Groups of 1 to 4 rows sharing a prompt of 1 to 6 tokens (left-padded to the widest),
+    responses of 0 to 6 tokens (right-padded), pad ids random: the compiled forward with the
+    prompts shared (or not) gives the eager plain forward's hidden states on every real token."""
+    eager, compiled = qwen2_forwards
+    g = torch.Generator().manual_seed(seed)
+    width = max(prompt for prompt, _ in groups)
+    columns = width + max(1, max(max(lengths) for _, lengths in groups))
+    rows = [(prompt, length) for prompt, lengths in groups for length in lengths]
+    ids = torch.randint(0, VOCAB, (len(rows), columns), generator=g)
+    mask = torch.zeros_like(ids)
+    start = 0
+    for prompt, lengths in groups:  # one prompt per group: its rows' prompt columns equal
+        ids[start : start + len(lengths), width - prompt : width] = torch.randint(
+            1, VOCAB, (prompt,), generator=g
+        )
+        start += len(lengths)
+    for row, (prompt, length) in enumerate(rows):
+        mask[row, width - prompt : width + length] = 1
+    positions = position_ids_from_mask(mask)
+    with torch.inference_mode():
+        want = eager.hidden_states(ids, mask, positions)
+        got = compiled.hidden_states(ids, mask, positions, width if share else 0)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-4)
 
 
 def test_compiled_decode_steps_generate_what_eager_ones_do(tmp_path: Path) -> None:
