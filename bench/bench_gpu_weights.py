@@ -43,6 +43,7 @@ many-core node), which the server reports as "grpc-parallel"; the note says whic
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import sys
 import tempfile
@@ -170,6 +171,26 @@ def print_phases(lines: dict[int, str], best_version: int, label: str) -> str:
     return f"{name} {seconds[name]:.3f} s"
 
 
+class ClientLines(logging.Handler):
+    """The client's debug line of each cuda_ipc update (weights/upload.py), by version: where
+    the client's part of the update goes (export and head, the call)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.by_version: dict[int, str] = {}
+        logger = logging.getLogger("rollserve.client.weights.upload")
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("cuda_ipc v"):
+            self.by_version[int(message.split()[1][1:].rstrip(":"))] = message
+
+
+CLIENT_LINES = ClientLines()
+
+
 class Trainer:
     """This process as the trainer of one server: versions rise by one per update."""
 
@@ -233,6 +254,9 @@ class Trainer:
         log = self.log()
         lines = {v: line for v, line in update_phases(log, lane_start).items() if v != warm_up}
         largest = print_phases(lines, self.best_version, transport)
+        if transport == "cuda_ipc":
+            client_line = CLIENT_LINES.by_version.get(self.best_version, "no line")
+            print(f"    {transport} client, best round: {client_line}", flush=True)
         wall_s = total_bytes / (gbps * 1e9) if gbps else 0.0
         print(
             f"    {transport} best round: {wall_s:.4f} s in update_weights = server "

@@ -213,3 +213,16 @@ def test_a_diagnostic_lane_leaves_the_grpc_lane_its_reserve(bench_gpu) -> None:
         assert bench_gpu.diagnostic_reserve_s(args) == 0.0  # nothing to leave it to
     finally:
         budget.cancel()
+
+
+def test_the_weights_bench_collects_the_clients_cuda_ipc_line_by_version() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_gpu_weights
+    finally:
+        sys.path.remove(str(BENCH))
+    from rollserve.client.weights import upload
+
+    upload._LOG.debug(upload.CUDA_IPC_CLIENT_LINE, 17, 0.0012, 1, 1, 0.0034, 0.0021)
+    line = bench_gpu_weights.CLIENT_LINES.by_version[17]
+    assert line.startswith("cuda_ipc v17: export and head 0.0012 s") and "call 0.0034 s" in line

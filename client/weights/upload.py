@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from queue import SimpleQueue
@@ -51,6 +52,11 @@ from .update_file import UpdateFile, prepare_update
 __all__ = ["Uploads", "default_streams"]
 
 _LOG = logging.getLogger(__name__)
+# The debug line of a cuda_ipc update's client part: version, export and head s, buffers,
+# spans, call s, the server's s (bench_gpu_weights.py reads it).
+CUDA_IPC_CLIENT_LINE = (
+    "cuda_ipc v%d: export and head %.4f s (%d buffers, %d spans), call %.4f s (server %.4f s)"
+)
 # The server's shm refusals that mean "this data plane cannot work here", not "bad update".
 _SHM_UNREACHABLE = "shared_memory: "
 # The same for CUDA IPC (server/weights/cuda_ipc.py: handles that do not open, a GPU it cannot
@@ -253,6 +259,7 @@ class Uploads:
     ) -> pb.UpdateWeightsResponse:
         # Exported only now: a storage exported to nobody stays allocated after the trainer
         # frees it (torch's ref counter waits for a consumer that never comes).
+        started_s = time.perf_counter()
         try:
             export = export_cuda_ipc(update, self._cuda_ipc_exports)
         except (RuntimeError, ValueError) as error:
@@ -267,8 +274,20 @@ class Uploads:
             progress(0, update.total_bytes)
         # The head as chunks, in one unary call where the server has it; the data section stays
         # where it is. `export` holds the memory until the call has ended, whatever its outcome.
-        reply = self._server.send_small(list(update.messages(header, 0, head_bytes)), options)
+        messages = list(update.messages(header, 0, head_bytes))
+        called_s = time.perf_counter()
+        reply = self._server.send_small(messages, options)
         export.keep_alive.clear()
+        # Where the client's part of a colocated update goes (bench_gpu_weights.py prints it).
+        _LOG.debug(
+            CUDA_IPC_CLIENT_LINE,
+            update.header.version,
+            called_s - started_s,
+            len(export.source.buffers),
+            len(export.source.spans),
+            time.perf_counter() - called_s,
+            reply.seconds,
+        )
         if progress is not None:
             progress(update.total_bytes, update.total_bytes)
         return reply
