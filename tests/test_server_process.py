@@ -66,6 +66,7 @@ def test_reflection_describes_the_services_to_a_client_without_our_stubs(server)
         assert set(methods) == {
             "MakeExperience",
             "UpdateWeights",
+            "UpdateWeightsAtOnce",
             "Health",
             "Subscribe",
             "InitWeightsGroup",
@@ -76,6 +77,9 @@ def test_reflection_describes_the_services_to_a_client_without_our_stubs(server)
         assert make.output_type.full_name == "rollserve.v1.MakeExperienceResponse"
         assert make.server_streaming and not make.client_streaming
         assert methods["UpdateWeights"].client_streaming
+        at_once = methods["UpdateWeightsAtOnce"]
+        assert not at_once.client_streaming and not at_once.server_streaming
+        assert at_once.input_type.full_name == "rollserve.v1.UpdateWeightsAtOnceRequest"
         request_fields = {field.name for field in make.input_type.fields}
         expected_fields = {"token_ids", "texts", "sampling", "algorithm", "min_policy_version"}
         assert expected_fields <= request_fields
