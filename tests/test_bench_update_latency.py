@@ -20,6 +20,11 @@ def test_cpu_run_prints_both_lanes_and_the_head_is_reused_only_when_it_repeats()
         assert re.search(
             rf"\| {lane} \| CPU tensors \| [\d.]+ \([\d.]+\) \| [\d.]+ \([\d.]+\) \|", out
         )
+    # The at-once table: dist's header and head as one call against a stream of them.
+    assert re.search(
+        r"\| dist \| CPU tensors \(gloo\) \| [\d.]+ \([\d.]+\) \| [\d.]+ \([\d.]+\) \| [\d.]+ \|",
+        out,
+    )
     same = re.findall(r"same head, last update: (.*)", out)
     new = re.findall(r"new head, last update: (.*)", out)
     assert len(same) == len(new) == 2
