@@ -11,7 +11,8 @@ verifies, versions and swaps the same way (server/weights/). What differs is the
   as it is written;
 * "cuda_ipc": CUDA tensors of a trainer on the server's host, handed over as CUDA IPC handles
   (cuda_ipc.py); the server copies them device to device. The call carries the header and the
-  file's head only, and the tensors are held until the reply. With pack=True they are first
+  file's head only (one unary UpdateWeightsAtOnce where the server has it: server_calls.py),
+  and the tensors are held until the reply. With pack=True they are first
   copied into one buffer of this client's on their GPU (packing.py): one handle, which a server
   on that GPU stages in place;
 * "auto": "cuda_ipc" when every tensor is on CUDA and the server offers it on this host, else
