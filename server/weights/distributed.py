@@ -7,8 +7,8 @@ thread and its slot at once (the address it names is admin-chosen and may never 
 store client can wait on a silent listener for ever, so at most MAX_ABANDONED such threads are
 left to end in their own time). An
 UpdateWeights call naming a DistributedSource (a stream, or one UpdateWeightsAtOnce) carries the
-header and the file's head (the JSON header) as chunks; the server checks the version and the head against its model, then every
-rank votes (an all-reduce MAX of 0 = ready, 1 = refused) so that nobody starts a broadcast a
+header and the file's head (the JSON header) as chunks; the server checks the version and the
+head against its model, then every rank votes (an all-reduce MAX of 0 = ready, 1 = refused) so that nobody starts a broadcast a
 server will not take; then rank 0 broadcasts the data section in ranges that follow the tensors
 (broadcast_spans), each received straight into the staging arena (a lane of the same stager as
 every other transport; verified as it lands) and taking the group's lanes (process groups over
