@@ -1,9 +1,10 @@
 """The CUDA IPC data plane: an update whose data section is CUDA memory of a trainer on this host.
 
 The call (a stream, or one UpdateWeightsAtOnce: the client's choice) carries the header, whose
-CudaIpcSource lists the trainer's buffers (one per CUDA storage, as torch's `UntypedStorage._share_cuda_()` describes it) and the spans that tile the
-file's data section, then the file's head as chunks. The server copies every span device to
-device into the stager (`UpdateStager.feed_tensor`), where it is verified like any other byte.
+CudaIpcSource lists the trainer's buffers (one per CUDA storage, as torch's
+`UntypedStorage._share_cuda_()` describes it) and the spans that tile the file's data section, then
+the file's head as chunks. The server copies every span device to device into the stager
+(`UpdateStager.feed_tensor`), where it is verified like any other byte.
 
 Order, so that nothing is opened for an update that will be refused:
 

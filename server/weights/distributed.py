@@ -5,17 +5,16 @@ a thread of its own (_Join): its wait is capped by --max-group-timeout-s whateve
 caller asks for, at most MAX_JOINING run at once, and a caller that leaves frees its handler
 thread and its slot at once (the address it names is admin-chosen and may never answer; torch's
 store client can wait on a silent listener for ever, so at most MAX_ABANDONED such threads are
-left to end in their own time). An
-UpdateWeights call naming a DistributedSource (a stream, or one UpdateWeightsAtOnce) carries the
-header and the file's head (the JSON header) as chunks; the server checks the version and the
-head against its model, then every rank votes (an all-reduce MAX of 0 = ready, 1 = refused) so that nobody starts a broadcast a
-server will not take; then rank 0 broadcasts the data section in ranges that follow the tensors
-(broadcast_spans), each received straight into the staging arena (a lane of the same stager as
-every other transport; verified as it lands) and taking the group's lanes (process groups over
-one rendezvous) in turn. Gloo receives into a host arena; NCCL into the device arena of a CUDA
-server (arena.py), so its broadcast lands on the GPU with no copy; gloo into a CUDA server goes
-through a host bucket and the pinned ring (pipeline.py). One broadcast updates every server of
-the group.
+left to end in their own time). An UpdateWeights call naming a DistributedSource (a stream, or one
+UpdateWeightsAtOnce) carries the header and the file's head (the JSON header) as chunks; the server
+checks the version and the head against its model, then every rank votes (an all-reduce MAX of 0 =
+ready, 1 = refused) so that nobody starts a broadcast a server will not take; then rank 0
+broadcasts the data section in ranges that follow the tensors (broadcast_spans), each received
+straight into the staging arena (a lane of the same stager as every other transport; verified as it
+lands) and taking the group's lanes (process groups over one rendezvous) in turn. Gloo receives
+into a host arena; NCCL into the device arena of a CUDA server (arena.py), so its broadcast lands
+on the GPU with no copy; gloo into a CUDA server goes through a host bucket and the pinned ring
+(pipeline.py). One broadcast updates every server of the group.
 
 A failure after the vote (a member died, a timeout) leaves the group's collectives out of step,
 so the group is dropped: the next update naming it gets FAILED_PRECONDITION until the trainer
