@@ -65,6 +65,7 @@ from helpers_server import start_server_process  # noqa: E402
 from rollserve.client import RolloutClient, WeightsGroup  # noqa: E402
 from rollserve.client.weights.flat_weights import flatten_weights  # noqa: E402
 from rollserve.client.weights.shared_memory import WRITE_THREADS_ENV  # noqa: E402
+from rollserve.client.weights.upload import CUDA_IPC_CLIENT_LINE  # noqa: E402
 from rollserve.server.weights.cuda_ipc import IN_PLACE_ENV  # noqa: E402
 
 ROUNDS = 3
@@ -183,9 +184,8 @@ class ClientLines(logging.Handler):
         logger.addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message.startswith("cuda_ipc v"):
-            self.by_version[int(message.split()[1][1:].rstrip(":"))] = message
+        if record.msg == CUDA_IPC_CLIENT_LINE and isinstance(record.args, tuple):
+            self.by_version[int(record.args[0])] = record.getMessage()  # args[0]: the version
 
 
 CLIENT_LINES = ClientLines()

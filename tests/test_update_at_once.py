@@ -251,7 +251,7 @@ def test_messages_over_the_channels_limit_go_as_a_stream_unasked(older_server) -
     servicer, channel = older_server
     messages = list(update_weights_messages(shifted(servicer.model, 1), version=1, mode="full"))
     # A client whose channel sends smaller messages than one request of these would be.
-    limit = sum(map(len, messages)) + 8
+    limit = len(encode_at_once(messages)) - 1
     calls = ServerCalls(channel, lambda timeout_s, request_id: OPTIONS, max_message_bytes=limit)
     assert calls.send_small(messages, OPTIONS).version == 1
     assert (servicer.at_once_calls, servicer.streams) == (0, 1)

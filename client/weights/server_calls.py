@@ -31,8 +31,6 @@ __all__ = ["AT_ONCE_MAX_BYTES", "CallOptions", "ServerCalls"]
 # The most bytes of messages sent as one UpdateWeightsAtOnce (a head of ~30,000 tensors); more go
 # as a stream, whose chunks the server stages as they come.
 AT_ONCE_MAX_BYTES = 4 << 20
-# What gRPC's message limit counts beyond the request's bytes (none today; a margin).
-_AT_ONCE_FRAMING = 64
 
 
 @dataclass(frozen=True)
@@ -69,7 +67,7 @@ class ServerCalls:
         self._update_at_once: Any = update_weights_at_once_callable(channel)
         self._stub = rollout_pb2_grpc.RolloutStub(channel)
         self.options_for = options_for
-        self._at_once_max_bytes = min(AT_ONCE_MAX_BYTES, max_message_bytes - _AT_ONCE_FRAMING)
+        self._at_once_max_bytes = min(AT_ONCE_MAX_BYTES, max_message_bytes)
         # False: every update as a stream (bench_update_latency.py's baseline).
         self.use_at_once = True
         # Whether the server has UpdateWeightsAtOnce: None until a probe got a clear answer.
@@ -80,36 +78,31 @@ class ServerCalls:
         self, messages: Sequence[bytes], options: CallOptions
     ) -> pb.UpdateWeightsResponse:
         """UpdateWeights with these messages, as one UpdateWeightsAtOnce where it can be."""
-        if self._at_once(messages, options):
-            return self._update_at_once(
-                encode_at_once(messages), timeout=options.timeout_s, metadata=options.metadata
-            )
-        return self.update_weights(
-            iter(messages), timeout=options.timeout_s, metadata=options.metadata
-        )
+        call, request = self._small_call(messages, options)
+        return call(request, timeout=options.timeout_s, metadata=options.metadata)
 
     def start_small(
         self, messages: Sequence[bytes], timeout_s: float | None, request_id: str | None
     ) -> grpc.Future:
         """`send_small` as a grpc.Future of its reply."""
         options = self.options_for(timeout_s, request_id)
-        if self._at_once(messages, options):
-            return self._update_at_once.future(
-                encode_at_once(messages), timeout=options.timeout_s, metadata=options.metadata
-            )
-        return self.update_weights.future(
-            iter(messages), timeout=options.timeout_s, metadata=options.metadata
-        )
+        call, request = self._small_call(messages, options)
+        return call.future(request, timeout=options.timeout_s, metadata=options.metadata)
 
-    def _at_once(self, messages: Sequence[bytes], options: CallOptions) -> bool:
-        """Whether these messages go as one UpdateWeightsAtOnce: few enough bytes, and a server
-        that has the method (asked once with an empty request: INVALID_ARGUMENT from one that
-        has it, UNIMPLEMENTED from an older one; any other answer is asked again next time,
-        and this update goes as a stream, which reports whatever is wrong)."""
-        # Each message framed: a tag and a length of at most 5 bytes (messages under 4 GiB).
-        framed = sum(len(message) + 6 for message in messages)
-        if not self.use_at_once or framed > self._at_once_max_bytes:
-            return False
+    def _small_call(self, messages: Sequence[bytes], options: CallOptions) -> tuple[Any, Any]:
+        """UpdateWeightsAtOnce and its encoded request when it fits under the channel's limit
+        and the server has the method, else UpdateWeights and the messages as a stream."""
+        if self.use_at_once:
+            request = encode_at_once(messages)
+            if len(request) <= self._at_once_max_bytes and self._has_at_once_method(options):
+                return self._update_at_once, request
+        return self.update_weights, iter(messages)
+
+    def _has_at_once_method(self, options: CallOptions) -> bool:
+        """Whether the server has UpdateWeightsAtOnce, asked once with an empty request:
+        INVALID_ARGUMENT from one that has it, UNIMPLEMENTED from an older one; any other
+        answer is asked again next time (this update goes as a stream, which reports whatever
+        is wrong)."""
         with self._probe_lock:
             if self._has_at_once is None:
                 probe = self.options_for(options.timeout_s, None)  # not the update's request id
