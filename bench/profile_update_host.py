@@ -18,6 +18,7 @@ the per-tensor checks), then applied, and the per-phase timings the server logs
     python bench/profile_update_host.py                 # the full size (~5 GB of host memory)
     python bench/profile_update_host.py --layers 2      # a quick look
     python bench/profile_update_host.py --profile shm   # plus cProfile of that plane's update
+    python bench/profile_update_host.py --layout per-tensor  # the model's weights not in one buffer
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import sys
 import torch
 from rollserve.client.protocol.shared_memory import REQUIRED_SEALS
 from rollserve.client.weights.update_file import iter_safetensors_bytes, prepare_update
+from rollserve.server.models.memory import own_memory
 from rollserve.server.weights import verify
 from rollserve.server.weights.arena import StagingArena, set_staging_arena
 from rollserve.server.weights.lora import LoraState
@@ -153,11 +155,20 @@ def main(argv: list[str]) -> int:
         "--group-bytes", type=int, default=None, help="verify.GROUP_BYTES (0: one check per tensor)"
     )
     parser.add_argument("--profile", default="", help="a plane to run under cProfile once")
+    parser.add_argument(
+        "--layout",
+        choices=("flat", "per-tensor"),
+        default="flat",
+        help="the model's weights in one buffer in the file's order, as a server loads them "
+        "(models/memory.py; its apply is one copy per run), or an allocation each",
+    )
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     if args.group_bytes is not None:
         verify.GROUP_BYTES = args.group_bytes
     model = Shaped(args.layers, *(int(n) for n in args.shape.split(",")))
+    if args.layout == "flat":
+        own_memory(model)
     weights = {name: torch.full_like(t, 0.25) for name, t in model.state_dict().items()}
     ring = SlotRing(pin_memory=False, slots=args.slots, slot_bytes=args.slot_mib << 20)
     arena = StagingArena(device="cpu", ring=ring)

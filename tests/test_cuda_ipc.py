@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -255,7 +256,7 @@ def _trainer(commands: multiprocessing.Queue, results: multiprocessing.Queue) ->
             else:
                 _, address, path, version, transport, flat, mode, *packed = command
                 pack = bool(packed)
-                weights = {k: v.cuda() for k, v in load_file(path).items()}
+                weights = {k: v.cuda() for k, v in _load_in_order(path).items()}
                 if flat:
                     flatten_weights(weights)
                 if client is None:
@@ -294,13 +295,26 @@ def trainer() -> Iterator[tuple[multiprocessing.Queue, multiprocessing.Queue]]:
 
 
 def _weights_file(server: RolloutServer, folder: Path, version: int) -> tuple[str, dict]:
-    """The trainer's weights for `version` (bf16, what the server must hold bit for bit)."""
+    """The trainer's weights for `version` (bf16, what the server must hold bit for bit), with
+    the order of the model's state dict (a safetensors file sorts its tensors by name)."""
     from safetensors.torch import save_file
 
     weights = _bf16_weights(server.state.models.actor.module, version)
     path = str(folder / f"v{version}.safetensors")
-    save_file(weights, path)
+    save_file(weights, path, metadata={"order": ",".join(weights)})
     return path, weights
+
+
+def _load_in_order(path: str) -> dict[str, torch.Tensor]:
+    """A file of `_weights_file` (or any safetensors file) as a state dict in the model's order
+    (what a trainer's model.state_dict() gives: the order the update file follows)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    loaded = load_file(path)
+    with safe_open(path, "pt") as opened:
+        order = (opened.metadata() or {}).get("order")
+    return loaded if order is None else {name: loaded[name] for name in order.split(",")}
 
 
 def _bf16_weights(actor: torch.nn.Module, version: int) -> dict[str, torch.Tensor]:
@@ -351,6 +365,8 @@ def test_a_trainer_process_updates_a_cuda_server_device_to_device(
     actor = cuda_server.state.models.actor.module
     with RolloutClient(cuda_server.address, timeout_s=WAIT_S) as client:
         assert "cuda_ipc" in client.health().weight_transports
+    # Loaded into one buffer in the update file's order (models/memory.py).
+    assert len({p.untyped_storage().data_ptr() for p in actor.state_dict().values()}) == 1
     pointers = {name: p.data_ptr() for name, p in actor.state_dict().items()}
     caplog.set_level(logging.INFO, logger="rollserve.server.weights.update")
     for version, transport, flat in ((1, "cuda_ipc", False), (2, "auto", False),
@@ -369,6 +385,8 @@ def test_a_trainer_process_updates_a_cuda_server_device_to_device(
         assert ("arena_take" in line) != flat, line
         if flat:
             assert storages == 1  # one buffer, one handle
+            # ... laid out like the server's parameters: the apply is one copy of it all.
+            assert re.search(r"apply_launch [0-9.]+/1\b", line), line
         _assert_serves(cuda_server, weights)
         # Copied into the parameters' own storages: the engine's CUDA graphs still read them.
         assert {name: p.data_ptr() for name, p in actor.state_dict().items()} == pointers

@@ -524,7 +524,7 @@ def test_copy_all_is_copy_into_each_destination_with_casts() -> None:
     """staging.copy_all (a device arena's apply: one multi-tensor copy) writes every pair as
     destination.copy_(source) would: same-dtype pairs, casts, a strided destination, and
     never rebinds a destination's storage."""
-    from rollserve.server.weights.staging import copy_all
+    from rollserve.server.weights.copy_runs import copy_all
 
     g = torch.Generator().manual_seed(0)
     wide = torch.zeros(6, 8)

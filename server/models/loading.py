@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +22,10 @@ from ...client.protocol.roles import ROLES
 from ..config import ServerConfig
 from .default_model import BUILTIN_SOURCE, save_tiny_causal_lm
 from .memory import own_memory
+
+# "0": a model on a GPU takes `module.to(device)`'s allocation per tensor instead of one buffer
+# in the update file's order (memory.py), for comparing the two.
+FLAT_WEIGHTS_ENV = "ROLLSERVE_FLAT_WEIGHTS"
 
 __all__ = [
     "ROLES",
@@ -191,9 +196,11 @@ def _load(
         raise ModelLoadError(
             f"{role} model in {directory} must have num_labels=1, has {module.config.num_labels}"
         )
-    module = module.to(device).eval().requires_grad_(False)
-    if device.type == "cpu":
-        own_memory(module)  # memory.py: private, and handed to the staging arena
+    if device.type == "cpu" or os.environ.get(FLAT_WEIGHTS_ENV, "").strip() != "0":
+        # memory.py: one private buffer in the update file's order (on the CPU handed to the
+        # staging arena; on a GPU an update is then one copy into it)
+        own_memory(module, device)
+    module = module.to(device).eval().requires_grad_(False)  # what own_memory left: in place
     return LoadedModel(
         role=role,
         module=module,

@@ -12,7 +12,7 @@ update.py runs that sequence.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ from ...client.protocol.errors import FailedPrecondition, InvalidArgument
 from ...client.protocol.wire import MalformedRequest, WireChunk
 from ...v1 import rollout_pb2 as pb
 from .arena import StagingArena
+from .copy_runs import CopyPlans, copy_all
 from .header import DEFAULT_MAX_HEADER_BYTES
 from .lora import LoraState, apply_lora
 from .options import UpdateOptions, update_options
@@ -38,6 +39,10 @@ __all__ = [
     "read_header",
     "receive_head_only",
 ]
+
+
+# The copies of a device apply, merged into runs (copy_runs.py): planned once per model and head.
+_COPY_PLANS = CopyPlans()
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,7 @@ class StagedUpdate:
                 self.arena.forget_head()
             raise
         resolved_s = time.perf_counter()
+        copies = len(self.plan.copies)
         with torch.no_grad():
             if self.options.mode == pb.UPDATE_MODE_LORA:
                 assert self.lora_state is not None and self.options.lora is not None
@@ -122,7 +128,7 @@ class StagedUpdate:
                     for entry, target in self.plan.copies
                 ]
                 if self.on_device:
-                    copy_all(pairs)
+                    copies = copy_all(pairs, _COPY_PLANS.copies(model, self.plan, pairs))
                 else:
                     for destination, staged in pairs:
                         _copy_into(destination, staged)
@@ -132,7 +138,7 @@ class StagedUpdate:
                 _wait_for_copies(self.tensors.values())
         if self.timings is not None:
             self.timings.add("apply_resolve", resolved_s - started_s)
-            self.timings.add("apply_launch", launched_s - resolved_s, len(self.plan.copies))
+            self.timings.add("apply_launch", launched_s - resolved_s, copies)
             self.timings.add("apply_wait", time.perf_counter() - launched_s)
         return AppliedUpdate(tensors=len(self.tensors), bytes=self.total_bytes)
 
@@ -177,15 +183,6 @@ def _resolve(
                 f"{target.name}: the model changed after the update was staged"
             )
     return live
-
-
-def copy_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """destination.copy_(source) for every (destination, source) pair, as one multi-tensor copy
-    (torch._foreach_copy_: on CUDA a few kernels for the same-dtype pairs, copy_ semantics and
-    casts for the others), where a copy_ per tensor costs a launch and ~14 us of Python each:
-    4 ms of the 6 ms apply of a 291-tensor update from a device arena on an H100."""
-    if pairs:
-        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
 def _copy_into(destination: torch.Tensor, staged: torch.Tensor) -> None:
