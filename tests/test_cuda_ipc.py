@@ -330,6 +330,67 @@ def _assert_serves(server: RolloutServer, weights: dict[str, torch.Tensor]) -> N
         assert torch.equal(served[name].cpu(), tensor), name
 
 
+@pytest.fixture
+def cpu_stands_in_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """export_cuda_ipc on CPU tensors: what it asks of CUDA (the device check, the sync, the
+    GPU's UUID, torch's `_share_cuda_`) answered without a GPU; the spans, buffers and what
+    the export holds are computed as for CUDA tensors (the gpu tests export real ones)."""
+    from rollserve.client.weights import cuda_ipc as client_ipc
+
+    monkeypatch.setattr(client_ipc, "check_on_cuda", lambda state_dict: None)
+    monkeypatch.setattr(client_ipc.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(client_ipc, "device_uuid", lambda device: "0" * 32)
+    monkeypatch.setattr(
+        client_ipc,
+        "_shared",
+        lambda storage, uuid: pb.CudaIpcBuffer(device_uuid=uuid, storage_bytes=storage.nbytes()),
+    )
+
+
+def _exported(weights: dict[str, torch.Tensor]) -> tuple[object, int, int]:
+    """The export of `weights` as one update; where its data section begins, and its size."""
+    from rollserve.client.weights.cuda_ipc import CudaIpcExports, export_cuda_ipc
+
+    update = prepare_update(weights, version=1)
+    head, specs = update.layout()
+    return export_cuda_ipc(update, CudaIpcExports()), len(head), specs[-1].end
+
+
+def test_the_export_describes_each_storage_once_and_merges_what_continues(
+    cpu_stands_in_for_cuda: None,
+) -> None:
+    from rollserve.client.weights.flat_weights import flatten_weights
+
+    model = perturbed(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)), 1)
+    flat = {name: tensor.clone() for name, tensor in model.items()}
+    flatten_weights(flat)
+    export, data_start, data_bytes = _exported(flat)
+    source = export.source
+    assert len(source.buffers) == 1 and len(source.spans) == 1  # one buffer, one span
+    span = source.spans[0]
+    assert (span.begin, span.end, span.buffer, span.offset) == (
+        data_start, data_start + data_bytes, 0, 0,
+    )  # fmt: skip
+    assert len(export.keep_alive) == 1 and not export.copied  # the buffer's storage, held
+    # A tensor each: a buffer and a span each, in file order.
+    apart = {name: tensor.clone() for name, tensor in model.items()}
+    export, data_start, _ = _exported(apart)
+    assert len(export.source.buffers) == len(export.source.spans) == len(apart) == 4
+    assert [s.buffer for s in export.source.spans] == [0, 1, 2, 3]
+    assert export.source.spans[0].begin == data_start
+    spans = list(export.source.spans)
+    assert all(a.end == b.begin for a, b in zip(spans, spans[1:], strict=False))
+    # One storage under two names (a tied weight) and views of one storage: described once;
+    # a strided view is sent as a contiguous copy, which the export holds.
+    shared = torch.randn(16, 8)
+    tied = {"a.weight": shared, "b.weight": shared, "c.weight": shared.t(), "d.bias": shared[0]}
+    export, _, _ = _exported(tied)
+    assert export.copied == ["c.weight"]
+    assert len(export.source.buffers) == 2  # the shared storage, the copy's
+    assert sum(isinstance(kept, torch.Tensor) for kept in export.keep_alive) == 1
+    assert sum(isinstance(kept, torch.UntypedStorage) for kept in export.keep_alive) == 2
+
+
 def test_runs_merge_only_where_they_continue_in_the_file_and_in_one_buffer() -> None:
     from rollserve.client.weights.cuda_ipc import Run, merged_runs
 

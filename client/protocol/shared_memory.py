@@ -22,8 +22,20 @@ REQUIRED_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GRO
 def shm_host_id() -> str:
     """Who can open this process's memfds by /proc/<pid>/fd: same boot, same PID namespace.
 
-    "" where there is no such thing (not Linux): it matches no server.
+    "" where there is no such thing (not Linux): it matches no server. Read once per process
+    (a process's own PID namespace never changes; a forked child reads it again): every
+    same-host update asks.
     """
+    pid = os.getpid()
+    if _HOST_ID[0] != pid:
+        _HOST_ID[:] = [pid, _read_host_id()]
+    return str(_HOST_ID[1])
+
+
+_HOST_ID: list[object] = [None, ""]  # [the pid that read it, the id]
+
+
+def _read_host_id() -> str:
     try:
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         pid_namespace = os.stat("/proc/self/ns/pid").st_ino

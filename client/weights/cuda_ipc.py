@@ -11,8 +11,8 @@ one span). The stream itself carries only the header and the file's head.
 Lifetime (rollout.proto, CudaIpcSource): the values must be final before the header leaves
 (every device the tensors are on is synchronised first: the server reads on its own streams and
 cannot wait on ours), and the memory must stay allocated and unchanged until the reply:
-`CudaIpcExport` holds every tensor (and the contiguous copies of non-contiguous ones) until the
-caller drops it after the call.
+`CudaIpcExport` holds every storage the spans read (and the contiguous copies of non-contiguous
+tensors) until the caller drops it after the call.
 
 Each storage is exported once (`CudaIpcExports`, one per client: each server gives back what it
 was handed). `_share_cuda_` wraps the storage in a new producer-side record with a ref counter
@@ -74,8 +74,8 @@ class CudaIpcExport:
     """An update's data section as CUDA IPC buffers, and what must live until the reply."""
 
     source: pb.CudaIpcSource
-    # The tensors the spans read (including contiguous copies) and their storages: dropped by
-    # the caller once the call has ended, never before.
+    # The storages the spans read (and the contiguous copies of non-contiguous tensors):
+    # dropped by the caller once the call has ended, never before.
     keep_alive: list[object] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)  # non-contiguous tensors sent as copies
 
@@ -121,27 +121,29 @@ def export_cuda_ipc(update: UpdateFile, exports: CudaIpcExports | None = None) -
     head, specs = update.layout()
     data_start = len(head)
     export = CudaIpcExport(pb.CudaIpcSource(host_id=cuda_ipc_host_id()))
-    buffers: dict[tuple[torch.device, int], int] = {}  # (device, storage address) -> index
+    # storage address -> its index (addresses are unique across a process's CUDA devices:
+    # unified virtual addressing), its storage, its device
+    buffers: dict[int, int] = {}
     storages: list[torch.UntypedStorage] = []
-    runs: list[Run] = []
+    devices: list[torch.device] = []
+    runs: list[tuple[int, int, int, int]] = []  # Run's fields: a tuple each is ~3x cheaper
     for spec in specs:
-        if not spec.nbytes:
+        begin, end = data_start + spec.begin, data_start + spec.end
+        if begin == end:
             continue
-        tensor = state_dict[spec.name].detach()
+        tensor = state_dict[spec.name]
         if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
+            tensor = tensor.detach().contiguous()
             export.copied.append(spec.name)
+            export.keep_alive.append(tensor)  # the storages below hold everything else
         storage = tensor.untyped_storage()
         base = storage.data_ptr()
-        key = (tensor.device, base)
-        index = buffers.get(key)
+        index = buffers.get(base)
         if index is None:
-            index = buffers[key] = len(storages)
+            index = buffers[base] = len(storages)
             storages.append(storage)
-        export.keep_alive.append(tensor)
-        runs.append(
-            Run(data_start + spec.begin, data_start + spec.end, index, tensor.data_ptr() - base)
-        )
+            devices.append(tensor.device)
+        runs.append((begin, end, index, tensor.data_ptr() - base))
     spans = merged_runs(runs)
     for run in spans:
         export.source.spans.add(begin=run.begin, end=run.end, buffer=run.buffer, offset=run.offset)
@@ -159,10 +161,10 @@ def export_cuda_ipc(update: UpdateFile, exports: CudaIpcExports | None = None) -
             export.copied[0],
         )
     # The server reads the memory from its own streams: every write to it must be done.
-    for device in {device for device, _ in buffers}:
+    for device in set(devices):
         torch.cuda.synchronize(device)
     uuids: dict[torch.device, str] = {}
-    for (device, _), storage in zip(buffers, storages, strict=True):
+    for device, storage in zip(devices, storages, strict=True):
         if device not in uuids:
             uuids[device] = device_uuid(device)
         if exports is None:
@@ -182,23 +184,27 @@ class Run(NamedTuple):
     offset: int
 
 
-def merged_runs(runs: Iterable[Run]) -> list[Run]:
-    """The runs in file order with each merged into the previous one where it continues it,
-    in the file and in the same buffer (weights flattened into one buffer become one span).
-    Plain tuples here, one protobuf span each at the end: ~0.3 ms less per 300 tensors than
-    growing the message tensor by tensor."""
+def merged_runs(runs: Iterable[tuple[int, int, int, int]]) -> list[Run]:
+    """The runs (Runs, or tuples of their fields) in file order with each merged into the
+    previous one where it continues it, in the file and in the same buffer (weights flattened
+    into one buffer become one span). Tuples here, one protobuf span each at the end: ~0.3 ms
+    less per 300 tensors than growing the message tensor by tensor."""
     merged: list[Run] = []
-    for run in runs:
-        if merged:
-            last = merged[-1]
-            if (
-                last.buffer == run.buffer
-                and last.end == run.begin
-                and last.offset + (last.end - last.begin) == run.offset
-            ):
-                merged[-1] = last._replace(end=run.end)
-                continue
-        merged.append(run)
+    last: list[int] | None = None  # the run being merged: [begin, end, buffer, offset]
+    for begin, end, buffer, offset in runs:
+        if (
+            last is not None
+            and last[2] == buffer
+            and last[1] == begin
+            and last[3] + (last[1] - last[0]) == offset
+        ):
+            last[1] = end
+            continue
+        if last is not None:
+            merged.append(Run(*last))
+        last = [begin, end, buffer, offset]
+    if last is not None:
+        merged.append(Run(*last))
     return merged
 
 
