@@ -66,9 +66,12 @@ from rollserve.client import RolloutClient, WeightsGroup  # noqa: E402
 from rollserve.client.weights.flat_weights import flatten_weights  # noqa: E402
 from rollserve.client.weights.shared_memory import WRITE_THREADS_ENV  # noqa: E402
 from rollserve.client.weights.upload import CUDA_IPC_CLIENT_LINE  # noqa: E402
+from rollserve.server.models.loading import FLAT_WEIGHTS_ENV  # noqa: E402
 from rollserve.server.weights.cuda_ipc import IN_PLACE_ENV  # noqa: E402
 
 ROUNDS = 3
+# --baseline: the lever a second server runs with off, for the cuda_ipc flat lane.
+BASELINES = {"staged": (IN_PLACE_ENV, "0"), "per-tensor": (FLAT_WEIGHTS_ENV, "0")}
 WAIT_S = 120.0
 # Threads of the host copy ceilings: the shm client's writers (client/weights/shared_memory.py:
 # 4 by default) against one and twice as many.
@@ -309,12 +312,21 @@ def main(argv: list[str]) -> int:
     )  # fmt: skip
     parser.add_argument("--no-cpu-reference", action="store_true")
     parser.add_argument(
-        "--staged-baseline",
-        action="store_true",
-        help="also the cuda_ipc flat lane into a second server that stages every update "
-        "(ROLLSERVE_CUDA_IPC_IN_PLACE=0): in place against staged in one run",
+        "--baseline",
+        action="append",
+        choices=sorted(BASELINES),
+        default=[],
+        help="also the cuda_ipc flat lane into a second server with a lever off: 'staged' "
+        "(ROLLSERVE_CUDA_IPC_IN_PLACE=0: every update staged in the arena), 'per-tensor' "
+        "(ROLLSERVE_FLAT_WEIGHTS=0: the model's weights an allocation each, so the apply is a "
+        "copy per tensor); repeatable",
+    )
+    parser.add_argument(
+        "--staged-baseline", action="store_true", help="the same as --baseline staged"
     )
     args = parser.parse_args(argv)
+    if args.staged_baseline and "staged" not in args.baseline:
+        args.baseline.append("staged")
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (--quick --device cpu runs the smoke test)")
@@ -344,16 +356,16 @@ def main(argv: list[str]) -> int:
             trainer = Trainer(f"127.0.0.1:{port}", proc.log_text)
             rows += gpu_server_lanes(trainer, weights, total_bytes, ceilings, on_cuda)
             trainer.close()
-            if on_cuda and args.staged_baseline:
+            for baseline in args.baseline if on_cuda else ():
                 proc.terminate_and_wait()  # one 0.5B server on the GPU at a time
-                env = {IN_PLACE_ENV: "0"}
+                env = dict([BASELINES[baseline]])
                 proc, port = start_server_process(
                     "--device", device, *common, env=env, timeout_s=WAIT_S
                 )
                 servers.append(proc)
-                staged = Trainer(f"127.0.0.1:{port}", proc.log_text)
-                rows += staged_baseline_lane(staged, weights, total_bytes, ceilings)
-                staged.close()
+                other = Trainer(f"127.0.0.1:{port}", proc.log_text)
+                rows += baseline_lane(baseline, other, weights, total_bytes, ceilings)
+                other.close()
             if on_cuda:
                 rows += two_gpu_lanes(common, weights, total_bytes, servers)
             if on_cuda and not args.no_cpu_reference:
@@ -525,19 +537,22 @@ def two_gpu_lanes(
     return rows
 
 
-def staged_baseline_lane(
+def baseline_lane(
+    baseline: str,
     trainer: Trainer,
     weights: dict[str, torch.Tensor],
     total_bytes: int,
     ceilings: dict[str, float | None],
 ) -> list[Row]:
-    """The cuda_ipc flat lane into a server with ROLLSERVE_CUDA_IPC_IN_PLACE=0: the staged copy
-    that the in-place path saves (server/weights/cuda_ipc.py)."""
-    print("cuda_ipc flat into a server that stages every update:", flush=True)
+    """The cuda_ipc flat lane into a server with one lever off (BASELINES): what staging in
+    place saves (server/weights/cuda_ipc.py), or what the one buffer in the file's order saves
+    (server/models/memory.py, weights/copy_runs.py)."""
+    env, value = BASELINES[baseline]
+    print(f"cuda_ipc flat into a server with {env}={value}:", flush=True)
     flat = {k: v.cuda() for k, v in weights.items()}
     flatten_weights(flat)
     row = Row("cuda_ipc", "CUDA, flat", ceiling="D2D", target=f">= {TARGETS['cuda_ipc']}",
-              note=f"{IN_PLACE_ENV}=0 (baseline)")  # fmt: skip
+              note=f"{env}={value} (baseline)")  # fmt: skip
     run_lane(row, lambda: trainer.lane(flat, "cuda_ipc", total_bytes), ceilings.get("D2D"))
     return [row]
 

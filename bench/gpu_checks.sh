@@ -19,7 +19,7 @@
 #     SKIP_STEPS="bench-weights bench-gpu update-latency" TEST_GPU_S=260 PROFILE_GPU_S=90 \
 #         bash bench/gpu_checks.sh
 #     SKIP_STEPS="test-gpu update-latency profile" BENCH_WEIGHTS_S=90 \
-#         WEIGHTS_ARGS="--no-cpu-reference --staged-baseline" BENCH_GPU_S=260 \
+#         WEIGHTS_ARGS="--no-cpu-reference --baseline per-tensor" BENCH_GPU_S=260 \
 #         BENCH_GPU_ARGS="--skip small" bash bench/gpu_checks.sh
 #
 # (260 + 90 and 90 + 280 s of bounds, ~820 s with the installs and one start: the profile got
@@ -35,8 +35,10 @@
 # of BENCH_GPU_S=175 spent it all before the gRPC lane (2026-11-27). On that H200 the first call
 # took 305 s of wall time (the gpu tests 218 s, 18 of them failing fast; the profile 67 s) and
 # the machine's start ~45 s. The small request is for a call with time left.
-# --staged-baseline adds the cuda_ipc flat lane into a second server that stages
-# (ROLLSERVE_CUDA_IPC_IN_PLACE=0): ~30 s. bench-gpu's scoring section times the engine path's
+# --baseline per-tensor adds the cuda_ipc flat lane into a second server whose weights are an
+# allocation each (ROLLSERVE_FLAT_WEIGHTS=0: the apply a copy per tensor, as before 2026-11-27
+# 18:00); --baseline staged one that stages every update (ROLLSERVE_CUDA_IPC_IN_PLACE=0): ~30 s
+# each. bench-gpu's scoring section times the engine path's
 # lm_head both ways (position blocks, vocabulary chunks). With time left, a third call profiles
 # the engine's levers off: PROFILE_BASELINE_ENV="ROLLSERVE_FUSED_PROJECTIONS=0
 # ROLLSERVE_DECODE_ATTENTION=sdpa ROLLSERVE_SCORING_VOCAB_CHUNKS=0" with SKIP_STEPS="test-gpu
