@@ -1,6 +1,6 @@
 """An update applied as one copy: the weights laid out in the update file's order.
 
-Three parts meet here: the file order (client/weights/update_file.file_order: a module's weights
+Three parts meet here: the file order (client/protocol/file_order.py: a module's weights
 before its biases, so q/k/v and gate/up are neighbours), a model's weights in one buffer in that
 order (server/models/memory.own_memory, what a GPU server loads into) and the apply's merged
 runs (server/weights/copy_runs.py). A trainer that flattened its weights (flat_weights.py) hands
@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_weights import perturbed
+from rollserve.client.protocol.file_order import file_order
 from rollserve.client.weights.flat_weights import flatten_weights
-from rollserve.client.weights.update_file import file_order, prepare_update
+from rollserve.client.weights.update_file import prepare_update
 from rollserve.server.config import ServerConfig
 from rollserve.server.generation import fused as fused_module
 from rollserve.server.models import load_models

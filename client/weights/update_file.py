@@ -32,7 +32,7 @@ import json
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ import torch
 from ...v1 import rollout_pb2 as pb
 from ..protocol.dtypes import PROTO_DTYPES, SAFETENSORS_NAMES
 from ..protocol.errors import InvalidArgument
+from ..protocol.file_order import Entry, file_order
 from ..protocol.requests import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
@@ -55,7 +56,6 @@ __all__ = [
     "MAX_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",
     "UpdateFile",
-    "file_order",
     "WeightSpec",
     "Weights",
     "iter_chunk_pieces",
@@ -143,50 +143,6 @@ def _layout(state_dict: StateDict) -> _Layout:
 _LAYOUTS: OrderedDict[tuple, _Layout] = OrderedDict()
 _LAYOUTS_LOCK = threading.Lock()
 _LAYOUTS_KEPT = 8
-
-
-Entry = tuple[str, torch.dtype, tuple[int, ...]]  # a tensor's name, dtype and shape
-
-
-def file_order(tensors: Sequence[Entry]) -> list[Entry]:
-    """The tensors in the order of the update file's data section.
-
-    Wider dtypes first (stable within a width): every tensor then starts at a multiple of its
-    itemsize, so a receiver can view its bytes in place (safetensors.torch.save does the same).
-    Within a run of neighbours of one module's children (`...self_attn.q_proj.weight`,
-    `...self_attn.q_proj.bias`, `...self_attn.k_proj.weight`: the names minus their last two
-    parts agree), the weights come before the biases (each kind of last part in the order of
-    its first appearance, stable): the projections a GPU server runs as one matmul (q/k/v,
-    gate/up: server/generation/fused.py) are then neighbours in the file as in its memory, where
-    it lays its weights out in this order (server/models/memory.py), and an update from weights
-    flattened in this order (flat_weights.py) is applied as one copy, not one per tensor.
-    """
-    by_width = sorted(tensors, key=lambda entry: -entry[1].itemsize)
-    ordered: list[Entry] = []
-    start = 0
-    while start < len(by_width):
-        width, owner = by_width[start][1].itemsize, _owner(by_width[start][0])
-        end = start + 1
-        while (
-            owner is not None
-            and end < len(by_width)
-            and by_width[end][1].itemsize == width
-            and _owner(by_width[end][0]) == owner
-        ):
-            end += 1
-        kinds: dict[str, int] = {}
-        for name, _, _ in by_width[start:end]:
-            kinds.setdefault(name.rpartition(".")[2], len(kinds))
-        ordered += sorted(by_width[start:end], key=lambda e: kinds[e[0].rpartition(".")[2]])
-        start = end
-    return ordered
-
-
-def _owner(name: str) -> str | None:
-    """The module whose child holds the tensor `name` (its name minus the last two parts);
-    None for a name of fewer than three parts (a tensor of its own)."""
-    parts = name.rsplit(".", 2)
-    return parts[0] if len(parts) == 3 else None
 
 
 def _build_layout(tensors: tuple[Entry, ...]) -> _Layout:

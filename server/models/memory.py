@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ...client.weights.update_file import file_order
+from ...client.protocol.file_order import file_order
 
 __all__ = ["own_memory", "take_load_buffer"]
 
@@ -40,7 +40,7 @@ def own_memory(module: torch.nn.Module, device: torch.device | None = None) -> t
     """Copy the state dict's tensors into one private buffer on `device` (default: the CPU)
     and rebind them as its views; the buffer.
 
-    The tensors lie in the update file's order (client/weights/update_file.file_order; a tied
+    The tensors lie in the update file's order (client/protocol/file_order.py; a tied
     tensor once, at its first name), each at a multiple of _ALIGN_BYTES: where their sizes are
     multiples of it (every tensor of the common decoders), back to back. On a GPU that is what
     makes an update one copy (weights/copy_runs.py: the staged data section and the parameters
