@@ -133,3 +133,22 @@ def test_the_views_of_a_buffer_the_arena_let_go_are_dropped_with_it() -> None:
     assert arena.capacity_bytes >= sum(t.nbytes for t in sender.state_dict().values())
     arena.release()
     assert not arena.verified_head.views
+
+
+@pytest.mark.parametrize("arena", ["host", "pipelined"])
+def test_the_same_head_under_another_manifest_is_checked_anew(arena: str) -> None:
+    """The manifest is part of what a head is matched by (UpdateOptions.manifest_key): a header
+    whose manifest no longer describes the same head bytes is refused, not waved through on
+    the remembered check; no manifest at all is a head checked anew and taken."""
+    sender, receiver, updates = updated_once(arena)
+    head = staging_arena(receiver).verified_head
+    moved = perturbed(sender, seed=5)
+    wrong = requests(moved, 2)
+    wrong[0].header.manifest[0].shape[0] += 1  # the first message holds the header
+    before = state_hash(receiver)
+    with pytest.raises(InvalidArgument, match="manifest"):
+        updates.update(iter(wrong))
+    assert state_hash(receiver) == before
+    updates.update(iter(requests(moved, 2, manifest=False)))
+    assert equal_bits(receiver, moved)
+    assert staging_arena(receiver).verified_head is not head

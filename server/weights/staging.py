@@ -105,6 +105,7 @@ class StagedUpdate:
             raise
         resolved_s = time.perf_counter()
         copies = len(self.plan.copies)
+        devices: set[torch.device] = set()  # where apply's copies run, to wait for them
         with torch.no_grad():
             if self.options.mode == pb.UPDATE_MODE_LORA:
                 assert self.lora_state is not None and self.options.lora is not None
@@ -113,6 +114,7 @@ class StagedUpdate:
                 factors = self.tensors
                 if self.on_device:  # merged on the host, as from a host arena (bit for bit)
                     factors = {name: tensor.cpu() for name, tensor in self.tensors.items()}
+                    devices = {tensor.device for tensor in self.tensors.values()}
                 apply_lora(
                     model_tensors, self.plan.lora, factors, self.lora_state, self.options.lora
                 )
@@ -128,14 +130,16 @@ class StagedUpdate:
                     for entry, target in self.plan.copies
                 ]
                 if self.on_device:
-                    copies = copy_all(pairs, _COPY_PLANS.copies(model, self.plan, pairs))
+                    merged = _COPY_PLANS.copies(model, self.plan, pairs)
+                    copies = copy_all(pairs, merged)
+                    devices = {destination.device for destination, _ in merged}
                 else:
                     for destination, staged in pairs:
                         _copy_into(destination, staged)
                 self._forget_lora_bases()
             launched_s = time.perf_counter()
             if self.on_device:
-                _wait_for_copies(self.tensors.values())
+                _wait_for_copies(devices)
         if self.timings is not None:
             self.timings.add("apply_resolve", resolved_s - started_s)
             self.timings.add("apply_launch", launched_s - resolved_s, copies)
@@ -158,7 +162,7 @@ class StagedUpdate:
         return all(id(tensor) in written for tensor in model_tensors.values())
 
     def _forget_lora_bases(self) -> None:
-        if self.lora_state is None:
+        if not self.lora_state:  # None, or no adapter merged (a loop of 291 lookups saved)
             return
         for _, target in self.plan.copies:
             # A written weight is the new truth; a later adapter merges onto it.
@@ -194,12 +198,13 @@ def _copy_into(destination: torch.Tensor, staged: torch.Tensor) -> None:
     destination.copy_(source)
 
 
-def _wait_for_copies(staged: Iterable[torch.Tensor]) -> None:
+def _wait_for_copies(devices: Iterable[torch.device]) -> None:
     """Wait for the device-to-device copies out of a device arena (issued on this thread's
-    current stream): once apply returns, the next update may rewrite the arena."""
-    devices = {tensor.device for tensor in staged if tensor.device.type == "cuda"}
+    current stream on each of `devices`): once apply returns, the next update may rewrite the
+    arena."""
     for device in devices:
-        torch.cuda.current_stream(device).synchronize()
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
 
 class UpdateStager:

@@ -379,8 +379,7 @@ class UpdateChecks:
         """What, besides the head's bytes, the plan depends on: the header's mode, rules and
         manifest (the model is the arena's, one per model)."""
         options = self._options
-        manifest = tuple(spec.SerializeToString(deterministic=True) for spec in options.manifest)
-        return (options.mode, options.lora, options.allow_non_finite, manifest)
+        return (options.mode, options.lora, options.allow_non_finite, options.manifest_key)
 
     def check_header(self, entries: Sequence[StreamEntry]) -> None:
         check_manifest(entries, self._options.manifest)
