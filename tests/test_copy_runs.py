@@ -109,3 +109,24 @@ def test_the_plan_of_the_same_pairs_is_kept_and_made_again_when_memory_moved() -
     copy_all(pairs, copies)
     for got, want in zip(destinations, sources, strict=True):
         assert torch.equal(got, want)
+
+
+def test_pairs_that_merge_nothing_are_copied_as_they_are_without_a_key() -> None:
+    """Parameters that are allocations of their own: the first apply finds nothing to merge;
+    later applies of the same update plan copy the pairs as they are (what the plan would be)
+    and still write every destination."""
+    plans, model, head = CopyPlans(), torch.nn.Linear(1, 1), object()
+    destinations = [torch.zeros(n) for n in SIZES]
+    sources = _sources(4)
+    pairs = list(zip(destinations, sources, strict=True))
+    assert plans.copies(model, head, pairs) == pairs
+    assert plans._plans[model][1:] == (None, None)  # remembered as "as they are"
+    moved = [(torch.zeros(n), s) for n, s in zip(SIZES, _sources(5), strict=True)]
+    copies = plans.copies(model, head, moved)
+    assert [c[0] for c in copies] == [d for d, _ in moved]
+    copy_all(moved, copies)
+    for destination, source in moved:
+        assert torch.equal(destination, source)
+    # Another update plan: planned again (here: one run, the destinations now continue).
+    flat = list(zip(_flat(0.0), sources, strict=True))
+    assert len(plans.copies(model, object(), flat)) == 1

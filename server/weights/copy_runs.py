@@ -16,7 +16,8 @@ leave, and no two copies of one multi-tensor call racing for the same bytes.
 
 Finding the runs costs ~2 us a pair in Python, as much as the launches it saves; a trainer sends
 the same tensors at every step, so `CopyPlans` keeps the last plan per model, keyed by every
-pair's addresses and sizes (~0.4 us a pair to check) and the update plan it was made for.
+pair's addresses and sizes (~0.5 us a pair to check) and the update plan it was made for; a
+plan that merged nothing is not keyed again for the same update plan.
 """
 
 from __future__ import annotations
@@ -113,27 +114,35 @@ def _limit(tensor: torch.Tensor) -> int:
 
 class CopyPlans:
     """The last CopyPlan of each model, for the same pairs (addresses and sizes) of the same
-    update plan (an object that stands for the file's head: dtypes and targets)."""
+    update plan (an object that stands for the file's head: dtypes and targets).
+
+    A plan that merged nothing (parameters that are allocations of their own,
+    ROLLSERVE_FLAT_WEIGHTS=0) is remembered as such for the head, and later updates of it copy
+    their pairs as they are without keying them: that is always right, and what it would plan."""
 
     def __init__(self) -> None:
-        self._plans: weakref.WeakKeyDictionary[object, tuple[object, PairsKey, CopyPlan]] = (
-            weakref.WeakKeyDictionary()
-        )
+        # model -> (head, key, plan; None: the pairs as they are)
+        self._plans: weakref.WeakKeyDictionary[
+            object, tuple[object, PairsKey | None, CopyPlan | None]
+        ] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def copies(self, model: object, head: object, pairs: Sequence[Pair]) -> list[Pair]:
-        key = pairs_key(pairs)
         with self._lock:
             known = self._plans.get(model)
+        if known is not None and known[0] is head and known[2] is None:
+            return list(pairs)
+        key = pairs_key(pairs)
         if known is not None and known[0] is head and known[1] == key:
             try:
-                return known[2].of(pairs)
+                return known[2].of(pairs)  # type: ignore[union-attr]
             except ValueError:
                 pass
         plan = plan_copies(pairs, key)
+        as_they_are = len(plan.copies) == len(pairs)  # nothing merged, nothing dropped
         with self._lock:
-            self._plans[model] = (head, key, plan)
-        return plan.of(pairs)
+            self._plans[model] = (head, None, None) if as_they_are else (head, key, plan)
+        return list(pairs) if as_they_are else plan.of(pairs)
 
 
 def copy_all(pairs: Sequence[Pair], copies: Sequence[Pair] | None = None) -> int:
