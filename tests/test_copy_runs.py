@@ -93,7 +93,7 @@ def test_the_plan_of_the_same_pairs_is_kept_and_made_again_when_memory_moved() -
     destinations, sources = _flat(0.0), _sources(3)
     pairs = list(zip(destinations, sources, strict=True))
     first = plans.copies(model, head, pairs)
-    assert len(first) == 1
+    assert len(first) == 1 and len(first.runs) == 1  # one byte run: one copy_
     kept = plans._plans[model][2]
     plans.copies(model, head, pairs)
     assert plans._plans[model][2] is kept  # the same pairs: planned once
@@ -119,11 +119,11 @@ def test_pairs_that_merge_nothing_are_copied_as_they_are_without_a_key() -> None
     destinations = [torch.zeros(n) for n in SIZES]
     sources = _sources(4)
     pairs = list(zip(destinations, sources, strict=True))
-    assert plans.copies(model, head, pairs) == pairs
+    assert plans.copies(model, head, pairs).each == pairs
     assert plans._plans[model][1:] == (None, None)  # remembered as "as they are"
     moved = [(torch.zeros(n), s) for n, s in zip(SIZES, _sources(5), strict=True)]
     copies = plans.copies(model, head, moved)
-    assert [c[0] for c in copies] == [d for d, _ in moved]
+    assert not copies.runs and [c[0] for c in copies.each] == [d for d, _ in moved]
     copy_all(moved, copies)
     for destination, source in moved:
         assert torch.equal(destination, source)

@@ -29,11 +29,29 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CopyPlan", "CopyPlans", "Pair", "copy_all", "plan_copies"]
+__all__ = ["CopyPlan", "CopyPlans", "Copies", "Pair", "copy_all", "plan_copies"]
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (destination, source), as copy_ takes them
 # Per pair: destination address, source address, bytes.
 PairsKey = tuple[tuple[int, int, int], ...]
+
+
+@dataclass(frozen=True)
+class Copies:
+    """What an apply issues: byte runs, each one `copy_` (a device memcpy on CUDA, at the
+    copy's full bandwidth: a multi-tensor copy kernel moves uint8 four bytes a thread), and
+    the pairs as they are, one multi-tensor copy for all of them."""
+
+    runs: list[Pair]
+    each: list[Pair]
+
+    def __len__(self) -> int:
+        return len(self.runs) + len(self.each)
+
+    @property
+    def devices(self) -> set[torch.device]:
+        """Where the copies run (what to wait for)."""
+        return {destination.device for destination, _ in self.runs + self.each}
 
 
 @dataclass(frozen=True)
@@ -44,16 +62,16 @@ class CopyPlan:
 
     copies: tuple[tuple[int, int | None], ...]
 
-    def of(self, pairs: Sequence[Pair]) -> list[Pair]:
-        """The copies as (destination, source) tensors; ValueError when a run no longer fits
-        in its storages (memory reallocated at the same addresses: plan again)."""
-        copies: list[Pair] = []
+    def of(self, pairs: Sequence[Pair]) -> Copies:
+        """The copies as tensors; ValueError when a run no longer fits in its storages
+        (memory reallocated at the same addresses: plan again)."""
+        copies = Copies([], [])
         for first, nbytes in self.copies:
             if nbytes is None:
-                copies.append(pairs[first])
+                copies.each.append(pairs[first])
             else:
                 destination, source = pairs[first]
-                copies.append((_bytes(destination, nbytes), _bytes(source, nbytes)))
+                copies.runs.append((_bytes(destination, nbytes), _bytes(source, nbytes)))
         return copies
 
 
@@ -127,11 +145,11 @@ class CopyPlans:
         ] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
-    def copies(self, model: object, head: object, pairs: Sequence[Pair]) -> list[Pair]:
+    def copies(self, model: object, head: object, pairs: Sequence[Pair]) -> Copies:
         with self._lock:
             known = self._plans.get(model)
         if known is not None and known[0] is head and known[2] is None:
-            return list(pairs)
+            return Copies([], list(pairs))
         key = pairs_key(pairs)
         if known is not None and known[0] is head and known[1] == key:
             try:
@@ -142,16 +160,19 @@ class CopyPlans:
         as_they_are = len(plan.copies) == len(pairs)  # nothing merged, nothing dropped
         with self._lock:
             self._plans[model] = (head, None, None) if as_they_are else (head, key, plan)
-        return list(pairs) if as_they_are else plan.of(pairs)
+        return Copies([], list(pairs)) if as_they_are else plan.of(pairs)
 
 
-def copy_all(pairs: Sequence[Pair], copies: Sequence[Pair] | None = None) -> int:
-    """destination.copy_(source) for every pair, as one multi-tensor copy of `copies` (their
-    merged runs, plan_copies; None: planned here): torch._foreach_copy_, on CUDA a few kernels
-    for the same-dtype copies, copy_ semantics and casts for the others (a copy_ per tensor
-    costs a launch and ~14 us of Python each). Returns the copies issued."""
+def copy_all(pairs: Sequence[Pair], copies: Copies | None = None) -> int:
+    """destination.copy_(source) for every pair, as `copies` (their merged runs, plan_copies;
+    None: planned here): each byte run one copy_, the other pairs one multi-tensor copy
+    (torch._foreach_copy_: on CUDA a few kernels for the same-dtype pairs, copy_ semantics and
+    casts for the others, where a copy_ per tensor costs a launch and ~14 us of Python each).
+    Returns the copies issued."""
     if copies is None:
         copies = plan_copies(pairs).of(pairs)
-    if copies:
-        torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies])
+    for destination, source in copies.runs:
+        destination.copy_(source)
+    if copies.each:
+        torch._foreach_copy_([d for d, _ in copies.each], [s for _, s in copies.each])
     return len(copies)

@@ -132,7 +132,7 @@ class StagedUpdate:
                 if self.on_device:
                     merged = _COPY_PLANS.copies(model, self.plan, pairs)
                     copies = copy_all(pairs, merged)
-                    devices = {destination.device for destination, _ in merged}
+                    devices = merged.devices
                 else:
                     for destination, staged in pairs:
                         _copy_into(destination, staged)
