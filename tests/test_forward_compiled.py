@@ -20,6 +20,7 @@ from rollserve.server.generation import model as generation_model
 from rollserve.server.generation.families import read_family
 from rollserve.server.generation.model import Forward
 from rollserve.server.generation.rotary import RopeTable
+from rollserve.server.models.memory import own_memory
 
 VOCAB = 80
 
@@ -68,17 +69,27 @@ def _count_calls(forward: Forward, name: str, monkeypatch: pytest.MonkeyPatch) -
     return calls
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    ("name", "one_buffer"), [("qwen2", False), ("qwen3", False), ("qwen2", True)]
+)
 def test_compiled_sequence_forward_equals_eager_and_compiles_once(
-    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    name: str, one_buffer: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """one_buffer: the weights laid out as a GPU server loads them (models/memory.py): every
+    compiled function's weights are views of one storage, and the fused projections views of
+    it too; no graph is built again for that."""
     model = _model(name, tmp_path)
+    if one_buffer:
+        own_memory(model)
     family = read_family(model)
     assert family is not None
     rope = RopeTable(family.rotary, family.max_positions, torch.float32)
     # Compiled as on CUDA: with the projections fused (fused.py), against the plain eager forward.
     eager, compiled = Forward(family, rope), Forward(family, rope, compiled=True, fused=True)
     assert compiled.fused_projections == 2 * len(family.layers)
+    if one_buffer:  # fused where they lay: no weight was moved out of the buffer
+        storages = {p.untyped_storage().data_ptr() for p in model.state_dict().values()}
+        assert len(storages) == 1
     layer_functions = (compiled._token_inputs, compiled._token_mlp)
     torch._dynamo.reset()  # compiled code is cached per function: build it for this model
     counters = torch._dynamo.utils.counters["stats"]
