@@ -10,7 +10,8 @@ measure). The trainer is this process. Measured in the same run:
   and a device -> device copy of them (what cuda_ipc must do), best of 3 each;
 * lanes, each one warm-up update then best of 3, applied GB/s = file bytes / wall seconds of
   `update_weights` (until the server replied: received, verified, swapped in): cuda_ipc (CUDA
-  tensors, one handle per tensor; flattened by flatten_weights, one handle; the per-tensor
+  tensors, one handle per tensor; flattened by flatten_weights, one handle; flattened with
+  the tied weight one tensor under both names, as a trainer holds it; the per-tensor
   ones with pack=True, copied into one buffer of the client first; ratio to the device copy),
   shm (CPU tensors; CUDA tensors; CPU tensors that live in the client's memfd,
   client.share_weights: only the server's copy), grpc (CPU tensors) and dist (a gloo
@@ -133,6 +134,19 @@ def save_actor(directory: Path, size: str) -> dict[str, torch.Tensor]:
     model.save_pretrained(directory)
     build_byte_tokenizer().save_pretrained(directory)
     return {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+
+
+def tied_on_cuda(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` on CUDA with each tied weight (names whose tensors share memory) one tensor
+    under all its names, as a trainer's model.state_dict(keep_vars=True) has it."""
+    copies: dict[tuple, torch.Tensor] = {}
+    tied = {}
+    for name, tensor in weights.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        if key not in copies:
+            copies[key] = tensor.cuda()
+        tied[name] = copies[key]
+    return tied
 
 
 def staged_where(log: str, lane_start: int) -> str:
@@ -453,13 +467,18 @@ def gpu_server_lanes(
 ) -> list[Row]:
     print("lanes:", flush=True)
     cuda_weights = {k: v.cuda() for k, v in weights.items()} if on_cuda else None
-    flat_weights = None
+    flat_weights = flat_tied = None
     if cuda_weights is not None:  # one buffer laid out like the data section: one handle
         flat_weights = {k: v.clone() for k, v in cuda_weights.items()}
         flatten_weights(flat_weights)
+        # A trainer's tied weight is one tensor under both names: flattened, its second name
+        # is a shadow the export refreshes (flat_weights.py), so still one span, in place.
+        flat_tied = tied_on_cuda(weights)
+        flatten_weights(flat_tied)
     lanes = [
         ("cuda_ipc", "CUDA", "D2D"),
         ("cuda_ipc", "CUDA, flat", "D2D"),
+        ("cuda_ipc", "CUDA, flat, tied as one tensor", "D2D"),
         ("cuda_ipc", "CUDA, pack=True", "D2D"),
         ("shm", "CPU", "pinned H2D"),
         ("shm", "CPU, 8 write threads", "pinned H2D"),
@@ -479,6 +498,7 @@ def gpu_server_lanes(
             print(f"  {transport} ({where}): skipped (needs CUDA)", flush=True)
             continue
         tensors = {"CUDA": cuda_weights, "CUDA, flat": flat_weights,
+                   "CUDA, flat, tied as one tensor": flat_tied,
                    "CUDA, pack=True": cuda_weights}.get(where, weights)  # fmt: skip
         if where == "CPU, share_weights":  # the tensors live in the client's memfd: no copy
             tensors = {k: v.clone() for k, v in weights.items()}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
+import pytest
 import torch
 from rollserve.client.weights.update_file import update_weights_messages
 from rollserve.server.config import ServerConfig
@@ -57,7 +58,7 @@ def state_hash(module: torch.nn.Module) -> str:
 def weights_and_version(module: torch.nn.Module, client: object) -> tuple[str, int]:
     """The served actor's weights (state_hash of `module`) and its version (the client's
     Health): two equal snapshots say a refused update changed nothing."""
-    return state_hash(module), client.health().policy_version  # type: ignore[attr-defined]
+    return state_hash(module), client.health().policy_version
 
 
 def perturbed(module: torch.nn.Module, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
@@ -110,3 +111,19 @@ def tiny_llama(seed: int) -> torch.nn.Module:
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
     )  # fmt: skip
     return LlamaForCausalLM(config)
+
+
+def stand_in_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """export_cuda_ipc on CPU tensors: what it asks of CUDA (the device check, the sync, the
+    GPU's UUID, torch's `_share_cuda_`) answered without a GPU; the spans, buffers and what
+    the export holds are computed as for CUDA tensors (the gpu tests export real ones)."""
+    from rollserve.client.weights import cuda_ipc as client_ipc
+
+    monkeypatch.setattr(client_ipc, "check_on_cuda", lambda state_dict: None)
+    monkeypatch.setattr(client_ipc.torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(client_ipc, "device_uuid", lambda device: "0" * 32)
+    monkeypatch.setattr(
+        client_ipc,
+        "_shared",
+        lambda storage, uuid: pb.CudaIpcBuffer(device_uuid=uuid, storage_bytes=storage.nbytes()),
+    )

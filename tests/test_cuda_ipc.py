@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from helpers_weights import perturbed, state_hash
+from helpers_weights import perturbed, stand_in_for_cuda, state_hash
 from rollserve.client import RolloutClient
 from rollserve.client.protocol.cuda_ipc import MAX_BUFFERS, MAX_SPANS, cuda_ipc_host_id
 from rollserve.client.protocol.wire import update_weights_callable
@@ -332,19 +332,7 @@ def _assert_serves(server: RolloutServer, weights: dict[str, torch.Tensor]) -> N
 
 @pytest.fixture
 def cpu_stands_in_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """export_cuda_ipc on CPU tensors: what it asks of CUDA (the device check, the sync, the
-    GPU's UUID, torch's `_share_cuda_`) answered without a GPU; the spans, buffers and what
-    the export holds are computed as for CUDA tensors (the gpu tests export real ones)."""
-    from rollserve.client.weights import cuda_ipc as client_ipc
-
-    monkeypatch.setattr(client_ipc, "check_on_cuda", lambda state_dict: None)
-    monkeypatch.setattr(client_ipc.torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(client_ipc, "device_uuid", lambda device: "0" * 32)
-    monkeypatch.setattr(
-        client_ipc,
-        "_shared",
-        lambda storage, uuid: pb.CudaIpcBuffer(device_uuid=uuid, storage_bytes=storage.nbytes()),
-    )
+    stand_in_for_cuda(monkeypatch)
 
 
 def _exported(weights: dict[str, torch.Tensor]) -> tuple[object, int, int]:
@@ -389,6 +377,33 @@ def test_the_export_describes_each_storage_once_and_merges_what_continues(
     assert len(export.source.buffers) == 2  # the shared storage, the copy's
     assert sum(isinstance(kept, torch.Tensor) for kept in export.keep_alive) == 1
     assert sum(isinstance(kept, torch.UntypedStorage) for kept in export.keep_alive) == 2
+
+
+def test_a_tied_weight_flattened_is_one_span_with_its_shadow_refreshed(
+    cpu_stands_in_for_cuda: None,
+) -> None:
+    """A trainer's tied weight (one tensor under two names) flattened: the export copies the
+    tensor's bytes into its other name's shadow, so the data section is one span (what a
+    server stages in place), holding the values of now."""
+    from rollserve.client.weights.flat_weights import flatten_weights
+
+    embedding = torch.nn.Embedding(16, 8)
+    model = torch.nn.ModuleDict({"embed": embedding, "head": torch.nn.Linear(8, 16, bias=False)})
+    model["head"].weight = embedding.weight  # tied
+    flatten_weights(model)
+    weights = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        embedding.weight.mul_(3.0)  # an optimizer step: the shadow is stale until the export
+    export, data_start, data_bytes = _exported(weights)
+    assert len(export.source.buffers) == 1 and len(export.source.spans) == 1
+    span = export.source.spans[0]
+    assert (span.begin, span.end, span.offset) == (data_start, data_start + data_bytes, 0)
+    storage = embedding.weight.untyped_storage()
+    section = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (data_bytes,))
+    _, specs = prepare_update(weights, version=1).layout()
+    for spec in specs:  # the buffer is the data section of now, byte for byte
+        want = weights[spec.name].detach().reshape(-1).view(torch.uint8)
+        assert torch.equal(section[spec.begin : spec.end], want), spec.name
 
 
 def test_runs_merge_only_where_they_continue_in_the_file_and_in_one_buffer() -> None:

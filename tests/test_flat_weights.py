@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from rollserve.client.protocol.errors import InvalidArgument
-from rollserve.client.weights.flat_weights import data_section_run, flatten_weights
+from rollserve.client.weights.flat_weights import (
+    Shadow,
+    data_section_run,
+    flatten_weights,
+    shadows_of,
+)
 from rollserve.client.weights.update_file import safetensors_header
 
 
@@ -55,7 +60,7 @@ def test_a_flattened_module_is_one_run_and_keeps_training() -> None:
         assert torch.equal(run[spec.begin : spec.end], expected), spec.name
 
 
-def test_a_tensor_moved_out_or_tied_breaks_the_run() -> None:
+def test_a_tensor_moved_out_breaks_the_run_and_a_tied_one_is_its_shadow() -> None:
     module = _module()
     flatten_weights(module)
     assert _run(module.state_dict()) is not None
@@ -63,9 +68,37 @@ def test_a_tensor_moved_out_or_tied_breaks_the_run() -> None:
     assert _run(module.state_dict()) is None
     shared = torch.ones(8)
     tied = {"a": shared, "b": shared, "c": torch.zeros(4)}
-    flatten_weights(tied)  # one tensor cannot sit at two offsets
-    assert _run(tied) is None
+    flatten_weights(tied)  # one tensor at two offsets: the second a shadow of the first
     assert torch.equal(tied["a"], torch.ones(8)) and torch.equal(tied["c"], torch.zeros(4))
+    shared.mul_(5.0)  # a step: the shadow is refreshed when the run is asked for
+    run = _run(tied)
+    assert run is not None
+    assert torch.equal(run.view(torch.float32), torch.tensor([5.0] * 16 + [0.0] * 4))
+    tied["b"] = torch.ones(8)  # a tied name that no longer is: other memory, no run
+    assert _run(tied) is None
+
+
+def test_a_tied_tensor_lives_at_its_first_name_and_shadows_the_others() -> None:
+    """One tensor under two names (and another view of the same memory under a third): it
+    moves to its first name's offset; the other names' offsets hold a copy, remembered as
+    shadows of the buffer (cuda_ipc's export refreshes them; tests/test_cuda_ipc.py)."""
+    shared = torch.arange(8.0)
+    tied = {"a.weight": shared, "b.weight": shared, "c.weight": shared.detach(), "d": torch.ones(4)}
+    flatten_weights(tied)
+    _, specs = safetensors_header(tied)
+    begin = {spec.name: spec.begin for spec in specs}
+    storage = tied["d"].untyped_storage()
+    base = storage.data_ptr()
+    assert shared.data_ptr() - base == begin["a.weight"]
+    assert tied["c.weight"].data_ptr() == shared.data_ptr()  # the other view moved there too
+    shadows = shadows_of(storage)
+    assert set(shadows) == {"b.weight", "c.weight"}
+    assert shadows["b.weight"] == Shadow(begin["b.weight"], begin["a.weight"], 32)
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+    for name in ("b.weight", "c.weight"):
+        place = raw[shadows[name].begin : shadows[name].begin + 32].view(torch.float32)
+        assert torch.equal(place, torch.arange(8.0))  # filled once, at flattening
+    assert shadows_of(torch.ones(2).untyped_storage()) == {}
 
 
 def test_tensors_on_two_devices_are_refused() -> None:

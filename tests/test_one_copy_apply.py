@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_weights import perturbed
+from helpers_weights import perturbed, stand_in_for_cuda
 from rollserve.client.protocol.file_order import file_order
+from rollserve.client.weights.cuda_ipc import export_cuda_ipc
 from rollserve.client.weights.flat_weights import flatten_weights
 from rollserve.client.weights.update_file import prepare_update
 from rollserve.server.config import ServerConfig
@@ -178,16 +179,24 @@ def test_an_update_of_flattened_weights_is_one_copy(tmp_path: Path, in_place: bo
     assert {name: t.data_ptr() for name, t in model.state_dict().items()} == pointers
 
 
-def test_a_tied_weight_sent_under_both_names_is_written_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_place", [True, False], ids=["in place", "device arena"])
+def test_a_tied_weight_sent_under_both_names_is_written_once(
+    tmp_path: Path, in_place: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A trainer's state dict holds a tied tensor under both names; flattened, the tensor sits
-    at its last name's place, so the run breaks around it: a few copies, never one per tensor,
-    and the shared parameter written once."""
+    at its first name's place and the other name's bytes are a shadow the cuda_ipc export
+    refreshes, so the data section is one run (staged in place). The shared parameter is
+    written once, by the last name's pair: two copies, never one per tensor."""
     model = _loaded(_saved_qwen2(tmp_path, tied=True))
     weights = perturbed(model, seed=2)
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # one tensor, two names
     flatten_weights(weights)
-    copies, tensors = _apply(model, weights, in_place=False)
-    assert copies <= 3 < tensors
+    with torch.no_grad():
+        weights["model.embed_tokens.weight"].add_(1.0)  # a step after flattening
+    stand_in_for_cuda(monkeypatch)
+    export_cuda_ipc(prepare_update(weights, version=1))  # the client's part: the shadow now
+    copies, tensors = _apply(model, weights, in_place=in_place)
+    assert copies == 2 < tensors
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, weights[name]), name
 

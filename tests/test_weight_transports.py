@@ -495,6 +495,34 @@ def test_flattened_weights_are_broadcast_in_plain_slices_over_every_lane(
     assert {h.distributed.bucket_bytes for h in sent_headers} == {64 * KIB}
 
 
+def test_a_tied_weight_flattened_is_still_broadcast_in_plain_slices(
+    models: ModelSet, client: RolloutClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer whose lm_head is tied to its embedding (one Parameter, two names): flattened,
+    the second name's bytes are a shadow refreshed before each update (flat_weights.py), so
+    the data section is still one run (plain slices), and the server gets the values of now
+    under both names."""
+    actor = models.actor.module
+    sent_headers: list[pb.WeightsHeader] = []
+    start_small = client.weights_calls.start_small
+
+    def recording(messages, timeout_s, request_id):  # type: ignore[no-untyped-def]
+        sent_headers.append(pb.UpdateWeightsRequest.FromString(messages[0]).header)
+        return start_small(messages, timeout_s, request_id)
+
+    monkeypatch.setattr(client.weights_calls, "start_small", recording)
+    trainer = copy.deepcopy(actor)
+    trainer.lm_head.weight = trainer.model.embed_tokens.weight  # tied on the trainer's side
+    with WeightsGroup([client], timeout_s=WAIT_S, bucket_bytes=64 * KIB) as group:
+        group.flatten_weights(trainer)
+        for version in (1, 2):
+            with torch.no_grad():
+                trainer.model.embed_tokens.weight.mul_(1.5)  # a step after flattening
+            client.update_weights(trainer, version=version, group=group)
+            assert state_hash(actor) == state_hash(trainer)
+    assert [h.distributed.contiguous for h in sent_headers] == [True, True]
+
+
 def test_weights_group_lanes_are_checked(client: RolloutClient) -> None:
     for lanes in (0, 9):
         with pytest.raises(InvalidArgument, match="lanes"):

@@ -38,6 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...v1 import rollout_pb2 as pb
 from ..protocol.cuda_ipc import MAX_BUFFERS, MAX_SPANS, cuda_ipc_host_id, device_uuid
+from .flat_weights import Shadow, refresh_shadow, shadows_of
 from .update_file import UpdateFile
 
 __all__ = [
@@ -126,6 +127,7 @@ def export_cuda_ipc(update: UpdateFile, exports: CudaIpcExports | None = None) -
     buffers: dict[int, int] = {}
     storages: list[torch.UntypedStorage] = []
     devices: list[torch.device] = []
+    shadows: list[Mapping[str, Shadow]] = []  # each buffer's (flat_weights.shadows_of)
     runs: list[tuple[int, int, int, int]] = []  # Run's fields: a tuple each is ~3x cheaper
     for spec in specs:
         begin, end = data_start + spec.begin, data_start + spec.end
@@ -143,7 +145,13 @@ def export_cuda_ipc(update: UpdateFile, exports: CudaIpcExports | None = None) -
             index = buffers[base] = len(storages)
             storages.append(storage)
             devices.append(tensor.device)
-        runs.append((begin, end, index, tensor.data_ptr() - base))
+            shadows.append(shadows_of(storage))
+        offset = tensor.data_ptr() - base
+        shadow = shadows[index].get(spec.name)
+        if shadow is not None and shadow.source == offset and shadow.nbytes == end - begin:
+            refresh_shadow(storage, shadow)  # a tied name: its bytes where the file has them
+            offset = shadow.begin
+        runs.append((begin, end, index, offset))
     spans = merged_runs(runs)
     for run in spans:
         export.source.spans.add(begin=run.begin, end=run.end, buffer=run.buffer, offset=run.offset)
