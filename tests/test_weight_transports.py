@@ -463,13 +463,8 @@ def test_shared_weights_are_sent_without_a_copy_and_stay_trainable(
         assert state_hash(actor) == state_hash(trainer)
 
 
-def test_flattened_weights_are_broadcast_in_plain_slices_over_every_lane(
-    models: ModelSet, client: RolloutClient, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A trainer that flattened its weights (WeightsGroup.flatten_weights) sends the header with
-    DistributedSource.contiguous, and the server cuts the data section the same way; a
-    trainer that did not sends the ranges that follow the tensors. Both land bit for bit."""
-    actor = models.actor.module
+def recorded_headers(client: RolloutClient, monkeypatch: pytest.MonkeyPatch) -> list:
+    """The headers of the group updates `client` starts from now on (WeightsHeader each)."""
     sent_headers: list[pb.WeightsHeader] = []
     start_small = client.weights_calls.start_small
 
@@ -478,6 +473,17 @@ def test_flattened_weights_are_broadcast_in_plain_slices_over_every_lane(
         return start_small(messages, timeout_s, request_id)
 
     monkeypatch.setattr(client.weights_calls, "start_small", recording)
+    return sent_headers
+
+
+def test_flattened_weights_are_broadcast_in_plain_slices_over_every_lane(
+    models: ModelSet, client: RolloutClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer that flattened its weights (WeightsGroup.flatten_weights) sends the header with
+    DistributedSource.contiguous, and the server cuts the data section the same way; a
+    trainer that did not sends the ranges that follow the tensors. Both land bit for bit."""
+    actor = models.actor.module
+    sent_headers = recorded_headers(client, monkeypatch)
     trainer = copy.deepcopy(actor).requires_grad_(True)
     with WeightsGroup([client], timeout_s=WAIT_S, bucket_bytes=64 * KIB, lanes=4) as group:
         assert group.lanes == 4
@@ -503,14 +509,7 @@ def test_a_tied_weight_flattened_is_still_broadcast_in_plain_slices(
     the data section is still one run (plain slices), and the server gets the values of now
     under both names."""
     actor = models.actor.module
-    sent_headers: list[pb.WeightsHeader] = []
-    start_small = client.weights_calls.start_small
-
-    def recording(messages, timeout_s, request_id):  # type: ignore[no-untyped-def]
-        sent_headers.append(pb.UpdateWeightsRequest.FromString(messages[0]).header)
-        return start_small(messages, timeout_s, request_id)
-
-    monkeypatch.setattr(client.weights_calls, "start_small", recording)
+    sent_headers = recorded_headers(client, monkeypatch)
     trainer = copy.deepcopy(actor)
     trainer.lm_head.weight = trainer.model.embed_tokens.weight  # tied on the trainer's side
     with WeightsGroup([client], timeout_s=WAIT_S, bucket_bytes=64 * KIB) as group:
