@@ -2,7 +2,7 @@
 
 An update applied from device memory (a device arena, or the trainer's own buffer staged in
 place) copies each staged tensor into its parameter. Where the parameters lie back to back in
-one storage in the update file's order (models/flat_memory.py lays out a CUDA model so) and the
+one storage in the update file's order (models/memory.py lays out a CUDA model so) and the
 staged tensors do too (an arena keeps file offsets; a trainer's flattened weights are the data
 section), a run of tensors is one copy of bytes: a 291-tensor update of a Qwen2-0.5B-shaped
 model becomes one or a few copies instead of a multi-tensor copy over 291 pairs, whose host
