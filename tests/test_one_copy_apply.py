@@ -213,3 +213,31 @@ def test_weights_in_allocations_of_their_own_take_a_copy_each(tmp_path: Path) ->
     assert copies == tensors
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, weights[name]), name
+
+
+def test_odd_tensors_keep_their_values_and_places_in_the_buffer() -> None:
+    """A scalar, an empty tensor, integer and bool buffers, a non-persistent buffer and sizes
+    that are not multiples of the alignment: every state-dict tensor keeps its value in the one
+    buffer (padded where needed); the non-persistent buffer gets memory of its own."""
+    from rollserve.server.models.memory import own_memory
+
+    module = torch.nn.Module()
+    module.scale = torch.nn.Parameter(torch.tensor(2.5))
+    module.empty = torch.nn.Parameter(torch.zeros(0, 3))
+    module.odd = torch.nn.Parameter(torch.arange(7, dtype=torch.bfloat16))
+    module.register_buffer("steps", torch.tensor([3, 4], dtype=torch.int64))
+    module.register_buffer("mask", torch.tensor([True, False, True]))
+    module.register_buffer("cache", torch.ones(5), persistent=False)
+    before = {name: t.clone() for name, t in module.state_dict().items()}
+    cache = module.cache
+    own_memory(module)
+    after = module.state_dict(keep_vars=True)
+    assert set(after) == set(before)
+    for name, tensor in after.items():
+        assert tensor.dtype == before[name].dtype and torch.equal(tensor, before[name]), name
+    filled = [t for t in after.values() if t.numel()]
+    assert len({t.untyped_storage().data_ptr() for t in filled}) == 1
+    assert all(t.data_ptr() % 64 == filled[0].data_ptr() % 64 for t in filled)  # aligned alike
+    assert torch.equal(module.cache, torch.ones(5))
+    assert module.cache.untyped_storage().data_ptr() != filled[0].untyped_storage().data_ptr()
+    assert module.cache is cache  # the same tensor object, its data its own
