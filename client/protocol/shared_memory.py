@@ -26,13 +26,14 @@ def shm_host_id() -> str:
     (a process's own PID namespace never changes; a forked child reads it again): every
     same-host update asks.
     """
+    global _host_id
     pid = os.getpid()
-    if _HOST_ID[0] != pid:
-        _HOST_ID[:] = [pid, _read_host_id()]
-    return str(_HOST_ID[1])
+    if _host_id is None or _host_id[0] != pid:
+        _host_id = (pid, _read_host_id())
+    return _host_id[1]
 
 
-_HOST_ID: list[object] = [None, ""]  # [the pid that read it, the id]
+_host_id: tuple[int, str] | None = None  # (the pid that read it, the id)
 
 
 def _read_host_id() -> str:

@@ -38,7 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...v1 import rollout_pb2 as pb
 from ..protocol.cuda_ipc import MAX_BUFFERS, MAX_SPANS, cuda_ipc_host_id, device_uuid
-from .flat_weights import Shadow, refresh_shadow, shadows_of
+from .flat_weights import Shadow, refresh_shadow, shadows_of, tied_shadow
 from .update_file import UpdateFile
 
 __all__ = [
@@ -147,8 +147,8 @@ def export_cuda_ipc(update: UpdateFile, exports: CudaIpcExports | None = None) -
             devices.append(tensor.device)
             shadows.append(shadows_of(storage))
         offset = tensor.data_ptr() - base
-        shadow = shadows[index].get(spec.name)
-        if shadow is not None and shadow.source == offset and shadow.nbytes == end - begin:
+        shadow = tied_shadow(shadows[index], spec.name, offset, end - begin)
+        if shadow is not None:
             refresh_shadow(storage, shadow)  # a tied name: its bytes where the file has them
             offset = shadow.begin
         runs.append((begin, end, index, offset))

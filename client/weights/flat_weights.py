@@ -22,7 +22,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..protocol.errors import InvalidArgument
 from .update_file import WeightSpec, safetensors_header
 
-__all__ = ["Shadow", "data_section_run", "flatten_weights", "refresh_shadow", "shadows_of"]
+__all__ = [
+    "Shadow",
+    "data_section_run",
+    "flatten_weights",
+    "refresh_shadow",
+    "shadows_of",
+    "tied_shadow",
+]
 
 
 def flatten_weights(weights: Mapping[str, torch.Tensor] | torch.nn.Module) -> None:
@@ -140,12 +147,9 @@ def data_section_run(
         ):
             return None
         if source.data_ptr() != base + spec.begin:
-            shadow = shadows.get(spec.name)
-            if (
-                shadow is None
-                or shadow.begin != base + spec.begin - storage.data_ptr()
-                or shadow.source != source.data_ptr() - storage.data_ptr()
-            ):
+            at = source.data_ptr() - storage.data_ptr()
+            shadow = tied_shadow(shadows, spec.name, at, spec.nbytes)
+            if shadow is None or shadow.begin != base + spec.begin - storage.data_ptr():
                 return None
             stale.append(shadow)
     start = base - storage.data_ptr()
@@ -155,6 +159,16 @@ def data_section_run(
         refresh_shadow(storage, shadow)
     run = torch.empty(0, dtype=torch.uint8, device=first.device)
     return run.set_(storage, start, (data_bytes,))
+
+
+def tied_shadow(shadows: Mapping[str, Shadow], name: str, at: int, nbytes: int) -> Shadow | None:
+    """The shadow of `name` (shadows_of its buffer) when the tensor sent under that name is its
+    source: `nbytes` at byte `at` of the buffer; None when the name has none, or the tensor
+    lives elsewhere now."""
+    shadow = shadows.get(name)
+    if shadow is None or shadow.source != at or shadow.nbytes != nbytes:
+        return None
+    return shadow
 
 
 def refresh_shadow(storage: torch.UntypedStorage, shadow: Shadow) -> None:
