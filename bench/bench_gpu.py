@@ -21,6 +21,7 @@ prints its error and the run goes on; a watchdog ends the run (and its server pr
                      this process, warmed up on one row: its first call captures graphs)
      engine thread   the same maker through the engine's job thread, no gRPC (diagnostic)
      grpc, same proc RolloutClient against that in-process server (diagnostic)
+     in-process, again  the first lane once more, last (diagnostic: the lanes' order)
      grpc            RolloutClient against `python -m rollserve.server serve --device cuda
                      --dtype bfloat16 --actor DIR` in its own process: seconds to SERVING,
                      the first request after SERVING, steady best of 3; its device memory from
@@ -676,6 +677,11 @@ def in_process_lanes(
                 **diagnostic,
             )  # fmt: skip
         lanes.append(print_lane(lane, case))
+        # The order's control: the first lane on this thread again, after the others. Equal to
+        # the engine thread's figure, the gap is the time since start-up (the warm-up's compile
+        # workers, the allocator), not the thread.
+        lane = measure("in-process, again", on_this_thread, **diagnostic)
+        lanes.append(print_lane(lane, case))
     finally:
         server.stop(0)
     return lanes
@@ -964,7 +970,7 @@ def print_summary(
     print(f"| MakeExperience over gRPC / HF generate alone | {ratio(remote_rate, hf)} | >= 3 |")
     local_s = local.best_s if local else None
     print(f"| gRPC / in-process (steady best) | {ratio(remote.best_s, local_s)} | <= 1.05 |")
-    for name in ("engine thread", "grpc, same process"):
+    for name in ("engine thread", "grpc, same process", "in-process, again"):
         other = lanes.get(name)
         print(f"| {name} / in-process (diagnostic) "
               f"| {ratio(other.best_s if other else None, local_s)} | - |")  # fmt: skip

@@ -34,7 +34,8 @@ def test_bench_gpu_cpu_quick_run_fills_every_lane() -> None:
     assert "FAILED" not in out and "skipped" not in out, out
     for lane in ("hf", "engine"):
         assert re.search(rf"^\| quick 8x4 \| {lane} \| [\d,]+ \|", out, re.M), lane
-    for lane in ("in-process", "engine thread", "grpc, same process", "grpc"):
+    lanes = ("in-process", "engine thread", "grpc, same process", "in-process, again", "grpc")
+    for lane in lanes:
         assert re.search(rf"^\| {lane} \| [\d,]+ \| ", out, re.M), lane
     assert re.search(r"^\| generation alone: engine / HF generate \| [\d.]+ \|", out, re.M)
     for lane in ("hf path", "engine path", "engine path, again"):  # the scoring section's
