@@ -223,7 +223,9 @@ def _trainer(commands: multiprocessing.Queue, results: multiprocessing.Queue) ->
     version, storages) of each update, or the error's text.
 
     ("update", address, path, version, transport, flat, mode): load CUDA weights from a file
-    (flattened into one buffer if flat) and send them. ("again", version, scale): scale the
+    (flattened into one buffer if flat) and send them. ("tied", address, path, version, names):
+    the same, flattened, with the file's tensors of `names` one tensor (the first's), as a tied
+    model's state dict holds them; sent over cuda_ipc. ("again", version, scale): scale the
     same weights in place (an optimizer step on the same storages) and send them over
     cuda_ipc. ("export", path, version): results gets the encoded messages of a cuda_ipc update
     whose handles this process exports, then the process exits before anyone opens them.
@@ -235,6 +237,16 @@ def _trainer(commands: multiprocessing.Queue, results: multiprocessing.Queue) ->
     torch.cuda.set_device(0)
     client: RolloutClient | None = None
     weights: dict[str, torch.Tensor] = {}
+
+    def connected(address: str) -> RolloutClient:
+        nonlocal client
+        if client is not None and client.target != address:
+            client.close()
+            client = None
+        if client is None:
+            client = RolloutClient(address, timeout_s=WAIT_S)
+        return client
+
     while (command := commands.get()) is not None:
         try:
             if command[0] == "export":
@@ -250,17 +262,24 @@ def _trainer(commands: multiprocessing.Queue, results: multiprocessing.Queue) ->
             pack = False  # an "update" command's 8th item, when given: pack=True
             if command[0] == "again":
                 _, version, scale = command
-                for tensor in weights.values():
+                for tensor in {id(t): t for t in weights.values()}.values():  # tied: once
                     tensor.mul_(scale)
                 transport, mode = "cuda_ipc", "full"
+            elif command[0] == "tied":
+                _, address, path, version, names = command
+                weights = {k: v.cuda() for k, v in _load_in_order(path).items()}
+                for name in names[1:]:
+                    weights[name] = weights[names[0]]
+                flatten_weights(weights)
+                transport, mode = "cuda_ipc", "full"
+                connected(address)
             else:
                 _, address, path, version, transport, flat, mode, *packed = command
                 pack = bool(packed)
                 weights = {k: v.cuda() for k, v in _load_in_order(path).items()}
                 if flat:
                     flatten_weights(weights)
-                if client is None:
-                    client = RolloutClient(address, timeout_s=WAIT_S)
+                connected(address)
             assert client is not None
             storages = len({t.untyped_storage().data_ptr() for t in weights.values()})
             result = client.update_weights(
@@ -503,6 +522,65 @@ def test_a_trainer_process_updates_a_cuda_server_device_to_device(
     assert answer[2] > 1  # the trainer's tensors are many storages
     assert "staged in place" in _update_line(caplog, 6)
     _assert_serves(cuda_server, weights)
+
+
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+@pytest.fixture(scope="module")
+def tied_actor_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with its lm_head tied to its embedding (as Qwen2-0.5B's)."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    directory = save_tiny_causal_lm(tmp_path_factory.mktemp("cuda-ipc-tied"), SPEC)
+    config = AutoConfig.from_pretrained(directory)
+    config.tie_word_embeddings = True
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.gpu
+def test_a_tied_model_flattened_by_its_trainer_is_applied_in_place_shadow_and_all(
+    tied_actor_dir: Path, trainer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The trainer's tied weight lives once in its flat buffer, its second name's bytes a
+    shadow that the export refreshes (flat_weights.py): one span, staged in place; the server
+    holds the tied weight once too (models/memory.py), so the apply is the run of the other
+    tensors plus the tied one's copy, and both names serve the trainer's values of now."""
+    from safetensors.torch import save_file
+
+    commands, results = trainer
+    config = _config(
+        device="cuda", dtype="bfloat16", actor=str(tied_actor_dir), generation_path="hf"
+    )
+    caplog.set_level(logging.INFO, logger="rollserve.server.weights.update")
+    with RolloutServer(config, models=load_models(config)) as server:
+        actor = server.state.models.actor.module
+        assert actor.state_dict(keep_vars=True)[HEAD] is actor.state_dict(keep_vars=True)[EMBED]
+        pointers = {name: p.data_ptr() for name, p in actor.state_dict().items()}
+        weights = _bf16_weights(actor, 1)
+        weights[HEAD] = weights[EMBED].clone()  # a file holds the tied tensor under each name
+        path = str(tmp_path / "tied.safetensors")
+        save_file(weights, path, metadata={"order": ",".join(weights)})
+        commands.put(("tied", server.address, path, 1, [EMBED, HEAD]))
+        answer = results.get(timeout=120)
+        assert not isinstance(answer, str) and answer == ("cuda_ipc", 1, 1), answer
+        line = _update_line(caplog, 1)
+        assert "staged in place" in line, line
+        # The tied weight is written once (the last of its names), the rest as one run.
+        assert re.search(r"apply_launch [0-9.]+/2\b", line), line
+        _assert_serves(server, weights)
+        state = actor.state_dict(keep_vars=True)
+        assert state[HEAD] is state[EMBED]
+        assert {name: p.data_ptr() for name, p in actor.state_dict().items()} == pointers
+        # An optimizer step on the trainer's tied weight: the shadow is stale until the export
+        # refreshes it; a server that got the stale bytes under lm_head would serve them.
+        commands.put(("again", 2, 0.5))
+        answer = results.get(timeout=120)
+        assert not isinstance(answer, str) and answer == ("cuda_ipc", 2, 1), answer
+        assert "staged in place" in _update_line(caplog, 2)
+        _assert_serves(server, {name: tensor * 0.5 for name, tensor in weights.items()})
 
 
 @pytest.mark.gpu
