@@ -21,7 +21,8 @@ prints its error and the run goes on; a watchdog ends the run (and its server pr
                      this process, warmed up on one row: its first call captures graphs)
      engine thread   the same maker through the engine's job thread, no gRPC (diagnostic)
      grpc, same proc RolloutClient against that in-process server (diagnostic)
-     in-process, again  the first lane once more, last (diagnostic: the lanes' order)
+     in-process, again  the first lane once more (diagnostic: the thread or the time?)
+                     The three diagnostics take turns, a call of each per round, two rounds.
      grpc            RolloutClient against `python -m rollserve.server serve --device cuda
                      --dtype bfloat16 --actor DIR` in its own process: seconds to SERVING,
                      the first request after SERVING, steady best of 3; its device memory from
@@ -59,6 +60,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -588,6 +590,24 @@ def measure(
     return lane
 
 
+def in_turns(calls: dict[str, Callable[[], object]], rounds: int, **measured: Any) -> list[Lane]:
+    """`measure` of each call (its keywords in `measured`), one steady call of each lane per
+    round, `rounds` rounds: the lanes, each with its calls merged. A lane that failed or ran
+    out of budget is not called again."""
+    lanes = {name: Lane(name) for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            lane = lanes[name]
+            if lane.error:
+                continue
+            one = measure(name, call, reps=1, **measured)
+            lane.error, lane.note = one.error, "; ".join(filter(None, (lane.note, one.note)))
+            if one.best_s is not None and (lane.best_s is None or one.best_s < lane.best_s):
+                lane.phases = one.phases
+            lane.steady_s += one.steady_s
+    return list(lanes.values())
+
+
 def compiled_graphs() -> int:
     """Graphs torch.compile has built in this process so far."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -664,24 +684,21 @@ def in_process_lanes(
             "(this process: the generation lanes' model and engine included)", lane.note,
         )))  # fmt: skip
         lanes.append(print_lane(lane, case))
-        # Two calls each: the H200's best-of-1 lanes (2026-11-27: 2.72 s on the engine thread,
-        # 2.69 over gRPC, against 1.98 on this thread) could not tell a first call on another
-        # thread from a steady cost.
-        diagnostic = dict(reps=2, first=False, reserve_s=diagnostic_reserve_s(args), **common)
-        lane = measure("engine thread", on_engine_thread, **diagnostic)
-        lanes.append(print_lane(lane, case))
+        # The diagnostics, two calls each, taken in turns (a call of each, then again): the
+        # H200's best-of-1 lanes (2026-11-27: 2.72 s on the engine thread, 2.69 over gRPC,
+        # against 1.98 on this thread) could not tell a first call on another thread, or a
+        # slower stretch of the process's life, from a steady cost of the thread. In turns,
+        # a stretch falls on every lane; "in-process, again" (this thread, as the first lane)
+        # then tells the thread from the time since start-up.
         timeout_s = budget.deadline_s(args.lane_reserve_s)
         with RolloutClient(server.address, timeout_s=timeout_s) as client:
-            lane = measure(
-                "grpc, same process", lambda: client.make_experience(prompts, **options),
-                **diagnostic,
-            )  # fmt: skip
-        lanes.append(print_lane(lane, case))
-        # The order's control: the first lane on this thread again, after the others. Equal to
-        # the engine thread's figure, the gap is the time since start-up (the warm-up's compile
-        # workers, the allocator), not the thread.
-        lane = measure("in-process, again", on_this_thread, **diagnostic)
-        lanes.append(print_lane(lane, case))
+            calls = {
+                "engine thread": on_engine_thread,
+                "grpc, same process": lambda: client.make_experience(prompts, **options),
+                "in-process, again": on_this_thread,
+            }
+            diagnostic = dict(first=False, reserve_s=diagnostic_reserve_s(args), **common)
+            lanes += [print_lane(lane, case) for lane in in_turns(calls, 2, **diagnostic)]
     finally:
         server.stop(0)
     return lanes

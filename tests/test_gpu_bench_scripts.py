@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -214,6 +216,33 @@ def test_a_diagnostic_lane_leaves_the_grpc_lane_its_reserve(bench_gpu) -> None:
         assert bench_gpu.diagnostic_reserve_s(args) == 0.0  # nothing to leave it to
     finally:
         budget.cancel()
+
+
+def test_the_diagnostic_lanes_take_turns_and_a_failed_one_is_not_called_again(bench_gpu) -> None:
+    """A call of each lane per round (a slow stretch of the process falls on every lane, not on
+    the one that happens to run then), each lane's calls merged into its best."""
+    order: list[str] = []
+
+    def lane(name: str) -> Callable[[], object]:
+        def call() -> object:
+            order.append(name)
+            if name == "b":
+                raise RuntimeError("no")
+            return SimpleNamespace(info={})  # an Experience without phases
+
+        return call
+
+    budget = bench_gpu.Budget(600.0)
+    try:
+        args = bench_gpu.parse_args(["--device", "cpu", "--skip", "grpc"])
+        calls = {name: lane(name) for name in "abc"}
+        lanes = bench_gpu.in_turns(calls, 3, first=False, args=args, budget=budget, device="cpu")
+    finally:
+        budget.cancel()
+    assert order == ["a", "b", "c", "a", "c", "a", "c"]
+    assert [lane.name for lane in lanes] == ["a", "b", "c"]
+    assert [len(lane.steady_s) for lane in lanes] == [3, 0, 3]
+    assert "RuntimeError" in lanes[1].error and not lanes[0].error
 
 
 def test_the_weights_bench_collects_the_clients_cuda_ipc_line_by_version() -> None:
