@@ -562,6 +562,9 @@ class Lane:
     error: str = ""
     note: str = ""
     memory: dict[str, PhaseMemory] = field(default_factory=dict)  # by phase (phase_memory)
+    # This process's CPU seconds (every thread's) in the steady best: beside its wall time,
+    # work added (compiles, collections, another busy thread) from time spent waiting.
+    best_cpu_s: float | None = None
 
     @property
     def best_s(self) -> float | None:
@@ -595,23 +598,24 @@ def measure(
         return lane
     started = time.monotonic()
 
-    def one_call() -> tuple[float, dict[str, float]]:
+    def one_call() -> tuple[float, dict[str, float], float]:
         sync(device)
-        begin = time.perf_counter()
+        begin, cpu_begin = time.perf_counter(), time.process_time()
         experience = call()
         sync(device)
-        return time.perf_counter() - begin, phase_seconds(experience)
+        seconds, cpu_s = time.perf_counter() - begin, time.process_time() - cpu_begin
+        return seconds, phase_seconds(experience), cpu_s
 
     try:
         if first:
-            lane.first_s, lane.first_phases = one_call()
+            lane.first_s, lane.first_phases, _ = one_call()
         graphs_before = compiled_graphs()
         for _ in range(reps):
             if lane.steady_s and time.monotonic() - started > args.lane_budget_s:
                 break
-            seconds, phases = one_call()
+            seconds, phases, cpu_s = one_call()
             if not lane.steady_s or seconds < min(lane.steady_s):
-                lane.phases = phases
+                lane.phases, lane.best_cpu_s = phases, cpu_s
             lane.steady_s.append(seconds)
         # Steady calls that still compile are not steady (in this process only: a server
         # process's own compiles show in its log).
@@ -637,7 +641,7 @@ def in_turns(calls: dict[str, Callable[[], object]], rounds: int, **measured: An
             one = measure(name, call, reps=1, **measured)
             lane.error, lane.note = one.error, "; ".join(filter(None, (lane.note, one.note)))
             if one.best_s is not None and (lane.best_s is None or one.best_s < lane.best_s):
-                lane.phases = one.phases
+                lane.phases, lane.best_cpu_s = one.phases, one.best_cpu_s
             lane.steady_s += one.steady_s
     return list(lanes.values())
 
@@ -660,6 +664,8 @@ def lane_row(lane: Lane, case: Case) -> list[str]:
     if lane.first_s is not None:  # and how much of it was outside the phases
         first = f"{lane.first_s:.2f} ({lane.first_s - sum(lane.first_phases.values()):.2f} out)"
     steady = f"{lane.best_s:.2f} (best of {len(lane.steady_s)})"
+    if lane.best_cpu_s is not None:  # every thread of this process, not a server process's
+        steady += f", CPU {lane.best_cpu_s:.2f} s"
     # The first call's phases: where a first request's extra seconds go (compiles, plans).
     first_phases = _phases_cell(lane.first_phases) if lane.first_s is not None else "-"
     return [lane.name, f"{case.tokens / lane.best_s:,.0f}", first, first_phases, steady, phases,
@@ -1216,8 +1222,9 @@ def main(argv: list[str] | None = None) -> int:
         del model  # the servers load their own copies; free this one's memory and graphs
         gc.collect()
         reset_memory(args.device)
-        header = ["lane", "tokens/s", "first s", "phases of the first (s)", "steady s",
-                  "phases of the best (s)", "outside phases s", "notes"]  # fmt: skip
+        header = ["lane", "tokens/s", "first s", "phases of the first (s)",
+                  "steady s (this process's CPU s)", "phases of the best (s)",
+                  "outside phases s", "notes"]  # fmt: skip
         print(f"\n## MakeExperience end to end ({case.prompts} prompts x {case.samples}, "
               f"{case.prompt_len}-token prompts, {case.new_tokens} new tokens; rows per "
               f"generate/forward/micro-batch {batching.generate}/{batching.forward}/"
