@@ -39,6 +39,8 @@ def test_bench_gpu_cpu_quick_run_fills_every_lane() -> None:
     lanes = ("in-process", "engine thread", "grpc, same process", "in-process, again", "grpc")
     for lane in lanes:
         assert re.search(rf"^\| {lane} \| [\d,]+ \| ", out, re.M), lane
+        if lane != "grpc":  # this process's CPU seconds beside the steady best's wall time
+            assert re.search(rf"^\| {lane} \| .*\(best of \d\), CPU [\d.]+ s \|", out, re.M)
     assert re.search(r"^\| generation alone: engine / HF generate \| [\d.]+ \|", out, re.M)
     for lane in ("hf path", "engine path"):  # the scoring section's
         assert re.search(rf"^\| decoder body only, {lane} \| [\d.]+ \(first", out, re.M), lane
