@@ -9,6 +9,7 @@ and without shared prompts, and three shapes of rows build no new graph after th
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,31 @@ def test_compiled_sequence_forward_equals_eager_and_compiles_once(
     assert all(fn.compiled is not None for fn in layer_functions)  # no fallback to eager
     assert graphs_after_first >= graphs_before + 2  # both functions compiled
     assert counters["unique_graphs"] == graphs_after_first  # the later shapes built nothing
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_the_compiled_layer_functions_take_the_token_count_as_their_one_runtime_size(
+    name: str, tmp_path: Path
+) -> None:
+    """Compiled with every size symbolic (torch.compile's dynamic=True, before), each
+    elementwise kernel split its flat index by runtime head and feature sizes: integer
+    divisions per element (the H200's RoPE kernel ran at ~5x its bytes). With the token
+    dimension marked dynamic (model._tokens_vary) and the rest constant, Inductor's kernels
+    take one runtime size, the token count, whatever the layout of the rows."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = _model(name, tmp_path)
+    family = read_family(model)
+    assert family is not None
+    rope = RopeTable(family.rotary, family.max_positions, torch.float32)
+    forward = Forward(family, rope, compiled=True, fused=True)
+    torch._dynamo.reset()  # compiled code is cached per function: build it here
+    ids, mask, positions = _rows(4, 6, 5, torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        _, codes = run_and_get_code(lambda: forward.hidden_states(ids, mask, positions, 6))
+    assert len(codes) == 2  # token_inputs and mlp_chunks, one graph each
+    for code in codes:
+        assert set(re.findall(r"\bks\d+\b", code)) == {"ks0"}, code
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ q/k/v projections, q/k norms, RoPE) and `mlp_block` (output projection, residual
 SwiGLU, residual). On CUDA they run compiled (torch.compile fuses their element-wise work into
 a few kernels; a decode step is otherwise bound by ~45 small kernels per layer, a scoring
 forward by its element-wise passes): for the decode step's static shapes, and for the
-full-sequence forward (prefill, scoring) over one row of all its tokens with dynamic shapes.
+full-sequence forward (prefill, scoring) over one row of all its tokens, the token count
+dynamic.
 The cache writes and the attention stay outside, so the compiler never sees a mutation of the
 cache.
 """
@@ -172,6 +173,18 @@ def _at_least(t: torch.Tensor, dim: int, least: int = 2) -> torch.Tensor:
     return t.repeat(*(times if d == dim else 1 for d in range(t.dim())))
 
 
+def _tokens_vary(dim: int, *tensors: torch.Tensor) -> None:
+    """Mark the token dimension `dim` of a full-sequence call's activations dynamic: compiled,
+    one code serves every token count, while the rest (hidden and head sizes, head_dim, the
+    weights' shapes) stays constants. Compiled with dynamic=True, every size was symbolic:
+    each elementwise kernel split its flat index by runtime sizes (integer divisions per
+    element), and a 0.5B layer's RMSNorm and RoPE took 2.3x as long on a CPU (9.1 against 3.9
+    ms a call of 1,536 tokens; the H200 profile had the RoPE kernel at ~5x its bytes).
+    maybe_: a size a lowering must specialise compiles again rather than fails."""
+    for tensor in tensors:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
 class Forward:
     """Embedding -> decoder layers -> final norm -> lm_head, reading `family`'s modules.
 
@@ -200,17 +213,16 @@ class Forward:
         self._inputs = maybe_compiled(decode_inputs, compiled)
         self._mlp = maybe_compiled(decode_mlp, compiled)
         # The full-sequence forward's (prefill, scoring) on one row of all its tokens, so the
-        # compiled code varies in one size (the token count) and is built once, by the
-        # warm-up's scoring batch: eager, its RMSNorms, RoPE, SwiGLU and residuals are ~40 %
-        # of a scoring forward batch's time on an H100 (bench/RESULTS.md, 16:31 profile).
-        self._token_inputs = maybe_compiled(token_inputs, compiled, dynamic=True)
+        # compiled code varies in one size (the token count, marked dynamic at each call:
+        # `_tokens_vary`) and is built once, by the warm-up's scoring batch: eager, its
+        # RMSNorms, RoPE, SwiGLU and residuals are ~40 % of a scoring forward batch's time on
+        # an H100 (bench/RESULTS.md, 16:31 profile).
+        self._token_inputs = maybe_compiled(token_inputs, compiled)
         # Compiled, the MLP runs MLP_CALL_CHUNKS token chunks a call (a call is host time);
         # eager, a call per chunk: eager ops cost the same however they are grouped, and more
         # chunks than the memory bound needs are only more of them (a small CPU forward took
         # twice as long in 8 chunks).
-        self._token_mlp = (
-            maybe_compiled(mlp_chunks, compiled, dynamic=True) if compiled else mlp_block
-        )
+        self._token_mlp = maybe_compiled(mlp_chunks, compiled) if compiled else mlp_block
         self.decode_attention_variant = DEFAULT_DECODE_ATTENTION
         # The attention decode runs for grouped rows (decode's `shared`): a name of
         # shared_prefix.SHARED_PREFIX_ATTENTION, compiled where the layers are.
@@ -293,9 +305,9 @@ class Forward:
         token, so the compiled code varies in one size): q (tokens, H, D), k and v
         (tokens, Hkv, D), token-major."""
         tokens = x.shape[0]
-        q, k, v = self._layer_inputs(
-            layer, *(_at_least(t[None], dim=1) for t in (x, cos, sin)), self._token_inputs
-        )
+        row = [_at_least(t[None], dim=1) for t in (x, cos, sin)]
+        _tokens_vary(1, *row)
+        q, k, v = self._layer_inputs(layer, *row, self._token_inputs)
         return q[0, :tokens], k[0, :tokens], v[0, :tokens]
 
     def _sequence_mlp(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -316,14 +328,15 @@ class Forward:
         calls = -(-tokens // (per_call * MLP_CHUNK_TOKENS))
         if calls == 1:
             x_in, attended_in = (_at_least(t, 0, 2 * per_call) for t in (x, attended))
+            _tokens_vary(0, x_in, attended_in)
             return self._layer_mlp(layer, x_in, attended_in, self._token_mlp)[:tokens]
         out = torch.empty_like(x)
         # Equal parts of more than 2 * per_call tokens each (calls > 1: each is over
         # per_call * MLP_CHUNK_TOKENS / 2).
         for start, end in _equal_parts(tokens, calls):
-            out[start:end] = self._layer_mlp(
-                layer, x[start:end], attended[start:end], self._token_mlp
-            )
+            x_in, attended_in = x[start:end], attended[start:end]
+            _tokens_vary(0, x_in, attended_in)
+            out[start:end] = self._layer_mlp(layer, x_in, attended_in, self._token_mlp)
         return out
 
     def _prefill_masks(
