@@ -306,7 +306,8 @@ class Forward:
         (tokens, Hkv, D), token-major."""
         tokens = x.shape[0]
         row = [_at_least(t[None], dim=1) for t in (x, cos, sin)]
-        _tokens_vary(1, *row)
+        if self._compiled:
+            _tokens_vary(1, *row)
         q, k, v = self._layer_inputs(layer, *row, self._token_inputs)
         return q[0, :tokens], k[0, :tokens], v[0, :tokens]
 
@@ -328,14 +329,16 @@ class Forward:
         calls = -(-tokens // (per_call * MLP_CHUNK_TOKENS))
         if calls == 1:
             x_in, attended_in = (_at_least(t, 0, 2 * per_call) for t in (x, attended))
-            _tokens_vary(0, x_in, attended_in)
+            if self._compiled:
+                _tokens_vary(0, x_in, attended_in)
             return self._layer_mlp(layer, x_in, attended_in, self._token_mlp)[:tokens]
         out = torch.empty_like(x)
         # Equal parts of more than 2 * per_call tokens each (calls > 1: each is over
         # per_call * MLP_CHUNK_TOKENS / 2).
         for start, end in _equal_parts(tokens, calls):
             x_in, attended_in = x[start:end], attended[start:end]
-            _tokens_vary(0, x_in, attended_in)
+            if self._compiled:
+                _tokens_vary(0, x_in, attended_in)
             out[start:end] = self._layer_mlp(layer, x_in, attended_in, self._token_mlp)
         return out
 
