@@ -2,7 +2,7 @@
 
 A 24-layer Qwen2 so narrow (hidden 32) that its arithmetic is small next to what the host does
 per layer (compiled calls: their guards, wrappers and launches; the eager attention between
-them), compiled as the engine compiles it on CUDA (torch.compile with dynamic shapes, fused
+them), compiled as the engine compiles it on CUDA (torch.compile, the token count dynamic, fused
 projections; Inductor here on the CPU). The H200's scoring batch (64 rows x (128 + 256), 8
 samples a prompt, MLP chunks of 4096 tokens; host-bound there, bench/RESULTS.md 2026-11-27) is
 kept in its call structure by scaling the chunk with the tokens: 64 rows x (2 + 4) columns,
