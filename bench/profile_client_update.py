@@ -18,13 +18,17 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
-from unittest import mock
+from pathlib import Path
 
+import pytest
 import torch
 from rollserve.client.weights import cuda_ipc
 from rollserve.client.weights.flat_weights import flatten_weights
 from rollserve.client.weights.update_file import prepare_update
 from rollserve.v1 import rollout_pb2 as pb
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers_weights import stand_in_for_cuda  # noqa: E402
 
 
 def qwen2_shaped(layers: int, hidden: int = 64, kv: int = 16) -> dict[str, torch.Tensor]:
@@ -90,14 +94,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args(argv)
-    stand_ins = (
-        mock.patch.object(cuda_ipc, "check_on_cuda", lambda state_dict: None),
-        mock.patch.object(cuda_ipc.torch.cuda, "synchronize", lambda device=None: None),
-        mock.patch.object(cuda_ipc, "device_uuid", lambda device: "0" * 32),
-        mock.patch.object(cuda_ipc, "_shared", lambda storage, uuid: pb.CudaIpcBuffer()),
-    )
-    for patch in stand_ins:
-        patch.start()
+    stand_in_for_cuda(pytest.MonkeyPatch())  # this process only measures; never undone
     for layout in ("flat", "per-tensor"):
         print(measure(layout, args.layers, args.repeats), flush=True)
     return 0

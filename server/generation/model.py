@@ -174,7 +174,7 @@ def _at_least(t: torch.Tensor, dim: int, least: int = 2) -> torch.Tensor:
 
 
 def _tokens_vary(dim: int, *tensors: torch.Tensor) -> None:
-    """Mark the token dimension `dim` of a full-sequence call's activations dynamic: compiled,
+    """Mark the token dimension `dim` of a compiled full-sequence call's activations dynamic:
     one code serves every token count, while the rest (hidden and head sizes, head_dim, the
     weights' shapes) stays constants. Compiled with dynamic=True, every size was symbolic:
     each elementwise kernel split its flat index by runtime sizes (integer divisions per
@@ -298,6 +298,11 @@ class Forward:
 
         return heads_first(q), heads_first(k), heads_first(v)
 
+    def _mark_tokens(self, dim: int, *tensors: torch.Tensor) -> None:
+        """`_tokens_vary` where the functions are compiled (eager ones need no marks)."""
+        if self._compiled:
+            _tokens_vary(dim, *tensors)
+
     def _row_inputs(
         self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -306,8 +311,7 @@ class Forward:
         (tokens, Hkv, D), token-major."""
         tokens = x.shape[0]
         row = [_at_least(t[None], dim=1) for t in (x, cos, sin)]
-        if self._compiled:
-            _tokens_vary(1, *row)
+        self._mark_tokens(1, *row)
         q, k, v = self._layer_inputs(layer, *row, self._token_inputs)
         return q[0, :tokens], k[0, :tokens], v[0, :tokens]
 
@@ -329,16 +333,14 @@ class Forward:
         calls = -(-tokens // (per_call * MLP_CHUNK_TOKENS))
         if calls == 1:
             x_in, attended_in = (_at_least(t, 0, 2 * per_call) for t in (x, attended))
-            if self._compiled:
-                _tokens_vary(0, x_in, attended_in)
+            self._mark_tokens(0, x_in, attended_in)
             return self._layer_mlp(layer, x_in, attended_in, self._token_mlp)[:tokens]
         out = torch.empty_like(x)
         # Equal parts of more than 2 * per_call tokens each (calls > 1: each is over
         # per_call * MLP_CHUNK_TOKENS / 2).
         for start, end in _equal_parts(tokens, calls):
             x_in, attended_in = x[start:end], attended[start:end]
-            if self._compiled:
-                _tokens_vary(0, x_in, attended_in)
+            self._mark_tokens(0, x_in, attended_in)
             out[start:end] = self._layer_mlp(layer, x_in, attended_in, self._token_mlp)
         return out
 
