@@ -1,5 +1,6 @@
 """Scoring a padded request: sorted and trimmed forward batches against plain ones, and the peak
-memory of a full-sequence forward with its MLP in token chunks against the MLP at once.
+memory of a full-sequence forward with its MLP in token chunks and its attention mask in blocks
+of queries, each against the same forward with that part whole.
 
 1. Time. `action_log_probs` of a GRPO-shaped request whose prompts and responses vary in length
    (left-padded prompts, right-padded responses), with `scoring.forward_batches` as it is (rows
@@ -7,14 +8,19 @@ memory of a full-sequence forward with its MLP in token chunks against the MLP a
    plain batches in the caller's order without trimming (the old plan), in the same process,
    repetitions interleaved, the first of each dropped. Prints the ratio of medians
    (plain / sorted+trimmed) and the largest difference of the log-probs.
-2. Memory (--memory). `Forward.hidden_states` of one forward batch with MLP_CHUNK_TOKENS as it is
-   against one chunk of every token, each in a fresh subprocess: peak RSS above the RSS before
-   the forward (VmHWM after a reset through /proc/self/clear_refs, Linux).
+2. Memory (--memory). `Forward.hidden_states` of one forward batch as it is ("bounded") against
+   one MLP chunk of every token ("MLP whole") and against one attention mask of every query
+   ("mask whole": attention.MASK_BYTES unbounded), each in a fresh subprocess: peak RSS above
+   the RSS before the forward (VmHWM after a reset through /proc/self/clear_refs, Linux), and
+   the forward's seconds.
 
     python bench/bench_scoring_padding.py                       # CPU, ~1 minute; both paths
     python bench/bench_scoring_padding.py --memory              # + the MLP chunking's peak
     python bench/bench_scoring_padding.py --memory --paths hf --forward-batch 64 --hidden 896 \
         --intermediate 4864 --layers 2 --reps 2                 # the 0.5B model's MLP width
+    python bench/bench_scoring_padding.py --memory --paths hf --prompts 4 --samples 1 \
+        --prompt-len 2048 2048 --response-len 4096 4096 --forward-batch 4 --hidden 64 \
+        --layers 2 --vocab 256 --reps 1            # long rows: the attention mask's bound
     python bench/bench_scoring_padding.py --device cuda --dtype bfloat16 --layers 24 --hidden 896
 """
 
@@ -49,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--paths", default="hf,rollserve")
     parser.add_argument("--memory", action="store_true", help="also the MLP chunking's peak")
-    parser.add_argument("--peak-of", choices=["chunked", "whole"], help=argparse.SUPPRESS)
+    parser.add_argument("--peak-of", choices=PEAK_LANES, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -62,7 +68,8 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     config = tf.Qwen2Config(
         hidden_size=args.hidden, intermediate_size=args.intermediate or args.hidden * 11 // 4,
         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=2,
-        vocab_size=args.vocab, max_position_embeddings=2048,
+        vocab_size=args.vocab,
+        max_position_embeddings=max(2048, args.prompt_len[1] + args.response_len[1]),
     )  # fmt: skip
     model = tf.Qwen2ForCausalLM(config).eval().requires_grad_(False)
     return model.to(args.device, getattr(torch, args.dtype))
@@ -140,15 +147,22 @@ def time_lanes(args: argparse.Namespace) -> None:
         )
 
 
-def peak_of(args: argparse.Namespace) -> None:
-    """In this (fresh) process: the peak RSS above start of one forward batch's hidden states."""
-    from rollserve.server.experience.scoring import position_ids_from_mask
-    from rollserve.server.generation import model as generation_model
-    from rollserve.server.generation import scoring_forward
+# The memory lanes: the forward as it is, with its MLP in one chunk, with its mask whole.
+PEAK_LANES = ("bounded", "MLP whole", "mask whole")
 
-    if args.peak_of == "whole":  # one call of one chunk a layer
+
+def peak_of(args: argparse.Namespace) -> None:
+    """In this (fresh) process: the peak RSS above start of one forward batch's hidden states,
+    and its seconds."""
+    from rollserve.server.experience.scoring import position_ids_from_mask
+    from rollserve.server.generation import attention, scoring_forward
+    from rollserve.server.generation import model as generation_model
+
+    if args.peak_of == "MLP whole":  # one call of one chunk a layer
         generation_model.MLP_CHUNK_TOKENS = 1 << 62
         generation_model.MLP_CALL_CHUNKS = 1
+    if args.peak_of == "mask whole":
+        attention.MASK_BYTES = 1 << 62
     model = build_model(args)
     ids, mask, actions = padded_request(args)
     ids, mask = ids[: args.forward_batch], mask[: args.forward_batch]
@@ -160,8 +174,10 @@ def peak_of(args: argparse.Namespace) -> None:
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")
         before = _rss_bytes()
+        started = time.perf_counter()
         forward.hidden_states(ids, mask, positions, ids.shape[1] - actions)
-    print(f"{(_status_bytes('VmHWM') - before) / 2**20:.0f}")
+        seconds = time.perf_counter() - started
+    print(f"{(_status_bytes('VmHWM') - before) / 2**20:.0f} {seconds:.3f}")
 
 
 def _rss_bytes() -> int:
@@ -178,21 +194,27 @@ def _status_bytes(field: str) -> int:
 
 
 def memory_lanes(args: argparse.Namespace, argv: list[str]) -> None:
+    from rollserve.server.generation.attention import MASK_BYTES
     from rollserve.server.generation.model import MLP_CALL_CHUNKS, MLP_CHUNK_TOKENS
 
-    peaks = {}
-    for lane in ("whole", "chunked"):
+    peaks, seconds = {}, {}
+    for lane in PEAK_LANES:
         done = subprocess.run(
             [sys.executable, __file__, *argv, "--peak-of", lane],
             check=True, capture_output=True, text=True,
         )  # fmt: skip
-        peaks[lane] = float(done.stdout.split()[-1])
-    tokens = args.forward_batch * (args.prompt_len[1] + args.response_len[1])
+        peak, took = done.stdout.split()[-2:]
+        peaks[lane], seconds[lane] = float(peak), float(took)
+    rows, width = args.forward_batch, args.prompt_len[1] + args.response_len[1]
     print(
-        f"hidden_states of one forward batch ({tokens} tokens): peak RSS above start, MLP at once "
-        f"{peaks['whole']:.0f} MiB, in chunks of {MLP_CHUNK_TOKENS} tokens or fewer "
-        f"({MLP_CALL_CHUNKS} a call) "
-        f"{peaks['chunked']:.0f} MiB; ratio chunked/whole = {peaks['chunked'] / peaks['whole']:.2f}"
+        f"hidden_states of one forward batch ({rows} rows x {width} columns): peak RSS above "
+        f"start / seconds: bounded (MLP in chunks of {MLP_CHUNK_TOKENS} tokens or fewer, "
+        f"{MLP_CALL_CHUNKS} a call; attention mask within {MASK_BYTES >> 20} MiB) "
+        f"{peaks['bounded']:.0f} MiB / {seconds['bounded']:.2f} s, MLP at once "
+        f"{peaks['MLP whole']:.0f} MiB / {seconds['MLP whole']:.2f} s, mask whole "
+        f"{peaks['mask whole']:.0f} MiB / {seconds['mask whole']:.2f} s; ratios bounded / MLP "
+        f"whole = {peaks['bounded'] / peaks['MLP whole']:.2f}, bounded / mask whole = "
+        f"{peaks['bounded'] / peaks['mask whole']:.2f}"
     )
 
 

@@ -141,6 +141,40 @@ def test_the_mlp_in_token_chunks_gives_the_same_numbers(
 
 
 @pytest.mark.parametrize("samples", [1, 3])
+def test_the_attention_in_blocks_of_queries_gives_the_same_numbers(
+    models, samples: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A mask bound of a few queries a block (attention.MASK_BYTES: whole masks of long rows
+    # are quadratic): every layer attends block by block, each block against the keys up to its
+    # last query, for the rows' own prompts and for a group's prompt run once and the rest.
+    from rollserve.server.generation import attention
+
+    model = models["causal_lm"]
+    sequences, mask, actions = rows(samples)
+    kw = dict(forward_batch_size=4, with_entropy=True, temperature=0.7)
+    hf = action_log_probs(model, sequences, mask, actions, path="hf", **kw)
+    budget = 4 * sequences.shape[1] * (4 + attention.MASK_BUILD_BYTES) * 2  # 2 queries a block
+    monkeypatch.setattr(attention, "MASK_BYTES", budget)
+    masks: list[torch.Tensor] = []
+
+    def spy(q, k, v, mask, scale):
+        masks.append(mask)
+        return attention.prefill_attention(q, k, v, mask, scale)
+
+    monkeypatch.setattr(generation_model, "prefill_attention", spy)
+    blocked = action_log_probs(model, sequences, mask, actions, path="rollserve", **kw)
+    where = compared(model, mask, actions)
+    for mine, theirs in zip(blocked, hf, strict=True):
+        torch.testing.assert_close(mine[where], theirs[where], atol=1e-5, rtol=1e-5)
+    forwards = -(-sequences.shape[0] // 4)
+    layers = model.config.num_hidden_layers
+    assert len(masks) > 2 * forwards * layers  # several blocks a layer
+    for made in masks:  # (b, 1, queries, keys): within the bound, or one query
+        b, _, queries, keys = made.shape
+        assert queries == 1 or b * queries * keys * (4 + attention.MASK_BUILD_BYTES) <= budget
+
+
+@pytest.mark.parametrize("samples", [1, 3])
 def test_critic_values_equal_hf(models, samples: int) -> None:
     critic = models["critic"]
     sequences, mask, actions = rows(samples)

@@ -105,6 +105,32 @@ def test_prefill_logits_equal_hf_logits_on_left_padded_rows(model) -> None:
     torch.testing.assert_close(mine[mask], theirs[mask], atol=1e-5, rtol=1e-5)
 
 
+def test_a_prefill_past_the_mask_bound_runs_in_blocks_of_queries(
+    model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts whose whole mask passes attention.MASK_BYTES (here: a bound of 3 queries of the
+    widest batch) prefill block by block: HF's logits, and HF's greedy tokens after them."""
+    from rollserve.server.generation import attention
+
+    prompts = PROMPTS + [list(range(60, 90))]
+    ids, mask = pad_prompts(prompts, PAD, torch.device("cpu"))
+    per_query = ids.shape[0] * ids.shape[1] * (4 + attention.MASK_BUILD_BYTES)
+    monkeypatch.setattr(attention, "MASK_BYTES", 3 * per_query)
+    assert len(attention.query_blocks(*ids.shape[:1], 0, ids.shape[1], torch.float32)) == 10
+    engine = Engine(model, read_family(model))
+    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    with torch.inference_mode():
+        theirs = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions).logits
+        mine = engine.forward.logits(engine.forward.prefill(ids, mask, positions, None))
+        hf = model.generate(
+            input_ids=ids, attention_mask=mask.long(), do_sample=False, pad_token_id=PAD,
+            max_new_tokens=12, eos_token_id=None,
+        )  # fmt: skip
+    torch.testing.assert_close(mine[mask], theirs[mask], atol=1e-5, rtol=1e-5)
+    ours = run(model, SamplingParams(max_new_tokens=12, temperature=0.0), prompts=prompts)
+    assert torch.equal(ours.sequences, hf)
+
+
 def test_greedy_equals_hf_generate(model) -> None:
     """40 new tokens: decode steps cross the Mistral window and several attention widths."""
     ids, mask = pad_prompts(PROMPTS, PAD, torch.device("cpu"))

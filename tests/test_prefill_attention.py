@@ -11,12 +11,14 @@ import contextlib
 import pytest
 import torch
 from rollserve.server.generation.attention import (
+    MASK_BUILD_BYTES,
     PREFILL_ATTENTION_ENV,
     additive_mask,
     prefill_attention,
     prefill_backend,
     prefill_backends,
     prefill_mask,
+    query_blocks,
 )
 from torch.nn.attention import SDPBackend
 
@@ -117,3 +119,25 @@ def test_the_forward_hands_its_backend_to_every_prefill_and_scoring_attention(
     other = AutoModelForCausalLM.from_pretrained(tiny_actor_dir, dtype=torch.float32).eval()
     action_log_probs(other, ids, torch.ones_like(ids), 3, forward_batch_size=2, path="rollserve")
     assert seen == [WITHOUT_CUDNN] * 2 * layers
+
+
+@pytest.mark.parametrize("rows, first, keys", [(4, 0, 50), (3, 20, 50), (1, 0, 7), (64, 128, 384)])
+def test_query_blocks_cover_the_queries_in_order_within_the_bound(
+    rows: int, first: int, keys: int
+) -> None:
+    per_query = rows * keys * (2 + MASK_BUILD_BYTES)  # bfloat16
+    for budget in (1, per_query, 3 * per_query + 1, 10**12):
+        blocks = query_blocks(rows, first, keys, torch.bfloat16, budget)
+        assert [a for a, _ in blocks] == [first] + [b for _, b in blocks[:-1]]
+        assert blocks[-1][1] == keys and all(a < b for a, b in blocks)
+        sizes = [b - a for a, b in blocks]
+        assert max(sizes) - min(sizes) <= 1  # near-equal
+        assert max(sizes) == 1 or max(sizes) * per_query <= budget
+        if budget >= (keys - first) * per_query:
+            assert blocks == ((first, keys),)  # the whole mask fits: one block
+        elif budget > per_query:  # no more blocks than the bound asks
+            assert len(blocks) == -(-(keys - first) // (budget // per_query))
+    # The default bound: the H200's scoring batch (64 x 384, bfloat16) is one block; 16 rows
+    # of 8,192 tokens are not.
+    assert len(query_blocks(64, 128, 384, torch.bfloat16)) == 1
+    assert len(query_blocks(16, 0, 8192, torch.bfloat16)) > 1

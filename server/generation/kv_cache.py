@@ -44,7 +44,9 @@ def activation_reserve_bytes(vocab: int) -> int:
     """What the KV budget leaves, inside the --gpu-memory-utilization share, for the device
     memory that is not KV: the decode step's graph pool at RESERVE_ROWS rows and scoring's
     lm_head chunks (scoring.py sizes its position blocks by SCORING_CHUNK_BYTES; on CUDA the
-    vocabulary chunks of experience/vocab_chunks.py hold half of one). A server's engine adds
+    vocabulary chunks of experience/vocab_chunks.py hold half of one); the scoring term also
+    covers a full-sequence forward's attention mask (attention.MASK_BYTES at most, alive only
+    while the decoder body runs, before any lm_head chunk). A server's engine adds
     one term to it (registry.staging_reserve_bytes): one device staging copy of the weights
     of each model the server updates (weights/arena.py keeps it between updates)."""
     return (4 * RESERVE_ROWS + 8 * SAMPLE_ROWS) * vocab + 3 * SCORING_CHUNK_BYTES

@@ -28,12 +28,13 @@ import torch.nn.functional as F
 
 from .attention import (
     DEFAULT_DECODE_ATTENTION,
+    PrefillMasks,
     additive_mask,
     decode_attention_variant,
     prefill_attention,
     prefill_backend,
     prefill_backends,
-    prefill_mask,
+    repeat_kv,
 )
 from .compiling import maybe_compiled
 from .families import Family, Layer
@@ -346,11 +347,38 @@ class Forward:
 
     def _prefill_masks(
         self, valid: torch.Tensor, dtype: torch.dtype, first_query: int = 0
-    ) -> dict[int | None, torch.Tensor]:
-        """Each layer window's additive prefill mask (prefill_mask) of `valid`, made once per
-        forward."""
+    ) -> PrefillMasks:
+        """The additive prefill masks (prefill_mask) of `valid` for every layer window: made
+        once per forward, or by blocks of queries in each layer when whole they would pass
+        attention.MASK_BYTES (`_attend`)."""
         windows = {layer.window for layer in self.family.layers}
-        return {w: additive_mask(prefill_mask(valid, w, first_query), dtype) for w in windows}
+        return PrefillMasks(valid, windows, dtype, first_query)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        masks: PrefillMasks,
+        window: int | None,
+    ) -> torch.Tensor:
+        """prefill_attention of q (b, H, s - first_query, D), the queries of masks.first_query
+        on, against k/v (b, Hkv, s, D) under the masks of `window`: one call, or one per block
+        of queries against the keys up to its last query (the K/V heads repeated once for all
+        of them), written into one output, (b, H, s - first_query, D) heads-first over
+        token-major memory (the caller's transpose and reshape to tokens are then views)."""
+        scale = self.family.scaling
+        if len(masks.blocks) == 1:
+            return prefill_attention(q, k, v, masks.block(window, *masks.blocks[0]), scale)
+        b, heads, queries, dim = q.shape
+        k, v = repeat_kv(heads, k, v)
+        out = q.new_empty(b, queries, heads, dim).transpose(1, 2)
+        for start, end in masks.blocks:
+            rows = slice(start - masks.first_query, end - masks.first_query)
+            mask = masks.block(window, start, end)
+            out[:, :, rows] = prefill_attention(q[:, :, rows], k[:, :, :end], v[:, :, :end],
+                                                mask, scale)  # fmt: skip
+        return out
 
     def prefill(
         self,
@@ -373,7 +401,7 @@ class Forward:
                 q, k, v = self._sequence_inputs(layer, x, cos, sin)
                 if write is not None:
                     write(index, k, v)
-                out = prefill_attention(q, k, v, masks[layer.window], f.scaling)
+                out = self._attend(q, k, v, masks, layer.window)
                 x = self._sequence_mlp(layer, x, out.transpose(1, 2).reshape(*ids.shape, -1))
         return rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
 
@@ -446,11 +474,10 @@ class Forward:
             for layer in f.layers:
                 inputs = self._row_inputs(layer, x, cos, sin)
                 (q_head, q), (k_head, k), (v_head, v) = (parts(t) for t in inputs)
-                out_head = prefill_attention(q_head, k_head, v_head, head_masks[layer.window],
-                                             f.scaling)  # fmt: skip
+                out_head = self._attend(q_head, k_head, v_head, head_masks, layer.window)
                 k = torch.cat([k_head[of_row], k], dim=2)  # (rows, Hkv, columns, D)
                 v = torch.cat([v_head[of_row], v], dim=2)
-                out = prefill_attention(q, k, v, masks[layer.window], f.scaling)
+                out = self._attend(q, k, v, masks, layer.window)
                 attended = x.new_empty(x.shape[0], out.shape[1] * out.shape[3])
                 attended_head, attended_rest = parts(attended.view(-1, *out.shape[1::2]))
                 attended_head.copy_(out_head)
