@@ -107,6 +107,13 @@ def compared(model: torch.nn.Module, mask: torch.Tensor, actions: int) -> torch.
     return mask[:, -actions - 1 : -1].bool()
 
 
+def assert_scores_close(ours, theirs, model: torch.nn.Module, mask: torch.Tensor, actions: int):
+    """Each pair of (B, A) results (log-probs, entropy) equal at the `compared` columns."""
+    where = compared(model, mask, actions)
+    for mine, other in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine[where], other[where], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("samples", [1, 3])
 def test_actor_log_probs_and_entropy_equal_hf(models, samples: int) -> None:
     model = models["causal_lm"]
@@ -118,9 +125,7 @@ def test_actor_log_probs_and_entropy_equal_hf(models, samples: int) -> None:
                                 path="rollserve", **kw)  # fmt: skip
         theirs = action_log_probs(model, sequences, mask, actions, temperature=temperature,
                                   path="hf", **kw)  # fmt: skip
-        where = compared(model, mask, actions)
-        for mine, hf in zip(ours, theirs, strict=True):
-            torch.testing.assert_close(mine[where], hf[where], atol=1e-5, rtol=1e-5)
+        assert_scores_close(ours, theirs, model, mask, actions)
 
 
 @pytest.mark.parametrize("samples", [1, 3])
@@ -135,9 +140,7 @@ def test_the_mlp_in_token_chunks_gives_the_same_numbers(
     whole = action_log_probs(model, sequences, mask, actions, **kw)
     monkeypatch.setattr(generation_model, "MLP_CHUNK_TOKENS", 5)
     chunked = action_log_probs(model, sequences, mask, actions, **kw)
-    where = compared(model, mask, actions)
-    for mine, once in zip(chunked, whole, strict=True):
-        torch.testing.assert_close(mine[where], once[where], atol=1e-5, rtol=1e-5)
+    assert_scores_close(chunked, whole, model, mask, actions)
 
 
 @pytest.mark.parametrize("samples", [1, 3])
@@ -163,9 +166,7 @@ def test_the_attention_in_blocks_of_queries_gives_the_same_numbers(
 
     monkeypatch.setattr(generation_model, "prefill_attention", spy)
     blocked = action_log_probs(model, sequences, mask, actions, path="rollserve", **kw)
-    where = compared(model, mask, actions)
-    for mine, theirs in zip(blocked, hf, strict=True):
-        torch.testing.assert_close(mine[where], theirs[where], atol=1e-5, rtol=1e-5)
+    assert_scores_close(blocked, hf, model, mask, actions)
     forwards = -(-sequences.shape[0] // 4)
     layers = model.config.num_hidden_layers
     assert len(masks) > 2 * forwards * layers  # several blocks a layer
