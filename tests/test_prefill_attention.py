@@ -141,3 +141,31 @@ def test_query_blocks_cover_the_queries_in_order_within_the_bound(
     # of 8,192 tokens are not.
     assert len(query_blocks(64, 128, 384, torch.bfloat16)) == 1
     assert len(query_blocks(16, 0, 8192, torch.bfloat16)) > 1
+
+
+@pytest.mark.gpu
+def test_on_cuda_attention_in_blocks_of_queries_equals_one_mask(
+    tiny_actor_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bounded mask's blocks on the device's kernels (SDPA without cuDNN, bfloat16): slices
+    # of the repeated K/V as keys, each block written into one output.
+    from rollserve.server.experience.scoring import position_ids_from_mask
+    from rollserve.server.generation import attention, scoring_forward
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_actor_dir, dtype=torch.bfloat16)
+    forward = scoring_forward(model.eval().to("cuda"), "rollserve")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 200, (6, 40), generator=g)
+    ids[3:, :20] = ids[0, :20]  # rows 3-5 share row 0's prompt (the first 20 columns)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = mask[2, :12] = mask[4, 35:] = 0  # left pads, one row's right pads
+    ids, mask = ids.cuda(), mask.cuda()
+    positions = position_ids_from_mask(mask)
+    with torch.inference_mode():
+        whole = [forward.hidden_states(ids, mask, positions, width) for width in (0, 20)]
+        monkeypatch.setattr(attention, "MASK_BYTES", 6 * 40 * (2 + attention.MASK_BUILD_BYTES) * 3)
+        blocked = [forward.hidden_states(ids, mask, positions, width) for width in (0, 20)]
+    real = mask.bool()
+    for one, blocks in zip(whole, blocked, strict=True):
+        torch.testing.assert_close(blocks[real].float(), one[real].float(), atol=2e-2, rtol=2e-2)
