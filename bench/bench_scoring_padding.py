@@ -11,8 +11,8 @@ of queries, each against the same forward with that part whole.
 2. Memory (--memory). `Forward.hidden_states` of one forward batch as it is ("bounded") against
    one MLP chunk of every token ("MLP whole") and against one attention mask of every query
    ("mask whole": attention.MASK_BYTES unbounded), each in a fresh subprocess: peak RSS above
-   the RSS before the forward (VmHWM after a reset through /proc/self/clear_refs, Linux), and
-   the forward's seconds.
+   the RSS before the forward (VmHWM after a reset through /proc/self/clear_refs, Linux; on
+   CUDA the allocator's peak above what was allocated before), and the forward's seconds.
 
     python bench/bench_scoring_padding.py                       # CPU, ~1 minute; both paths
     python bench/bench_scoring_padding.py --memory              # + the MLP chunking's peak
@@ -169,15 +169,23 @@ def peak_of(args: argparse.Namespace) -> None:
     forward = scoring_forward(model, "rollserve")
     assert forward is not None
     positions = position_ids_from_mask(mask)
+    on_cuda = args.device.startswith("cuda")
     with torch.inference_mode():
         forward.hidden_states(ids[:1], mask[:1], positions[:1])  # warm
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        before = _rss_bytes()
+        sync(args.device)
+        if on_cuda:  # the device's allocator peak
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")
+            before = _rss_bytes()
         started = time.perf_counter()
         forward.hidden_states(ids, mask, positions, ids.shape[1] - actions)
+        sync(args.device)
         seconds = time.perf_counter() - started
-    print(f"{(_status_bytes('VmHWM') - before) / 2**20:.0f} {seconds:.3f}")
+    peak = torch.cuda.max_memory_allocated() if on_cuda else _status_bytes("VmHWM")
+    print(f"{(peak - before) / 2**20:.0f} {seconds:.3f}")
 
 
 def _rss_bytes() -> int:
@@ -207,7 +215,7 @@ def memory_lanes(args: argparse.Namespace, argv: list[str]) -> None:
         peaks[lane], seconds[lane] = float(peak), float(took)
     rows, width = args.forward_batch, args.prompt_len[1] + args.response_len[1]
     print(
-        f"hidden_states of one forward batch ({rows} rows x {width} columns): peak RSS above "
+        f"hidden_states of one forward batch ({rows} rows x {width} columns): peak above "
         f"start / seconds: bounded (MLP in chunks of {MLP_CHUNK_TOKENS} tokens or fewer, "
         f"{MLP_CALL_CHUNKS} a call; attention mask within {MASK_BYTES >> 20} MiB) "
         f"{peaks['bounded']:.0f} MiB / {seconds['bounded']:.2f} s, MLP at once "
