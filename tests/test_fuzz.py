@@ -211,3 +211,45 @@ def test_an_oversized_name_is_invalid_argument_with_a_bounded_message(channel, f
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert info.value.details().startswith(f"algorithm.{field}")
     assert len(info.value.details()) < 1100
+
+
+ENGINE_CASES = int(os.environ.get("ROLLSERVE_TEST_FUZZ_ENGINE_CASES", "500"))
+
+
+def test_field_mutations_on_the_engine_path_get_only_client_error_statuses(
+    tiny_actor_dir: Path, models: ModelSet
+) -> None:
+    # A CUDA server generates and scores on rollserve's engine by default (the CPU: on the HF
+    # path, as the server above); its sampling, prefill and scoring take the same mutated
+    # requests here, forced onto the engine on the CPU.
+    proc, port = start_server_process(
+        "--actor", str(tiny_actor_dir), "--device", "cpu", "--generation-path", "rollserve",
+        "--metrics-port", "0",
+    )  # fmt: skip
+    try:
+        target = f"127.0.0.1:{port}"
+        with RolloutClient(target) as client:
+            assert client.health().generation_path == "rollserve"
+        streams = WeightsStreams(models.actor.module.state_dict())
+        cases = [
+            case
+            for case in fuzz_cases(
+                SEED + 1,
+                ENGINE_CASES,
+                vocab_size=models.vocab_size,
+                streams=streams,
+                next_version=lambda: 1,
+            )  # fmt: skip
+            if case.method == "MakeExperience"
+        ]
+        report = FuzzReport()
+        with grpc.insecure_channel(target) as channel:
+            for case in cases:
+                report.add(run_case(channel, case, CALL_TIMEOUT_S))
+                assert proc.poll() is None, f"server died on {case.category} {case.note}"
+        bad = [f"[{o.case.note[:80]}]: {o.code.name} {o.details[:120]}" for o in report.bad]
+        assert not bad, "\n".join(bad[:20])
+        assert report.total == len(cases) > ENGINE_CASES // 4
+        assert report.code_total("OK") > 0  # valid mutations were served
+    finally:
+        assert proc.terminate_and_wait() == 0
