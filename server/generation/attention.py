@@ -39,9 +39,9 @@ __all__ = [
     "DEFAULT_DECODE_ATTENTION",
     "DEFAULT_PREFILL_ATTENTION",
     "DecodeAttention",
+    "MASK_BYTES",
     "PREFILL_ATTENTION",
     "PREFILL_ATTENTION_ENV",
-    "MASK_BYTES",
     "PrefillBackends",
     "PrefillMasks",
     "additive_mask",
@@ -171,8 +171,8 @@ def repeat_kv(heads: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tenso
 # causal mask hides the later ones: about half the attention's work of long rows is skipped)
 # with its own block of the mask, made in every layer; under it, one mask made once per
 # forward, as before (a scoring batch of 64 rows x 384 columns in bfloat16: 45 MiB). On this
-# project's CPU, 4 rows of 6,144 tokens in float32 (bench/RESULTS.md): peak 873 MiB whole, 441
-# in blocks of this bound, and faster (2.62 against 2.83 s).
+# project's CPU, one forward batch of 4 rows x 6,144 tokens in float32 (bench/RESULTS.md): peak
+# 873 MiB whole, 405 in blocks of this bound, and faster (2.04 s against 2.27).
 MASK_BYTES = 256 << 20
 MASK_BUILD_BYTES = 3  # boolean bytes per mask element while it is made (prefill_mask)
 
