@@ -13,6 +13,7 @@ import torch
 from rollserve.server.generation.attention import (
     MASK_BUILD_BYTES,
     PREFILL_ATTENTION_ENV,
+    PrefillMasks,
     additive_mask,
     prefill_attention,
     prefill_backend,
@@ -141,6 +142,30 @@ def test_query_blocks_cover_the_queries_in_order_within_the_bound(
     # of 8,192 tokens are not.
     assert len(query_blocks(64, 128, 384, torch.bfloat16)) == 1
     assert len(query_blocks(16, 0, 8192, torch.bfloat16)) > 1
+
+
+def test_the_masks_a_forward_keeps_at_once_share_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollserve.server.generation import attention
+
+    valid = torch.ones(4, 50, dtype=torch.bool)
+    valid[1, :9] = False
+    whole = 4 * 50 * 50 * (4 + MASK_BUILD_BYTES)  # float32
+    monkeypatch.setattr(attention, "MASK_BYTES", 2 * whole)
+    one = PrefillMasks(valid, [None], torch.float32)
+    assert one.blocks == ((0, 50),)  # one window: its whole mask fits
+    assert torch.equal(
+        one.block(None, 0, 50), additive_mask(prefill_mask(valid, None), torch.float32)
+    )
+    two = PrefillMasks(valid, [None, 6], torch.float32)
+    assert two.blocks == ((0, 50),)  # two windows' whole masks: 2 x whole, within the bound
+    shared = PrefillMasks(valid, [None, 6], torch.float32, first_query=10, parts=2)
+    assert len(shared.blocks) > 1  # a quarter of the bound each: blocks of queries
+    start, end = shared.blocks[1]
+    block = shared.block(6, start, end)  # made on demand: the rows' block of the window's mask
+    expected = additive_mask(prefill_mask(valid, 6, start), torch.float32)[
+        :, :, : end - start, :end
+    ]
+    assert torch.equal(block, expected)
 
 
 @pytest.mark.gpu

@@ -162,9 +162,10 @@ def repeat_kv(heads: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tenso
     return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
-# The most bytes one full-sequence forward's (prefill, scoring) attention mask may take with its
-# making: the additive mask (rows, 1, queries, keys) in the model dtype and the boolean masks it
-# is made of (MASK_BUILD_BYTES an element). Whole, it grows with the square of the rows'
+# The most bytes one full-sequence forward's (prefill, scoring) attention masks may take with
+# their making: the additive masks (rows, 1, queries, keys) in the model dtype (one a layer
+# window; scoring's shared prompts keep two sets: PrefillMasks' `parts`) and the boolean masks
+# each is made of (MASK_BUILD_BYTES an element). Whole, a mask grows with the square of the rows'
 # length: 16 rows of 8,192 tokens are 2 GiB of bfloat16 mask and 3 GiB of booleans, past any
 # reserve of the KV budget (kv_cache.activation_reserve_bytes). Past it, a layer's attention
 # runs in blocks of queries (`query_blocks`), each against the keys up to its last query (the
@@ -198,7 +199,11 @@ def query_blocks(
 class PrefillMasks:
     """The additive masks of one full-sequence forward for its layers' windows (prefill_mask of
     `valid` (b, s) from `first_query` on, in `dtype`), by query_blocks: made once here when
-    they are one block, else per block as the attention asks (`block`)."""
+    they are one block, else per block as the attention asks (`block`).
+
+    parts: how many PrefillMasks the forward keeps at once (scoring's shared prompts: the
+    prompts' and the rest's). Each window's whole mask lives through the forward, so the bound
+    a mask gets is MASK_BYTES / (parts x windows): together they stay within MASK_BYTES."""
 
     def __init__(
         self,
@@ -206,13 +211,16 @@ class PrefillMasks:
         windows: Iterable[int | None],
         dtype: torch.dtype,
         first_query: int = 0,
+        parts: int = 1,
     ) -> None:
+        windows = set(windows)
+        budget = MASK_BYTES // (parts * len(windows))
         self.first_query = first_query
-        self.blocks = query_blocks(valid.shape[0], first_query, valid.shape[1], dtype)
+        self.blocks = query_blocks(valid.shape[0], first_query, valid.shape[1], dtype, budget)
         self._valid, self._dtype = valid, dtype
         self._whole: dict[int | None, torch.Tensor] = {}
         if len(self.blocks) == 1:
-            self._whole = {w: self._made(w, *self.blocks[0]) for w in set(windows)}
+            self._whole = {w: self._made(w, *self.blocks[0]) for w in windows}
 
     def block(self, window: int | None, start: int, end: int) -> torch.Tensor:
         """The additive mask (b, 1, end - start, end) of queries start .. end - 1 (columns of

@@ -346,13 +346,14 @@ class Forward:
         return out
 
     def _prefill_masks(
-        self, valid: torch.Tensor, dtype: torch.dtype, first_query: int = 0
+        self, valid: torch.Tensor, dtype: torch.dtype, first_query: int = 0, parts: int = 1
     ) -> PrefillMasks:
         """The additive prefill masks (prefill_mask) of `valid` for every layer window: made
         once per forward, or by blocks of queries in each layer when whole they would pass
-        attention.MASK_BYTES (`_attend`)."""
+        their share of attention.MASK_BYTES (`_attend`; parts: PrefillMasks the forward keeps
+        at once)."""
         windows = {layer.window for layer in self.family.layers}
-        return PrefillMasks(valid, windows, dtype, first_query)
+        return PrefillMasks(valid, windows, dtype, first_query, parts)
 
     def _attend(
         self,
@@ -460,8 +461,8 @@ class Forward:
 
         x = F.embedding(row_of(ids), f.embed.weight)  # (tokens, hidden)
         cos, sin = self.rope.at(row_of(positions))
-        head_masks = self._prefill_masks(valid[first, :width], x.dtype)
-        masks = self._prefill_masks(valid, x.dtype, first_query=width)
+        head_masks = self._prefill_masks(valid[first, :width], x.dtype, parts=2)
+        masks = self._prefill_masks(valid, x.dtype, first_query=width, parts=2)
 
         def parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """Token-major (tokens, heads, D) -> the prompts' (groups, heads, width, D) and
