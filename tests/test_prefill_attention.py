@@ -7,6 +7,7 @@ kernel has no CPU version)."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -142,6 +143,29 @@ def test_query_blocks_cover_the_queries_in_order_within_the_bound(
     # of 8,192 tokens are not.
     assert len(query_blocks(64, 128, 384, torch.bfloat16)) == 1
     assert len(query_blocks(16, 0, 8192, torch.bfloat16)) > 1
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("first_query", [0, 4])
+def test_the_prefill_mask_is_what_its_rule_says(window: int | None, first_query: int) -> None:
+    # Element by element: a query sees the real keys at or before it (within the window);
+    # a query that sees none (a left pad; under a window, a pad after the window passed the
+    # real tokens) sees only itself. Rows: left pads, right pads, both, none, all pads.
+    valid = torch.tensor(
+        [[0, 0, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0, 0, 0], [0, 1, 1, 1, 0, 0, 0, 0, 0],
+         [1, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool,
+    )  # fmt: skip
+    rows, s = valid.shape
+    expected = torch.zeros(rows, 1, s - first_query, s, dtype=torch.bool)
+    for b in range(rows):
+        for i in range(first_query, s):
+            seen = [j for j in range(i + 1) if valid[b, j] and (window is None or j > i - window)]
+            for j in seen or [i]:
+                expected[b, 0, i - first_query, j] = True
+    mask = prefill_mask(valid, window, first_query)
+    assert torch.equal(mask, expected)
+    additive = additive_mask(mask, torch.float32)
+    assert torch.equal(additive == 0, expected) and bool((additive[~expected] == -math.inf).all())
 
 
 def test_the_masks_a_forward_keeps_at_once_share_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -72,10 +72,11 @@ DecodeAttention = Callable[
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask as the additive one SDPA turns it into (0 where allowed, -inf elsewhere),
     made once per forward or step: given a bool mask, SDPA converts it in every layer (two
-    kernels and a mask-sized tensor per layer and step)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, float("-inf")
-    )
+    kernels and a mask-sized tensor per layer and step). No temporary beyond the result (an
+    inverted copy of `allowed` would be one more mask-sized boolean)."""
+    return torch.full(
+        allowed.shape, float("-inf"), dtype=dtype, device=allowed.device
+    ).masked_fill_(allowed, 0.0)
 
 
 def prefill_mask(valid: torch.Tensor, window: int | None, first_query: int = 0) -> torch.Tensor:
@@ -86,6 +87,9 @@ def prefill_mask(valid: torch.Tensor, window: int | None, first_query: int = 0) 
     right-pad query (scoring's rows end in pads) sees the real tokens before it, as in HF. A
     query with no real key at all (a left pad) sees only itself, so its softmax is finite; its
     output is never read (real queries never attend to a pad column).
+
+    One (b, q, s) boolean is made (MASK_BUILD_BYTES): the lone queries' own columns are set on
+    its diagonal in place.
     """
     s = valid.shape[1]
     keys = torch.arange(s, device=valid.device)
@@ -94,8 +98,9 @@ def prefill_mask(valid: torch.Tensor, window: int | None, first_query: int = 0) 
     if window is not None:
         allowed = allowed & (keys[None, :] > queries[:, None] - window)
     mask = allowed[None] & valid[:, None, :]  # (b, q, s)
-    alone = ~mask.any(-1, keepdim=True)  # (b, q, 1): queries with no real key
-    mask = mask | (alone & (keys[None, :] == queries[:, None])[None])
+    alone = ~mask.any(-1)  # (b, q): queries with no real key
+    # Query i (column first_query + i) against its own column: the diagonal at first_query.
+    mask.diagonal(offset=first_query, dim1=1, dim2=2).masked_fill_(alone, True)
     return mask[:, None]
 
 
@@ -164,18 +169,18 @@ def repeat_kv(heads: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tenso
 
 # The most bytes one full-sequence forward's (prefill, scoring) attention masks may take with
 # their making: the additive masks (rows, 1, queries, keys) in the model dtype (one a layer
-# window; scoring's shared prompts keep two sets: PrefillMasks' `parts`) and the boolean masks
+# window; scoring's shared prompts keep two sets: PrefillMasks' `parts`) and the boolean mask
 # each is made of (MASK_BUILD_BYTES an element). Whole, a mask grows with the square of the rows'
-# length: 16 rows of 8,192 tokens are 2 GiB of bfloat16 mask and 3 GiB of booleans, past any
+# length: 16 rows of 8,192 tokens are 2 GiB of bfloat16 mask and 1 GiB of booleans, past any
 # reserve of the KV budget (kv_cache.activation_reserve_bytes). Past it, a layer's attention
 # runs in blocks of queries (`query_blocks`), each against the keys up to its last query (the
 # causal mask hides the later ones: about half the attention's work of long rows is skipped)
 # with its own block of the mask, made in every layer; under it, one mask made once per
-# forward, as before (a scoring batch of 64 rows x 384 columns in bfloat16: 45 MiB). On this
+# forward, as before (a scoring batch of 64 rows x 384 columns in bfloat16: 27 MiB). On this
 # project's CPU, one forward batch of 4 rows x 6,144 tokens in float32 (bench/RESULTS.md): peak
 # 873 MiB whole, 405 in blocks of this bound, and faster (2.04 s against 2.27).
 MASK_BYTES = 256 << 20
-MASK_BUILD_BYTES = 3  # boolean bytes per mask element while it is made (prefill_mask)
+MASK_BUILD_BYTES = 1  # boolean bytes per mask element while it is made (prefill_mask)
 
 
 def query_blocks(
