@@ -176,6 +176,42 @@ def test_the_attention_in_blocks_of_queries_gives_the_same_numbers(
 
 
 @pytest.mark.parametrize("samples", [1, 3])
+def test_long_rows_attend_causally_and_score_as_hf(
+    models, samples: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rows past causal_rows.CAUSAL_MIN_COLUMNS (here every row) attend causally over rolled
+    # rows, with no mask: the actor's log-probs and the critic's values equal HF's at every
+    # compared column, the right pads' included (their pad keys suppressed). Mistral's window
+    # is shorter than the rows: it keeps the masked attention.
+    from rollserve.server.generation import causal_rows
+
+    monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", 0)
+    calls: list[int] = []
+
+    def counted(q, k, v, rows, scale):
+        calls.append(int(rows.pads is not None))
+        return causal_rows.causal_attention(q, k, v, rows, scale)
+
+    monkeypatch.setattr(generation_model, "causal_attention", counted)
+    sequences, mask, actions = rows(samples)
+    kw = dict(forward_batch_size=4, with_entropy=True, temperature=0.7)
+    model, critic = models["causal_lm"], models["critic"]
+    ours = action_log_probs(model, sequences, mask, actions, path="rollserve", **kw)
+    theirs = action_log_probs(model, sequences, mask, actions, path="hf", **kw)
+    assert_scores_close(ours, theirs, model, mask, actions)
+    values = critic_values(critic, sequences, mask, actions, forward_batch_size=4, path="rollserve")
+    expected = critic_values(critic, sequences, mask, actions, forward_batch_size=4, path="hf")
+    where = compared(critic, mask, actions)
+    torch.testing.assert_close(values[where], expected[where], atol=1e-5, rtol=1e-5)
+    forwards = 2 * -(-sequences.shape[0] // 4)
+    if getattr(model.config, "sliding_window", None) is not None:
+        assert calls == []
+    else:
+        assert len(calls) == forwards * model.config.num_hidden_layers
+        assert all(calls)  # every batch has right pads: suppressed
+
+
+@pytest.mark.parametrize("samples", [1, 3])
 def test_critic_values_equal_hf(models, samples: int) -> None:
     critic = models["critic"]
     sequences, mask, actions = rows(samples)

@@ -131,6 +131,45 @@ def test_a_prefill_past_the_mask_bound_runs_in_blocks_of_queries(
     assert torch.equal(ours.sequences, hf)
 
 
+def test_a_long_prefill_attends_causally_with_hf_logits_and_greedy_tokens(
+    model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts past causal_rows.CAUSAL_MIN_COLUMNS (here: every prompt) prefill causally over
+    rolled rows (left pads last, no mask): HF's logits at every real column, HF's greedy
+    tokens after them (the K/V written to the cache are the rows' own, in their layout); a
+    family whose window is shorter than the prompts keeps the masks."""
+    from rollserve.server.generation import causal_rows
+    from rollserve.server.generation import model as generation_model
+
+    monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", 0)
+    calls: list[bool] = []
+
+    def counted(q, k, v, rows, scale):
+        calls.append(rows.pads is None)  # left pads only: nothing to suppress
+        return causal_rows.causal_attention(q, k, v, rows, scale)
+
+    monkeypatch.setattr(generation_model, "causal_attention", counted)
+    prompts = PROMPTS + [list(range(60, 90))]
+    ids, mask = pad_prompts(prompts, PAD, torch.device("cpu"))
+    engine = Engine(model, read_family(model))
+    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    with torch.inference_mode():
+        theirs = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions).logits
+        mine = engine.forward.logits(engine.forward.prefill(ids, mask, positions, None))
+        hf = model.generate(
+            input_ids=ids, attention_mask=mask.long(), do_sample=False, pad_token_id=PAD,
+            max_new_tokens=12, eos_token_id=None,
+        )  # fmt: skip
+    torch.testing.assert_close(mine[mask], theirs[mask], atol=1e-5, rtol=1e-5)
+    window = engine.family.layers[0].window
+    assert (calls != []) == (window is None or window >= ids.shape[1])
+    assert all(calls)
+    calls.clear()
+    ours = run(model, SamplingParams(max_new_tokens=12, temperature=0.0), prompts=prompts)
+    assert torch.equal(ours.sequences, hf)
+    assert calls or window is not None
+
+
 def test_greedy_equals_hf_generate(model) -> None:
     """40 new tokens: decode steps cross the Mistral window and several attention widths."""
     ids, mask = pad_prompts(PROMPTS, PAD, torch.device("cpu"))

@@ -121,6 +121,14 @@ def test_the_forward_hands_its_backend_to_every_prefill_and_scoring_attention(
     other = AutoModelForCausalLM.from_pretrained(tiny_actor_dir, dtype=torch.float32).eval()
     action_log_probs(other, ids, torch.ones_like(ids), 3, forward_batch_size=2, path="rollserve")
     assert seen == [WITHOUT_CUDNN] * 2 * layers
+    # Long rows attend causally (causal_rows.py): one attention a layer, in the same context.
+    from rollserve.server.generation import causal_rows
+
+    seen.clear()
+    monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", 0)
+    monkeypatch.setattr(causal_rows, "prefill_attention", attention_spy)
+    action_log_probs(other, ids, torch.ones_like(ids), 3, forward_batch_size=2, path="rollserve")
+    assert seen == [WITHOUT_CUDNN] * layers
 
 
 @pytest.mark.parametrize("rows, first, keys", [(4, 0, 50), (3, 20, 50), (1, 0, 7), (64, 128, 384)])

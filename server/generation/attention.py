@@ -149,12 +149,15 @@ def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
     """q (b, H, q, D), k/v (b, Hkv, s, D), mask (b, 1, q, s) -> (b, H, q, D) by SDPA, through
-    the backends a surrounding prefill_backends allows."""
+    the backends a surrounding prefill_backends allows. mask None: causal, q == s (SDPA's
+    is_causal: no mask, flash attention; causal_rows.py)."""
     k, v = repeat_kv(q.shape[1], k, v)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
@@ -172,7 +175,9 @@ def repeat_kv(heads: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tenso
 # window; scoring's shared prompts keep two sets: PrefillMasks' `parts`) and the boolean mask
 # each is made of (MASK_BUILD_BYTES an element). Whole, a mask grows with the square of the rows'
 # length: 16 rows of 8,192 tokens are 2 GiB of bfloat16 mask and 1 GiB of booleans, past any
-# reserve of the KV budget (kv_cache.activation_reserve_bytes). Past it, a layer's attention
+# reserve of the KV budget (kv_cache.activation_reserve_bytes). (Rows of
+# causal_rows.CAUSAL_MIN_COLUMNS or more make no mask at all where causal_rows.causal_layout
+# allows: one run of real tokens a row, no shorter window.) Past it, a layer's attention
 # runs in blocks of queries (`query_blocks`), each against the keys up to its last query (the
 # causal mask hides the later ones: about half the attention's work of long rows is skipped)
 # with its own block of the mask, made in every layer; under it, one mask made once per

@@ -4,6 +4,8 @@ Prefill runs left-padded prompts (b, s) against themselves and hands each layer'
 caller (which writes them into the static cache); decode runs one token per row against the
 cache; `hidden_states` is the same full-sequence forward without a cache, over rows padded on
 both sides (scoring's layout), for the teacher-forced scoring of every model on the engine.
+A full-sequence forward's attention is causal with no mask over rows rolled to put their real
+tokens first where its rows are long (causal_rows.py), masked otherwise (attention.py).
 All follow the HF modules' arithmetic step for step (RMSNorm in float32, RoPE in the model
 dtype), so logits agree with the HF forward to rounding.
 
@@ -36,6 +38,7 @@ from .attention import (
     prefill_backends,
     repeat_kv,
 )
+from .causal_rows import CausalRows, causal_attention, causal_layout
 from .compiling import maybe_compiled
 from .families import Family, Layer
 from .fused import FusedProjection, Linear, fuse
@@ -46,6 +49,9 @@ __all__ = ["Forward", "mlp_block", "project", "rms_norm", "token_inputs"]
 
 # Receives (layer index, k, v), each (b, Hkv, s, D), during prefill.
 KVWriter = Callable[[int, torch.Tensor, torch.Tensor], None]
+# A full-sequence forward's attention of one layer: token-major q (T, H, D), k and v
+# (T, Hkv, D) -> its output (T, H * D), token-major.
+Attend = Callable[[Layer, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
@@ -174,6 +180,11 @@ def _at_least(t: torch.Tensor, dim: int, least: int = 2) -> torch.Tensor:
     return t.repeat(*(times if d == dim else 1 for d in range(t.dim())))
 
 
+def _by_row(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Token-major (rows * s, heads, D) -> (rows, heads, s, D), a heads-first view."""
+    return t.view(rows, -1, *t.shape[1:]).transpose(1, 2)
+
+
 def _tokens_vary(dim: int, *tensors: torch.Tensor) -> None:
     """Mark the token dimension `dim` of a compiled full-sequence call's activations dynamic:
     one code serves every token count, while the rest (hidden and head sizes, head_dim, the
@@ -284,21 +295,6 @@ class Forward:
             _wb(layer.down_proj),
         )  # fmt: skip
 
-    def _sequence_inputs(
-        self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """token_inputs over (b, s) tokens: q (b, H, s, D), k and v (b, Hkv, s, D),
-        heads-first views of the token-major outputs of `_row_inputs`."""
-        b, s, hidden = x.shape
-        q, k, v = self._row_inputs(
-            layer, x.reshape(b * s, hidden), cos.reshape(b * s, -1), sin.reshape(b * s, -1)
-        )
-
-        def heads_first(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, s, *t.shape[1:]).transpose(1, 2)
-
-        return heads_first(q), heads_first(k), heads_first(v)
-
     def _mark_tokens(self, dim: int, *tensors: torch.Tensor) -> None:
         """`_tokens_vary` where the functions are compiled (eager ones need no marks)."""
         if self._compiled:
@@ -315,12 +311,6 @@ class Forward:
         self._mark_tokens(1, *row)
         q, k, v = self._layer_inputs(layer, *row, self._token_inputs)
         return q[0, :tokens], k[0, :tokens], v[0, :tokens]
-
-    def _sequence_mlp(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """mlp_block over (b, s, ...) inputs: `_row_mlp` of their tokens."""
-        b, s, hidden = x.shape
-        out = self._row_mlp(layer, x.reshape(b * s, hidden), attended.reshape(b * s, -1))
-        return out.view(b, s, hidden)
 
     def _row_mlp(self, layer: Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """mlp_block over (tokens, hidden) x and (tokens, H * D) attended, MLP_CHUNK_TOKENS at a
@@ -352,8 +342,7 @@ class Forward:
         once per forward, or by blocks of queries in each layer when whole they would pass
         their share of attention.MASK_BYTES (`_attend`; parts: PrefillMasks the forward keeps
         at once)."""
-        windows = {layer.window for layer in self.family.layers}
-        return PrefillMasks(valid, windows, dtype, first_query, parts)
+        return PrefillMasks(valid, self._windows(), dtype, first_query, parts)
 
     def _attend(
         self,
@@ -381,6 +370,38 @@ class Forward:
                                                 mask, scale)  # fmt: skip
         return out
 
+    def _windows(self) -> set[int | None]:
+        return {layer.window for layer in self.family.layers}
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Attend,
+        write: KVWriter | None = None,
+    ) -> torch.Tensor:
+        """The decoder layers over a row of tokens x (T, hidden), cos/sin (T, D): per-token
+        work in one compiled call each (`_row_inputs`, `_row_mlp`), the attention by `attend`;
+        write gets each layer's token-major k, v (T, Hkv, D). Final-normed (T, hidden)."""
+        f = self.family
+        with prefill_backends(self.prefill_backend, x.device):
+            for index, layer in enumerate(f.layers):
+                q, k, v = self._row_inputs(layer, x, cos, sin)
+                if write is not None:
+                    write(index, k, v)
+                x = self._row_mlp(layer, x, attend(layer, q, k, v))
+        return rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
+
+    def _causal_attend(self, rows: CausalRows) -> Attend:
+        """Attend by causal_rows.causal_attention over `rows`, whatever the layer."""
+        scale = self.family.scaling
+
+        def attend(layer: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return causal_attention(q, k, v, rows, scale).flatten(1)
+
+        return attend
+
     def prefill(
         self,
         ids: torch.Tensor,
@@ -391,20 +412,31 @@ class Forward:
         """Final-normed hidden states (b, s, hidden) of left-padded prompts ids (b, s).
 
         valid (b, s) bool marks real tokens; positions (b, s) are their position ids; write
-        receives each layer's K/V (None: nothing keeps them).
+        receives each layer's K/V (b, Hkv, s, D) (None: nothing keeps them). Long rows attend
+        causally over rolled rows (causal_rows.py), others under masks.
         """
-        f = self.family
-        x = F.embedding(ids, f.embed.weight)
-        cos, sin = self.rope.at(positions)  # (b, s, D)
-        masks = self._prefill_masks(valid, x.dtype)
-        with prefill_backends(self.prefill_backend, x.device):
-            for index, layer in enumerate(f.layers):
-                q, k, v = self._sequence_inputs(layer, x, cos, sin)
-                if write is not None:
-                    write(index, k, v)
-                out = self._attend(q, k, v, masks, layer.window)
-                x = self._sequence_mlp(layer, x, out.transpose(1, 2).reshape(*ids.shape, -1))
-        return rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
+        b, s = ids.shape
+        x = F.embedding(ids.reshape(-1), self.family.embed.weight)  # (T, hidden)
+        cos, sin = self.rope.at(positions.reshape(-1))  # (T, D)
+        rows = causal_layout(valid, self._windows())
+        if rows is not None:
+            attend = self._causal_attend(rows)
+        else:
+            masks = self._prefill_masks(valid, x.dtype)
+
+            def attend(
+                layer: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> torch.Tensor:
+                out = self._attend(*(_by_row(t, b) for t in (q, k, v)), masks, layer.window)
+                return out.transpose(1, 2).reshape(b * s, -1)
+
+        by_row = None
+        if write is not None:
+
+            def by_row(index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+                write(index, _by_row(k, b), _by_row(v, b))
+
+        return self._layers(x, cos, sin, attend, by_row).view(b, s, -1)
 
     def hidden_states(
         self,
@@ -443,7 +475,9 @@ class Forward:
         the per-token work of a layer (norms, projections, RoPE, MLP: one compiled call each,
         as the plain forward makes; a compiled call is host time, and a scoring batch is
         host-bound on an H200); only the attention runs apart: the prompts' against
-        themselves, the other columns against their group's prompt and themselves."""
+        themselves, the other columns against their group's prompt and themselves
+        (`_shared_attend`), or, for long rows, every row's prompt and rest causally together
+        (causal_rows.py), each prompt token's output read from its group's first row."""
         f = self.family
         rows, columns = ids.shape
         prompts = torch.where(valid[:, :width], ids[:, :width], -1)
@@ -461,8 +495,25 @@ class Forward:
 
         x = F.embedding(row_of(ids), f.embed.weight)  # (tokens, hidden)
         cos, sin = self.rope.at(row_of(positions))
-        head_masks = self._prefill_masks(valid[first, :width], x.dtype, parts=2)
-        masks = self._prefill_masks(valid, x.dtype, first_query=width, parts=2)
+        causal = causal_layout(valid, self._windows(), width, of_row, first)
+        if causal is not None:
+            x = self._layers(x, cos, sin, self._causal_attend(causal))
+        else:
+            x = self._layers(x, cos, sin, self._shared_attend(valid, of_row, first, width))
+        head = x[:head_tokens].view(groups, width, -1)
+        return torch.cat([head[of_row], x[head_tokens:].view(rows, rest, -1)], dim=1)
+
+    def _shared_attend(
+        self, valid: torch.Tensor, of_row: torch.Tensor, first: torch.Tensor, width: int
+    ) -> Attend:
+        """The masked attention of _shared_prompts' row of tokens: the prompts' tokens against
+        themselves, each row's other tokens against its group's prompt and themselves."""
+        rows, columns = valid.shape
+        groups, rest = first.numel(), columns - width
+        head_tokens = groups * width
+        dtype = self.family.embed.weight.dtype
+        head_masks = self._prefill_masks(valid[first, :width], dtype, parts=2)
+        masks = self._prefill_masks(valid, dtype, first_query=width, parts=2)
 
         def parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """Token-major (tokens, heads, D) -> the prompts' (groups, heads, width, D) and
@@ -471,22 +522,19 @@ class Forward:
             tail = t[head_tokens:].view(rows, rest, *t.shape[1:])
             return head.transpose(1, 2), tail.transpose(1, 2)
 
-        with prefill_backends(self.prefill_backend, x.device):
-            for layer in f.layers:
-                inputs = self._row_inputs(layer, x, cos, sin)
-                (q_head, q), (k_head, k), (v_head, v) = (parts(t) for t in inputs)
-                out_head = self._attend(q_head, k_head, v_head, head_masks, layer.window)
-                k = torch.cat([k_head[of_row], k], dim=2)  # (rows, Hkv, columns, D)
-                v = torch.cat([v_head[of_row], v], dim=2)
-                out = self._attend(q, k, v, masks, layer.window)
-                attended = x.new_empty(x.shape[0], out.shape[1] * out.shape[3])
-                attended_head, attended_rest = parts(attended.view(-1, *out.shape[1::2]))
-                attended_head.copy_(out_head)
-                attended_rest.copy_(out)
-                x = self._row_mlp(layer, x, attended)
-        x = rms_norm(f.norm.weight, f.norm.variance_epsilon, x)
-        head = x[:head_tokens].view(groups, width, -1)
-        return torch.cat([head[of_row], x[head_tokens:].view(rows, rest, -1)], dim=1)
+        def attend(layer: Layer, *inputs: torch.Tensor) -> torch.Tensor:
+            (q_head, q), (k_head, k), (v_head, v) = (parts(t) for t in inputs)
+            out_head = self._attend(q_head, k_head, v_head, head_masks, layer.window)
+            k = torch.cat([k_head[of_row], k], dim=2)  # (rows, Hkv, columns, D)
+            v = torch.cat([v_head[of_row], v], dim=2)
+            out = self._attend(q, k, v, masks, layer.window)
+            attended = out.new_empty(inputs[0].shape[0], out.shape[1] * out.shape[3])
+            attended_head, attended_rest = parts(attended.view(-1, *out.shape[1::2]))
+            attended_head.copy_(out_head)
+            attended_rest.copy_(out)
+            return attended
+
+        return attend
 
     def decode(
         self,
