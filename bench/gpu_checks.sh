@@ -102,6 +102,15 @@ fi
 step bench-weights "${BENCH_WEIGHTS_S:-90}" python3 bench/bench_gpu_weights.py ${WEIGHTS_ARGS:-}
 # The fixed cost per update (291 tiny tensors: what is not bytes), per lane, cuda_ipc included.
 TAIL_LINES=16 step update-latency "${UPDATE_LATENCY_S:-40}" python3 bench/bench_update_latency.py --device cuda --phases --updates 10
+# Long rows' causal attention against the masked one (bench_long_rows.py, 64 rows of 2.5-5k
+# columns of the issue's model shape): only with LONG_ROWS_S set, e.g. a third call
+# SKIP_STEPS="test-gpu profile bench-weights update-latency bench-gpu" LONG_ROWS_S=120.
+if [ -n "${LONG_ROWS_S:-}" ]; then
+    # shellcheck disable=SC2086
+    step long-rows "$LONG_ROWS_S" python3 bench/bench_long_rows.py --device cuda --dtype bfloat16 \
+        --hidden 896 --heads 14 --layers 24 --vocab 32000 --prompts 8 --samples 8 \
+        --prompt-len 512 1024 --response-len 2048 4096 --reps 2 ${LONG_ROWS_ARGS:-}
+fi
 budget=${BENCH_GPU_S:-220}  # bench_gpu.py stops its own lanes in time to print its summary
 # shellcheck disable=SC2086
 TAIL_LINES=80 step bench-gpu $((budget + 20)) python3 bench/bench_gpu.py --budget-s "$budget" ${BENCH_GPU_ARGS:-}
