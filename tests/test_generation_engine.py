@@ -105,18 +105,13 @@ def test_prefill_logits_equal_hf_logits_on_left_padded_rows(model) -> None:
     torch.testing.assert_close(mine[mask], theirs[mask], atol=1e-5, rtol=1e-5)
 
 
-def test_a_prefill_past_the_mask_bound_runs_in_blocks_of_queries(
-    model, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Prompts whose whole mask passes attention.MASK_BYTES (here: a bound of 3 queries of the
-    widest batch) prefill block by block: HF's logits, and HF's greedy tokens after them."""
-    from rollserve.server.generation import attention
+LONG_PROMPTS = PROMPTS + [list(range(60, 90))]
 
-    prompts = PROMPTS + [list(range(60, 90))]
-    ids, mask = pad_prompts(prompts, PAD, torch.device("cpu"))
-    per_query = ids.shape[0] * ids.shape[1] * (4 + attention.MASK_BUILD_BYTES)
-    monkeypatch.setattr(attention, "MASK_BYTES", 3 * per_query)
-    assert len(attention.query_blocks(*ids.shape[:1], 0, ids.shape[1], torch.float32)) == 10
+
+def prefill_equals_hf(model) -> torch.Tensor:
+    """The engine's prefill of LONG_PROMPTS gives HF's logits at every real column; HF's greedy
+    tokens after them (12 new), for the caller to check generation against."""
+    ids, mask = pad_prompts(LONG_PROMPTS, PAD, torch.device("cpu"))
     engine = Engine(model, read_family(model))
     positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
     with torch.inference_mode():
@@ -127,7 +122,22 @@ def test_a_prefill_past_the_mask_bound_runs_in_blocks_of_queries(
             max_new_tokens=12, eos_token_id=None,
         )  # fmt: skip
     torch.testing.assert_close(mine[mask], theirs[mask], atol=1e-5, rtol=1e-5)
-    ours = run(model, SamplingParams(max_new_tokens=12, temperature=0.0), prompts=prompts)
+    return hf
+
+
+def test_a_prefill_past_the_mask_bound_runs_in_blocks_of_queries(
+    model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts whose whole mask passes attention.MASK_BYTES (here: a bound of 3 queries of the
+    widest batch) prefill block by block: HF's logits, and HF's greedy tokens after them."""
+    from rollserve.server.generation import attention
+
+    ids, _ = pad_prompts(LONG_PROMPTS, PAD, torch.device("cpu"))
+    per_query = ids.shape[0] * ids.shape[1] * (4 + attention.MASK_BUILD_BYTES)
+    monkeypatch.setattr(attention, "MASK_BYTES", 3 * per_query)
+    assert len(attention.query_blocks(*ids.shape[:1], 0, ids.shape[1], torch.float32)) == 10
+    hf = prefill_equals_hf(model)
+    ours = run(model, SamplingParams(max_new_tokens=12, temperature=0.0), prompts=LONG_PROMPTS)
     assert torch.equal(ours.sequences, hf)
 
 
@@ -149,23 +159,13 @@ def test_a_long_prefill_attends_causally_with_hf_logits_and_greedy_tokens(
         return causal_rows.causal_attention(q, k, v, rows, scale)
 
     monkeypatch.setattr(generation_model, "causal_attention", counted)
-    prompts = PROMPTS + [list(range(60, 90))]
-    ids, mask = pad_prompts(prompts, PAD, torch.device("cpu"))
-    engine = Engine(model, read_family(model))
-    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
-    with torch.inference_mode():
-        theirs = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions).logits
-        mine = engine.forward.logits(engine.forward.prefill(ids, mask, positions, None))
-        hf = model.generate(
-            input_ids=ids, attention_mask=mask.long(), do_sample=False, pad_token_id=PAD,
-            max_new_tokens=12, eos_token_id=None,
-        )  # fmt: skip
-    torch.testing.assert_close(mine[mask], theirs[mask], atol=1e-5, rtol=1e-5)
-    window = engine.family.layers[0].window
-    assert (calls != []) == (window is None or window >= ids.shape[1])
+    hf = prefill_equals_hf(model)
+    window = read_family(model).layers[0].window
+    width = max(map(len, LONG_PROMPTS))
+    assert (calls != []) == (window is None or window >= width)
     assert all(calls)
     calls.clear()
-    ours = run(model, SamplingParams(max_new_tokens=12, temperature=0.0), prompts=prompts)
+    ours = run(model, SamplingParams(max_new_tokens=12, temperature=0.0), prompts=LONG_PROMPTS)
     assert torch.equal(ours.sequences, hf)
     assert calls or window is not None
 
