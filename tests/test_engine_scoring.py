@@ -150,8 +150,9 @@ def test_the_attention_in_blocks_of_queries_gives_the_same_numbers(
     # A mask bound of a few queries a block (attention.MASK_BYTES: whole masks of long rows
     # are quadratic): every layer attends block by block, each block against the keys up to its
     # last query, for the rows' own prompts and for a group's prompt run once and the rest.
-    from rollserve.server.generation import attention
+    from rollserve.server.generation import attention, causal_rows
 
+    monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", 1 << 30)  # the masked route
     model = models["causal_lm"]
     sequences, mask, actions = rows(samples)
     kw = dict(forward_batch_size=4, with_entropy=True, temperature=0.7)

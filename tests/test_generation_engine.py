@@ -130,8 +130,9 @@ def test_a_prefill_past_the_mask_bound_runs_in_blocks_of_queries(
 ) -> None:
     """Prompts whose whole mask passes attention.MASK_BYTES (here: a bound of 3 queries of the
     widest batch) prefill block by block: HF's logits, and HF's greedy tokens after them."""
-    from rollserve.server.generation import attention
+    from rollserve.server.generation import attention, causal_rows
 
+    monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", 1 << 30)  # the masked route
     ids, _ = pad_prompts(LONG_PROMPTS, PAD, torch.device("cpu"))
     per_query = ids.shape[0] * ids.shape[1] * (4 + attention.MASK_BUILD_BYTES)
     monkeypatch.setattr(attention, "MASK_BYTES", 3 * per_query)

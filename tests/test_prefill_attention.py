@@ -207,9 +207,10 @@ def test_on_cuda_attention_in_blocks_of_queries_equals_one_mask(
     # The bounded mask's blocks on the device's kernels (SDPA without cuDNN, bfloat16): slices
     # of the repeated K/V as keys, each block written into one output.
     from rollserve.server.experience.scoring import position_ids_from_mask
-    from rollserve.server.generation import attention, scoring_forward
+    from rollserve.server.generation import attention, causal_rows, scoring_forward
     from transformers import AutoModelForCausalLM
 
+    monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", 1 << 30)  # the masked route
     model = AutoModelForCausalLM.from_pretrained(tiny_actor_dir, dtype=torch.bfloat16)
     forward = scoring_forward(model.eval().to("cuda"), "rollserve")
     g = torch.Generator().manual_seed(0)
