@@ -20,7 +20,10 @@ past a row's end; the returned log-probs hold their columns), so where a row has
 the keys of pads are suppressed, exactly: q and k gain SUPPRESS_DIMS dimensions, q's first one
 1, k's first one -suppress on a pad and 0 on a real token (v's zeros, so every input keeps one
 head_dim, as flash requires), so a pad key scores -suppress x scale lower, far past where
-exp underflows to 0 in float32, and a real key's score gains exactly 0. A left pad's query
+exp underflows to 0 in float32, and a real key's score gains exactly 0. Its price: the copies
+of q, k and v one dimension block wider, and on CUDA, whose flash kernels are built for a few
+head_dims, 64 + 8 runs as 96 (the kernel's work x ~1.5 for head_dim 64 models; 128 + 8 as
+160, x 1.25): still under the masked route's whole (query, key) grid. A left pad's query
 sees the real keys of its row; its output is read by nothing (real queries never attend to
 it, and the first real column of a row is never a scored state).
 
