@@ -263,3 +263,35 @@ def test_without_a_token_budget_the_cpu_engine_takes_its_fixed_budget(
         assert health.kv_cache_tokens > 0
     finally:
         server.stop(0)
+
+
+def test_behaviour_log_probs_equal_the_rescored_ones_on_the_causal_route(
+    fresh_models: ModelSet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On the engine path, rows past causal_rows.CAUSAL_MIN_COLUMNS (here every row) prefill
+    # and score with causal attention over rolled rows, while decoding attends the cache under
+    # its mask: what was recorded while sampling must still be what scoring gives, through the
+    # whole service (prompts of a group once and rows' own).
+    from rollserve.server.generation import causal_rows
+    from rollserve.server.generation import model as generation_model
+
+    monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", 0)
+    calls: list[int] = []
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return causal_rows.causal_attention(*args)
+
+    monkeypatch.setattr(generation_model, "causal_attention", counted)
+    server = serve_in_process(fresh_models, generation_path="rollserve", generate_batch_size=4)
+    try:
+        with RolloutClient(server.address, timeout_s=60) as client:
+            for samples in (2, 1):
+                calls.clear()
+                options = dict(GRPO, samples_per_prompt=samples, temperature=1.0)
+                streamed = list(client.stream_experience(PROMPTS, **options))
+                assert calls  # the prefill's and the scoring's forwards took the causal route
+                for micro_batch in streamed:
+                    _assert_behaviour_matches_rescored(micro_batch)
+    finally:
+        server.stop(0)
