@@ -11,6 +11,7 @@ from rollserve.server.generation import causal_rows
 from rollserve.server.generation.attention import additive_mask, prefill_attention, prefill_mask
 from rollserve.server.generation.causal_rows import (
     CAUSAL_MIN_COLUMNS,
+    SharedPrompts,
     causal_attention,
     causal_layout,
     causal_work_fits,
@@ -57,7 +58,8 @@ def test_the_rolled_rows_hold_each_rows_real_tokens_first_and_are_a_permutation(
     layout = rows_of(valid, suppress=True)
     flat = layout.to_rows.reshape(-1)
     assert sorted(flat.tolist()) == list(range(40))  # every token once
-    assert torch.equal(layout.to_tokens[flat], torch.arange(40))  # to_tokens inverts it
+    position = layout.token_row * 10 + layout.token_column
+    assert torch.equal(position[flat], torch.arange(40))  # each token's position inverts it
     counts = valid.sum(-1)
     for row in range(4):
         columns = layout.to_rows[row] - row * 10
@@ -71,7 +73,7 @@ def test_a_shared_prompt_is_read_from_its_groups_tokens_in_every_row() -> None:
     width, groups = 4, 2
     valid = runs([(1, 6), (1, 7), (0, 5), (0, 8)], 8)  # groups [0, 1] and [2, 3]
     of_row, first = torch.tensor([0, 0, 1, 1]), torch.tensor([0, 2])
-    layout = rows_of(valid, True, width, of_row, first)
+    layout = rows_of(valid, True, SharedPrompts(width, of_row, first))
     head_tokens, rest = groups * width, 8 - width
     for row in range(4):
         expected = [of_row[row] * width + c for c in range(width)]
@@ -80,8 +82,9 @@ def test_a_shared_prompt_is_read_from_its_groups_tokens_in_every_row() -> None:
         rolled = [expected[(t + lead) % 8] for t in range(8)]
         assert layout.to_rows[row].tolist() == [int(t) for t in rolled]
     # Each token's rolled position holds that token; a prompt's in its group's first row.
-    assert torch.equal(layout.to_rows.reshape(-1)[layout.to_tokens], torch.arange(16 + 8))
-    assert (layout.to_tokens[:head_tokens] // 8).tolist() == [0] * width + [2] * width
+    position = layout.token_row * 8 + layout.token_column
+    assert torch.equal(layout.to_rows.reshape(-1)[position], torch.arange(16 + 8))
+    assert layout.token_row[:head_tokens].tolist() == [0] * width + [2] * width
 
 
 @pytest.mark.parametrize("right_pads", [True, False])
@@ -132,7 +135,7 @@ def test_shared_prompts_attend_as_each_rows_whole_masked_row() -> None:
         tokens = token_major(t).view(4, s, *t.shape[1::2])
         return torch.cat([tokens[first, :width].flatten(0, 1), tokens[:, width:].flatten(0, 1)])
 
-    layout = rows_of(valid, True, width, of_row, first)
+    layout = rows_of(valid, True, SharedPrompts(width, of_row, first))
     out = causal_attention(row_of(q), row_of(k), row_of(v), layout, DIM**-0.5)
     expected = masked_reference(q, k, v, valid)
     head = out[: 2 * width].view(2, width, HEADS, DIM)
@@ -184,7 +187,7 @@ def test_a_forward_attends_causally_only_where_it_pays_and_is_exact() -> None:
     assert causal_work_fits(rows=64, groups=8, width=128, columns=384)
     assert not causal_work_fits(rows=64, groups=8, width=2048, columns=2048 + 256)
     of_row, first = torch.tensor([0, 1]), torch.tensor([0, 1])
-    assert causal_layout(valid, {None}, 8, of_row, first) is not None
+    assert causal_layout(valid, {None}, SharedPrompts(8, of_row, first)) is not None
 
 
 def test_the_engines_forward_takes_the_causal_route_from_its_threshold(

@@ -49,6 +49,7 @@ __all__ = [
     "CAUSAL_MIN_COLUMNS",
     "SUPPRESS_DIMS",
     "CausalRows",
+    "SharedPrompts",
     "causal_attention",
     "causal_layout",
     "causal_rows",
@@ -99,12 +100,18 @@ def causal_work_fits(rows: int, groups: int, width: int, columns: int) -> bool:
     return rows * columns * columns // 2 <= groups * width * width + rows * rest * columns
 
 
+@dataclass(frozen=True)
+class SharedPrompts:
+    """A forward whose groups run their prompt (the first `width` columns) once: of_row (b,)
+    each row's group, first (groups,) each group's first row (Forward._shared_prompts)."""
+
+    width: int
+    of_row: torch.Tensor
+    first: torch.Tensor
+
+
 def causal_layout(
-    valid: torch.Tensor,
-    windows: set[int | None],
-    width: int = 0,
-    of_row: torch.Tensor | None = None,
-    first: torch.Tensor | None = None,
+    valid: torch.Tensor, windows: set[int | None], shared: SharedPrompts | None = None
 ) -> CausalRows | None:
     """CausalRows of a forward over rows valid (b, S) (causal_rows' arguments) when it should
     attend causally, for layers of these sliding windows; None for the masked attention: rows
@@ -116,67 +123,65 @@ def causal_layout(
         return None
     if any(window is not None and window < columns for window in windows):
         return None
-    if width and not causal_work_fits(rows, int(first.numel()), width, columns):  # type: ignore[union-attr]
-        return None
+    if shared is not None:
+        groups = int(shared.first.numel())
+        if not causal_work_fits(rows, groups, shared.width, columns):
+            return None
     runs = row_runs(valid)
     if not runs.one_run:
         return None
-    return causal_rows(valid, runs.right_pads, width, of_row, first)
+    return causal_rows(valid, runs.right_pads, shared)
 
 
 @dataclass(frozen=True)
 class CausalRows:
     """Where a forward's tokens (its token-major row: (T, ...)) sit in the rolled rows.
 
-    to_rows (b, S): the token at each position of the rolled rows; to_tokens (T,): each
-    token's position in them, row * S + column (a group's prompt tokens: in the group's first
-    row); pads (T,) bool: which tokens are pads, where their keys must be suppressed (some row
-    has right pads), else None."""
+    to_rows (b, S): the token at each position of the rolled rows; token_row and
+    token_column (T,): each token's position in them (a group's prompt tokens: in the group's
+    first row); pads (T,) bool: which tokens are pads, where their keys must be suppressed
+    (some row has right pads), else None."""
 
     to_rows: torch.Tensor
-    to_tokens: torch.Tensor
+    token_row: torch.Tensor
+    token_column: torch.Tensor
     pads: torch.Tensor | None
 
 
 def causal_rows(
-    valid: torch.Tensor,
-    suppress: bool,
-    width: int = 0,
-    of_row: torch.Tensor | None = None,
-    first: torch.Tensor | None = None,
+    valid: torch.Tensor, suppress: bool, shared: SharedPrompts | None = None
 ) -> CausalRows:
     """CausalRows of rows valid (b, S) whose real tokens are one run each (row_runs).
 
-    Plain rows (width 0): the tokens are the rows' columns in order, row by row. Shared
-    prompts (width P > 0, of_row (b,) each row's group, first (groups,) each group's first
-    row): the tokens are each group's P prompt columns, group by group, then every row's other
-    S - P columns, row by row (Forward._shared_prompts' row of tokens); a row's prompt
-    positions read its group's tokens. suppress: record which tokens are pads."""
+    Plain rows: the tokens are the rows' columns in order, row by row. Shared prompts: the
+    tokens are each group's prompt columns, group by group, then every row's other columns,
+    row by row (Forward._shared_prompts' row of tokens); a row's prompt positions read its
+    group's tokens. suppress: record which tokens are pads."""
     b, s = valid.shape
     device = valid.device
     columns = torch.arange(s, device=device)
     rows = torch.arange(b, device=device)
     lead = valid.int().argmax(-1)  # (b,) leading pads
+    width = 0 if shared is None else shared.width
     rest = s - width
-    head_tokens = 0 if of_row is None else int(first.numel()) * width  # type: ignore[union-attr]
     # token_of (b, S): the token at each row's original column.
+    head_tokens = 0 if shared is None else int(shared.first.numel()) * width
     token_of = head_tokens + rows[:, None] * rest + (columns[None, width:] - width)
-    if width:
-        prompt = of_row[:, None] * width + columns[None, :width]  # type: ignore[index]
-        token_of = torch.cat([prompt, token_of], dim=1)
-    rolled = (columns[None] + lead[:, None]) % s  # rolled position -> original column
-    to_rows = token_of.gather(1, rolled)
     # Each token's rolled position: a row's other columns in its own row, a prompt's column in
     # its group's first row.
-    to_tokens = (rows[:, None] * s + (columns[None, width:] - lead[:, None]) % s).reshape(-1)
+    token_row = rows[:, None].expand(b, rest).reshape(-1)
+    token_column = ((columns[None, width:] - lead[:, None]) % s).reshape(-1)
     pads = ~valid[:, width:].reshape(-1) if suppress else None
-    if width:
-        owner = first  # type: ignore[assignment]
-        head = owner[:, None] * s + (columns[None, :width] - lead[owner][:, None]) % s
-        to_tokens = torch.cat([head.reshape(-1), to_tokens])
+    if shared is not None:
+        token_of = torch.cat([shared.of_row[:, None] * width + columns[None, :width], token_of], 1)
+        first = shared.first
+        head_columns = (columns[None, :width] - lead[first][:, None]) % s  # (groups, P)
+        token_row = torch.cat([first[:, None].expand_as(head_columns).reshape(-1), token_row])
+        token_column = torch.cat([head_columns.reshape(-1), token_column])
         if pads is not None:
-            pads = torch.cat([~valid[owner, :width].reshape(-1), pads])
-    return CausalRows(to_rows, to_tokens, pads)
+            pads = torch.cat([~valid[first, :width].reshape(-1), pads])
+    rolled = (columns[None] + lead[:, None]) % s  # rolled position -> original column
+    return CausalRows(token_of.gather(1, rolled), token_row, token_column, pads)
 
 
 def _suppressing(
@@ -210,4 +215,4 @@ def causal_attention(
 
     out = prefill_attention(rolled(q), rolled(k), rolled(v), None, scale)  # (b, H, S, D')
     by_position = out.transpose(1, 2)[..., :dim]  # (b, S, H, D)
-    return by_position[rows.to_tokens // s, rows.to_tokens % s]  # (T, H, D)
+    return by_position[rows.token_row, rows.token_column]  # (T, H, D)

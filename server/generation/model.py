@@ -38,7 +38,7 @@ from .attention import (
     prefill_backends,
     repeat_kv,
 )
-from .causal_rows import CausalRows, causal_attention, causal_layout
+from .causal_rows import CausalRows, SharedPrompts, causal_attention, causal_layout
 from .compiling import maybe_compiled
 from .families import Family, Layer
 from .fused import FusedProjection, Linear, fuse
@@ -495,7 +495,7 @@ class Forward:
 
         x = F.embedding(row_of(ids), f.embed.weight)  # (tokens, hidden)
         cos, sin = self.rope.at(row_of(positions))
-        causal = causal_layout(valid, self._windows(), width, of_row, first)
+        causal = causal_layout(valid, self._windows(), SharedPrompts(width, of_row, first))
         if causal is not None:
             x = self._layers(x, cos, sin, self._causal_attend(causal))
         else:
