@@ -213,6 +213,8 @@ def causal_attention(
     def rolled(t: torch.Tensor) -> torch.Tensor:  # (T, h, D') -> (b, h, S, D')
         return t[index].view(b, s, *t.shape[1:]).transpose(1, 2)
 
-    out = prefill_attention(rolled(q), rolled(k), rolled(v), None, scale)  # (b, H, S, D')
+    q_rows, k_rows, v_rows = rolled(q), rolled(k), rolled(v)
+    del q, k, v  # the widened copies (the caller keeps its own): not alive through the attention
+    out = prefill_attention(q_rows, k_rows, v_rows, None, scale)  # (b, H, S, D')
     by_position = out.transpose(1, 2)[..., :dim]  # (b, S, H, D)
     return by_position[rows.token_row, rows.token_column]  # (T, H, D)
