@@ -22,6 +22,7 @@ the allocator's peak above the start of each lane.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -116,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = sequences.shape[0]
     prompts, prompt_mask = sequences[:, :width], mask[:, :width].bool()
     prompt_positions = (prompt_mask.long().cumsum(-1) - 1).clamp_min(0)
+    threshold = os.environ.get(causal_rows.CAUSAL_MIN_COLUMNS_ENV) or causal_rows.CAUSAL_MIN_COLUMNS
     print(f"# {args.layers}-layer Qwen2 hidden {args.hidden}, {args.dtype} on {device}; "
           f"{args.prompts} prompts x {args.samples} samples, prompt {width} columns, "
           f"responses {args.response_len[0]}-{actions}; causal from "
-          f"{causal_rows.CAUSAL_MIN_COLUMNS} columns; {args.reps} reps after 1")  # fmt: skip
+          f"{threshold} columns; {args.reps} reps after 1")  # fmt: skip
     lanes: dict[str, Callable[[], torch.Tensor]] = {
         "scoring": lambda: action_log_probs(model, sequences, mask, actions,
                                             forward_batch_size=rows, path="rollserve")[0],
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     generation_model.causal_attention = counted
     calls: dict[tuple[str, str], int] = {}
-    default_min = causal_rows.CAUSAL_MIN_COLUMNS
+    set_before = os.environ.get(causal_rows.CAUSAL_MIN_COLUMNS_ENV)
     modes = {"causal": 0, "masked": 1 << 30}
     seconds: dict[tuple[str, str], list[float]] = {}
     peaks: dict[tuple[str, str], int] = {}
@@ -145,14 +147,17 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps + 1):
             for lane, call in lanes.items():
                 for mode, least in modes.items():
-                    causal_rows.CAUSAL_MIN_COLUMNS = least
+                    os.environ[causal_rows.CAUSAL_MIN_COLUMNS_ENV] = str(least)
                     causal_calls[0] = 0
                     spent, out, peak = timed(call, device)
                     calls[lane, mode] = causal_calls[0]
                     outputs[lane, mode], peaks[lane, mode] = out, peak
                     if rep:
                         seconds.setdefault((lane, mode), []).append(spent)
-    causal_rows.CAUSAL_MIN_COLUMNS = default_min
+    if set_before is None:
+        os.environ.pop(causal_rows.CAUSAL_MIN_COLUMNS_ENV)
+    else:
+        os.environ[causal_rows.CAUSAL_MIN_COLUMNS_ENV] = set_before
     generation_model.causal_attention = causal
     print("\n| lane | attention | seconds (median) | min | causal attention calls | "
           "CUDA peak above start GiB |")  # fmt: skip

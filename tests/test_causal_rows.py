@@ -173,7 +173,10 @@ def test_row_runs_tells_one_run_from_holes_and_empty_rows() -> None:
     assert not row_runs(runs([(1, 5)], 6)).right_pads  # left pads only: a prefill's prompts
 
 
-def test_a_forward_attends_causally_only_where_it_pays_and_is_exact() -> None:
+def test_a_forward_attends_causally_only_where_it_pays_and_is_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, raising=False)
     long = CAUSAL_MIN_COLUMNS
     valid = runs([(3, long - 10), (0, long)], long)
     assert causal_layout(valid, {None}) is not None
@@ -214,7 +217,7 @@ def test_the_engines_forward_takes_the_causal_route_from_its_threshold(
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     hidden = {}
     for least in (13, 12):
-        monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", least)
+        monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, str(least))
         with torch.inference_mode():
             hidden[least] = forward.hidden_states(ids, mask, positions)
     assert len(calls) == model.config.num_hidden_layers  # the second forward only
@@ -240,3 +243,15 @@ def test_on_cuda_causal_attention_runs_on_flash_and_equals_the_masked_one() -> N
     expected = token_major(masked_reference(q, k, v, valid))
     read = (torch.arange(64)[None] >= valid.int().argmax(-1)[:, None]).reshape(-1)
     torch.testing.assert_close(out.cpu()[read].double(), expected[read], atol=2e-2, rtol=2e-2)
+
+
+def test_the_threshold_is_the_environments_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    valid = runs([(1, 7), (0, 8)], 8)
+    monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, "8")
+    assert causal_layout(valid, {None}) is not None
+    monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, "9")
+    assert causal_layout(valid, {None}) is None
+    for bad in ("-1", "many", "1.5"):
+        monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, bad)
+        with pytest.raises(ValueError, match="ROLLSERVE_CAUSAL_MIN_COLUMNS"):
+            causal_layout(valid, {None})

@@ -152,7 +152,7 @@ def test_the_attention_in_blocks_of_queries_gives_the_same_numbers(
     # last query, for the rows' own prompts and for a group's prompt run once and the rest.
     from rollserve.server.generation import attention, causal_rows
 
-    monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", 1 << 30)  # the masked route
+    monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, str(1 << 30))  # the masked route
     model = models["causal_lm"]
     sequences, mask, actions = rows(samples)
     kw = dict(forward_batch_size=4, with_entropy=True, temperature=0.7)
@@ -186,7 +186,7 @@ def test_long_rows_attend_causally_and_score_as_hf(
     # is shorter than the rows: it keeps the masked attention.
     from rollserve.server.generation import causal_rows
 
-    monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", 0)
+    monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, "0")
     calls: list[int] = []
 
     def counted(q, k, v, rows, scale):

@@ -275,7 +275,7 @@ def test_behaviour_log_probs_equal_the_rescored_ones_on_the_causal_route(
     from rollserve.server.generation import causal_rows
     from rollserve.server.generation import model as generation_model
 
-    monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", 0)
+    monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, "0")
     calls: list[int] = []
 
     def counted(*args: object) -> torch.Tensor:

@@ -132,7 +132,7 @@ def test_a_prefill_past_the_mask_bound_runs_in_blocks_of_queries(
     widest batch) prefill block by block: HF's logits, and HF's greedy tokens after them."""
     from rollserve.server.generation import attention, causal_rows
 
-    monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", 1 << 30)  # the masked route
+    monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, str(1 << 30))  # the masked route
     ids, _ = pad_prompts(LONG_PROMPTS, PAD, torch.device("cpu"))
     per_query = ids.shape[0] * ids.shape[1] * (4 + attention.MASK_BUILD_BYTES)
     monkeypatch.setattr(attention, "MASK_BYTES", 3 * per_query)
@@ -152,7 +152,7 @@ def test_a_long_prefill_attends_causally_with_hf_logits_and_greedy_tokens(
     from rollserve.server.generation import causal_rows
     from rollserve.server.generation import model as generation_model
 
-    monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", 0)
+    monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, "0")
     calls: list[bool] = []
 
     def counted(q, k, v, rows, scale):

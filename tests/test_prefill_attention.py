@@ -125,7 +125,7 @@ def test_the_forward_hands_its_backend_to_every_prefill_and_scoring_attention(
     from rollserve.server.generation import causal_rows
 
     seen.clear()
-    monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", 0)
+    monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, "0")
     monkeypatch.setattr(causal_rows, "prefill_attention", attention_spy)
     action_log_probs(other, ids, torch.ones_like(ids), 3, forward_batch_size=2, path="rollserve")
     assert seen == [WITHOUT_CUDNN] * layers
@@ -210,7 +210,7 @@ def test_on_cuda_attention_in_blocks_of_queries_equals_one_mask(
     from rollserve.server.generation import attention, causal_rows, scoring_forward
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(causal_rows, "CAUSAL_MIN_COLUMNS", 1 << 30)  # the masked route
+    monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, str(1 << 30))  # the masked route
     model = AutoModelForCausalLM.from_pretrained(tiny_actor_dir, dtype=torch.bfloat16)
     forward = scoring_forward(model.eval().to("cuda"), "rollserve")
     g = torch.Generator().manual_seed(0)

@@ -44,9 +44,11 @@ import torch
 import torch.nn.functional as F
 
 from .attention import prefill_attention
+from .switches import env_count
 
 __all__ = [
     "CAUSAL_MIN_COLUMNS",
+    "CAUSAL_MIN_COLUMNS_ENV",
     "SUPPRESS_DIMS",
     "CausalRows",
     "SharedPrompts",
@@ -64,6 +66,9 @@ __all__ = [
 # where the masked route reads its mask in every layer and flash is the faster kernel: the
 # crossover there is likely lower, and the issue's bench shape (384 columns) stays masked.
 CAUSAL_MIN_COLUMNS = 1536
+# Sets the threshold instead (read at every forward): 0 takes the causal route wherever it may
+# be taken, a number past any row's length never.
+CAUSAL_MIN_COLUMNS_ENV = "ROLLSERVE_CAUSAL_MIN_COLUMNS"
 # Extra head dimensions that carry the suppression of pad keys: one would do, 8 keep head_dim a
 # multiple of 8, which flash kernels on CUDA require.
 SUPPRESS_DIMS = 8
@@ -115,11 +120,12 @@ def causal_layout(
 ) -> CausalRows | None:
     """CausalRows of a forward over rows valid (b, S) (causal_rows' arguments) when it should
     attend causally, for layers of these sliding windows; None for the masked attention: rows
-    under CAUSAL_MIN_COLUMNS or under a window, shared prompts whose causal work would be
-    larger (causal_work_fits), rows not one run of real tokens each. Synchronises with the
-    device once, for the runs, only when the rest allows causal attention."""
+    under CAUSAL_MIN_COLUMNS (ROLLSERVE_CAUSAL_MIN_COLUMNS when set) or under a window, shared
+    prompts whose causal work would be larger (causal_work_fits), rows not one run of real
+    tokens each. Synchronises with the device once, for the runs, only when the rest allows
+    causal attention."""
     rows, columns = valid.shape
-    if columns < CAUSAL_MIN_COLUMNS:
+    if columns < env_count(CAUSAL_MIN_COLUMNS_ENV, CAUSAL_MIN_COLUMNS):
         return None
     if any(window is not None and window < columns for window in windows):
         return None

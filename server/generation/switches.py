@@ -1,8 +1,9 @@
 """The environment switches of the engine and scoring, read one way.
 
-Two kinds: an on/off lever whose default is "on CUDA only" (`cuda_switch`: "0" or "1" forces
-it), and a choice among names (`env_choice`: a name outside them is a ValueError that says
-what the variable may hold, never a silent default).
+Three kinds: an on/off lever whose default is "on CUDA only" (`cuda_switch`: "0" or "1" forces
+it), a choice among names (`env_choice`: a name outside them is a ValueError that says what the
+variable may hold, never a silent default), and a count (`env_count`: an integer >= 0, else a
+ValueError).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Collection
 
 import torch
 
-__all__ = ["cuda_switch", "env_choice"]
+__all__ = ["cuda_switch", "env_choice", "env_count"]
 
 
 def cuda_switch(env: str, device: torch.device) -> bool:
@@ -31,3 +32,18 @@ def env_choice(env: str, names: Collection[str], default: str) -> str:
     if name not in names:
         raise ValueError(f"{env}={name!r}: expected one of {sorted(names)}")
     return name
+
+
+def env_count(env: str, default: int) -> int:
+    """The integer >= 0 `env` holds (`default` when unset or empty); ValueError naming the
+    variable for anything else."""
+    text = os.environ.get(env, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{env}={text!r}: expected an integer >= 0")
+    return value
