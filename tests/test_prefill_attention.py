@@ -89,10 +89,12 @@ def test_the_forward_hands_its_backend_to_every_prefill_and_scoring_attention(
 ) -> None:
     # Both full-sequence paths: a prefill of distinct prompts and scoring's shared prompts.
     from rollserve.server.experience.scoring import action_log_probs
+    from rollserve.server.generation import causal_rows
     from rollserve.server.generation import model as generation_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_actor_dir, dtype=torch.float32).eval()
+    monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, str(1 << 30))  # the masked route
     monkeypatch.setenv(PREFILL_ATTENTION_ENV, "sdpa")  # not the default: it must come through
     seen: list[object] = []  # per attention call: the backends of the context it ran in
     active: list[object] = []
@@ -122,8 +124,6 @@ def test_the_forward_hands_its_backend_to_every_prefill_and_scoring_attention(
     action_log_probs(other, ids, torch.ones_like(ids), 3, forward_batch_size=2, path="rollserve")
     assert seen == [WITHOUT_CUDNN] * 2 * layers
     # Long rows attend causally (causal_rows.py): one attention a layer, in the same context.
-    from rollserve.server.generation import causal_rows
-
     seen.clear()
     monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, "0")
     monkeypatch.setattr(causal_rows, "prefill_attention", attention_spy)
