@@ -8,9 +8,10 @@ of queries, each against the same forward with that part whole.
    plain batches in the caller's order without trimming (the old plan), in the same process,
    repetitions interleaved, the first of each dropped. Prints the ratio of medians
    (plain / sorted+trimmed) and the largest difference of the log-probs.
-2. Memory (--memory). `Forward.hidden_states` of one forward batch as it is ("bounded") against
-   one MLP chunk of every token ("MLP whole") and against one attention mask of every query
-   ("mask whole": attention.MASK_BYTES unbounded), each in a fresh subprocess: peak RSS above
+2. Memory (--memory). `Forward.hidden_states` of one forward batch on the masked route as it
+   is ("bounded") against one MLP chunk of every token ("MLP whole"), against one attention mask
+   of every query ("mask whole": attention.MASK_BYTES unbounded) and against the causal route
+   ("causal": causal_rows.py, no mask), each in a fresh subprocess: peak RSS above
    the RSS before the forward (VmHWM after a reset through /proc/self/clear_refs, Linux; on
    CUDA the allocator's peak above what was allocated before), and the forward's seconds.
 
@@ -27,6 +28,7 @@ of queries, each against the same forward with that part whole.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -147,8 +149,10 @@ def time_lanes(args: argparse.Namespace) -> None:
         )
 
 
-# The memory lanes: the forward as it is, with its MLP in one chunk, with its mask whole.
-PEAK_LANES = ("bounded", "MLP whole", "mask whole")
+# The memory lanes: the masked forward as it is, with its MLP in one chunk, with its mask
+# whole (each on the masked route: ROLLSERVE_CAUSAL_MIN_COLUMNS past any row), and the causal
+# route (the variable at 0: causal_rows.py, no mask at all; the default from its threshold on).
+PEAK_LANES = ("bounded", "MLP whole", "mask whole", "causal")
 
 
 def peak_of(args: argparse.Namespace) -> None:
@@ -157,7 +161,9 @@ def peak_of(args: argparse.Namespace) -> None:
     from rollserve.server.experience.scoring import position_ids_from_mask
     from rollserve.server.generation import attention, scoring_forward
     from rollserve.server.generation import model as generation_model
+    from rollserve.server.generation.causal_rows import CAUSAL_MIN_COLUMNS_ENV
 
+    os.environ[CAUSAL_MIN_COLUMNS_ENV] = "0" if args.peak_of == "causal" else str(1 << 62)
     if args.peak_of == "MLP whole":  # one call of one chunk a layer
         generation_model.MLP_CHUNK_TOKENS = 1 << 62
         generation_model.MLP_CALL_CHUNKS = 1
@@ -222,7 +228,9 @@ def memory_lanes(args: argparse.Namespace, argv: list[str]) -> None:
         f"{peaks['MLP whole']:.0f} MiB / {seconds['MLP whole']:.2f} s, mask whole "
         f"{peaks['mask whole']:.0f} MiB / {seconds['mask whole']:.2f} s; ratios bounded / MLP "
         f"whole = {peaks['bounded'] / peaks['MLP whole']:.2f}, bounded / mask whole = "
-        f"{peaks['bounded'] / peaks['mask whole']:.2f}"
+        f"{peaks['bounded'] / peaks['mask whole']:.2f}; causal attention (no mask) "
+        f"{peaks['causal']:.0f} MiB / {seconds['causal']:.2f} s, causal / bounded = "
+        f"{peaks['causal'] / peaks['bounded']:.2f}"
     )
 
 
