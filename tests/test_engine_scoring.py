@@ -183,7 +183,7 @@ def test_long_rows_attend_causally_and_score_as_hf(
     # Rows past causal_rows.CAUSAL_MIN_COLUMNS (here every row) attend causally over rolled
     # rows, with no mask: the actor's log-probs and the critic's values equal HF's at every
     # compared column, the right pads' included (their pad keys suppressed). Mistral's window
-    # is shorter than the rows: it keeps the masked attention.
+    # is shorter than the rows: they keep the masked attention.
     from rollserve.server.generation import causal_rows
 
     monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, "0")
@@ -206,10 +206,43 @@ def test_long_rows_attend_causally_and_score_as_hf(
     torch.testing.assert_close(values[where], expected[where], atol=1e-5, rtol=1e-5)
     forwards = 2 * -(-sequences.shape[0] // 4)
     if getattr(model.config, "sliding_window", None) is not None:
-        assert calls == []
+        # Whole rows pass the window: masked; only a group's prompts that fit it attend
+        # causally among themselves (left pads only: nothing suppressed).
+        assert not any(calls)
     else:
         assert len(calls) == forwards * model.config.num_hidden_layers
         assert all(calls)  # every batch has right pads: suppressed
+
+
+def test_long_shared_prompts_attend_causally_alone_and_score_as_hf(
+    models, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A group's prompt run once whose rows' rest is short against it: the whole rows would be
+    # more causal work than the masked pair (causal_work_fits, forced false here), so the rest
+    # attends under its mask while the prompts, long enough, attend causally among themselves
+    # (left pads only: nothing suppressed). HF's log-probs either way.
+    from rollserve.server.generation import causal_rows
+
+    monkeypatch.setenv(causal_rows.CAUSAL_MIN_COLUMNS_ENV, "0")
+    monkeypatch.setattr(causal_rows, "causal_work_fits", lambda *args: False)
+    calls: list[bool] = []
+
+    def counted(q, k, v, rows, scale):
+        calls.append(rows.pads is None)
+        return causal_rows.causal_attention(q, k, v, rows, scale)
+
+    monkeypatch.setattr(generation_model, "causal_attention", counted)
+    model = models["causal_lm"]
+    sequences, mask, actions = rows(3)
+    kw = dict(forward_batch_size=6, with_entropy=True)
+    ours = action_log_probs(model, sequences, mask, actions, path="rollserve", **kw)
+    theirs = action_log_probs(model, sequences, mask, actions, path="hf", **kw)
+    assert_scores_close(ours, theirs, model, mask, actions)
+    assert all(calls)  # the prompts' rows: left pads only, nothing suppressed
+    if getattr(model.config, "sliding_window", None) is None:
+        forwards = -(-sequences.shape[0] // 6)
+        assert len(calls) == forwards * model.config.num_hidden_layers
+    # (Mistral's window of 6: causal only for a forward batch whose trimmed prompts fit it.)
 
 
 @pytest.mark.parametrize("samples", [1, 3])

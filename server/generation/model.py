@@ -506,14 +506,24 @@ class Forward:
     def _shared_attend(
         self, valid: torch.Tensor, of_row: torch.Tensor, first: torch.Tensor, width: int
     ) -> Attend:
-        """The masked attention of _shared_prompts' row of tokens: the prompts' tokens against
-        themselves, each row's other tokens against its group's prompt and themselves."""
+        """The attention of _shared_prompts' row of tokens apart: the prompts' tokens against
+        themselves, each row's other tokens against its group's prompt and themselves, under
+        masks. The prompts alone attend causally where they are long enough (causal_rows.py;
+        left-padded, no right pads: nothing suppressed): a long prompt's attention against
+        itself outweighs its rows' short rest."""
         rows, columns = valid.shape
         groups, rest = first.numel(), columns - width
         head_tokens = groups * width
         dtype = self.family.embed.weight.dtype
-        head_masks = self._prefill_masks(valid[first, :width], dtype, parts=2)
-        masks = self._prefill_masks(valid, dtype, first_query=width, parts=2)
+        scale = self.family.scaling
+        head_valid = valid[first, :width]
+        head_rows = causal_layout(head_valid, self._windows())
+        head_masks = (
+            None if head_rows is not None else self._prefill_masks(head_valid, dtype, parts=2)
+        )
+        masks = self._prefill_masks(
+            valid, dtype, first_query=width, parts=1 if head_rows is not None else 2
+        )
 
         def parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """Token-major (tokens, heads, D) -> the prompts' (groups, heads, width, D) and
@@ -524,7 +534,11 @@ class Forward:
 
         def attend(layer: Layer, *inputs: torch.Tensor) -> torch.Tensor:
             (q_head, q), (k_head, k), (v_head, v) = (parts(t) for t in inputs)
-            out_head = self._attend(q_head, k_head, v_head, head_masks, layer.window)
+            if head_rows is not None:
+                heads = causal_attention(*(t[:head_tokens] for t in inputs), head_rows, scale)
+                out_head = heads.view(groups, width, *heads.shape[1:]).transpose(1, 2)
+            else:
+                out_head = self._attend(q_head, k_head, v_head, head_masks, layer.window)
             k = torch.cat([k_head[of_row], k], dim=2)  # (rows, Hkv, columns, D)
             v = torch.cat([v_head[of_row], v], dim=2)
             out = self._attend(q, k, v, masks, layer.window)
