@@ -33,7 +33,8 @@ shorter than the rows (the mask would cut what causal attention sees); the rows 
 CAUSAL_MIN_COLUMNS columns (under them, the masked kernel was as fast on the CPU, and the
 gathers here are extra copies); and with shared prompts, its attention work (every row's
 prompt again, causal) is no more than the masked pair's (each prompt once, the rest against
-it in full).
+it in full); where it is more, the prompts alone may still attend causally among themselves
+(Forward._shared_attend), the rest under its mask.
 """
 
 from __future__ import annotations
