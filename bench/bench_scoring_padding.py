@@ -227,11 +227,16 @@ def memory_lanes(args: argparse.Namespace, argv: list[str]) -> None:
         f"{peaks['bounded']:.0f} MiB / {seconds['bounded']:.2f} s, MLP at once "
         f"{peaks['MLP whole']:.0f} MiB / {seconds['MLP whole']:.2f} s, mask whole "
         f"{peaks['mask whole']:.0f} MiB / {seconds['mask whole']:.2f} s; ratios bounded / MLP "
-        f"whole = {peaks['bounded'] / peaks['MLP whole']:.2f}, bounded / mask whole = "
-        f"{peaks['bounded'] / peaks['mask whole']:.2f}; causal attention (no mask) "
+        f"whole = {_ratio(peaks['bounded'], peaks['MLP whole'])}, bounded / mask whole = "
+        f"{_ratio(peaks['bounded'], peaks['mask whole'])}; causal attention (no mask) "
         f"{peaks['causal']:.0f} MiB / {seconds['causal']:.2f} s, causal / bounded = "
-        f"{peaks['causal'] / peaks['bounded']:.2f}"
+        f"{_ratio(peaks['causal'], peaks['bounded'])}"
     )
+
+
+def _ratio(part: float, whole: float) -> str:
+    """part / whole to 2 decimals; "-" where whole is 0 MiB (a forward too small to show)."""
+    return f"{part / whole:.2f}" if whole > 0 else "-"
 
 
 def main(argv: list[str] | None = None) -> None:
