@@ -50,6 +50,7 @@ __all__ = [
     "decode_attention_matmul",
     "decode_attention_variant",
     "decode_attention_variants",
+    "equal_parts",
     "flex_compiles_correctly",
     "mark_widths_dynamic",
     "pick_decode_attention",
@@ -200,10 +201,13 @@ def query_blocks(
     per_query = rows * keys * (dtype.itemsize + MASK_BUILD_BYTES)
     size = max(1, budget // max(1, per_query))
     count = -(-queries // size)
-    return tuple(
-        (first_query + queries * i // count, first_query + queries * (i + 1) // count)
-        for i in range(count)
-    )
+    return tuple((first_query + a, first_query + b) for a, b in equal_parts(queries, count))
+
+
+def equal_parts(size: int, parts: int) -> list[tuple[int, int]]:
+    """(start, end) of `parts` slices of 0 .. size whose lengths differ by at most one (query
+    blocks here; a full-sequence forward's MLP token chunks in model.py)."""
+    return [(size * i // parts, size * (i + 1) // parts) for i in range(parts)]
 
 
 class PrefillMasks:

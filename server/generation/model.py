@@ -33,6 +33,7 @@ from .attention import (
     PrefillMasks,
     additive_mask,
     decode_attention_variant,
+    equal_parts,
     prefill_attention,
     prefill_backend,
     prefill_backends,
@@ -160,13 +161,8 @@ def mlp_chunks(*args: Any) -> torch.Tensor:
     tokens >= 2 * MLP_CALL_CHUNKS: compiled with dynamic shapes, a slice of 0 or 1 token is
     specialised (a new graph)."""
     x, attended, *weights = args
-    parts = _equal_parts(x.shape[0], MLP_CALL_CHUNKS)
+    parts = equal_parts(x.shape[0], MLP_CALL_CHUNKS)
     return torch.cat([mlp_block(x[a:b], attended[a:b], *weights) for a, b in parts])
-
-
-def _equal_parts(size: int, parts: int) -> list[tuple[int, int]]:
-    """(start, end) of `parts` slices of 0 .. size whose lengths differ by at most one."""
-    return [(size * i // parts, size * (i + 1) // parts) for i in range(parts)]
 
 
 def _at_least(t: torch.Tensor, dim: int, least: int = 2) -> torch.Tensor:
@@ -329,7 +325,7 @@ class Forward:
         out = torch.empty_like(x)
         # Equal parts of more than 2 * per_call tokens each (calls > 1: each is over
         # per_call * MLP_CHUNK_TOKENS / 2).
-        for start, end in _equal_parts(tokens, calls):
+        for start, end in equal_parts(tokens, calls):
             x_in, attended_in = x[start:end], attended[start:end]
             self._mark_tokens(0, x_in, attended_in)
             out[start:end] = self._layer_mlp(layer, x_in, attended_in, self._token_mlp)
