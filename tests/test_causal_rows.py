@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from rollserve.server.generation import causal_rows
 from rollserve.server.generation.attention import additive_mask, prefill_attention, prefill_mask
 from rollserve.server.generation.causal_rows import (
@@ -104,6 +105,36 @@ def test_causal_attention_equals_the_masked_one_at_every_real_and_right_pad_quer
     first = valid.int().argmax(-1)
     read = (torch.arange(s)[None] >= first[:, None]).reshape(-1)
     torch.testing.assert_close(out[read].double(), expected[read], atol=1e-5, rtol=1e-5)
+
+
+def sdpa_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
+    """Record (query heads, key heads, enable_gqa) of every SDPA call from now on."""
+    calls: list[tuple[int, int, bool]] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        calls.append((q.shape[1], k.shape[1], bool(kwargs.get("enable_gqa", False))))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_causal_attention_reads_the_kv_heads_grouped_not_repeated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The causal route's rows are long: repeating K/V to every query head would be two
+    # (rows, heads, columns, D) copies a layer. The grouped call gives the repeat's numbers.
+    valid = runs([(5, 12), (0, 24), (9, 15)], 24)
+    q, k, v = random_rows(3, 24, seed=4)
+    layout = rows_of(valid, suppress=True)
+    inputs = [token_major(t) for t in (q, k, v)]
+    calls = sdpa_calls(monkeypatch)
+    out = causal_attention(*inputs, layout, DIM**-0.5)
+    assert calls == [(HEADS, KV_HEADS, True)]
+    repeated = [inputs[0], *(t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in inputs[1:])]
+    torch.testing.assert_close(out, causal_attention(*repeated, layout, DIM**-0.5))
+    assert calls[1] == (HEADS, HEADS, False)  # heads already equal: nothing to group
 
 
 def test_without_suppression_a_right_pad_query_would_see_the_pads() -> None:
@@ -227,7 +258,9 @@ def test_the_engines_forward_takes_the_causal_route_from_its_threshold(
 
 
 @pytest.mark.gpu
-def test_on_cuda_causal_attention_runs_on_flash_and_equals_the_masked_one() -> None:
+def test_on_cuda_causal_attention_runs_on_flash_and_equals_the_masked_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # bfloat16, head_dim 64 (72 with the suppression's dimensions), flash attention the only
     # backend allowed: SDPA raises if flash cannot take these inputs, rather than fall back.
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -238,11 +271,30 @@ def test_on_cuda_causal_attention_runs_on_flash_and_equals_the_masked_one() -> N
     k, v = (torch.randn(3, 2, 64, 64, generator=g) for _ in range(2))
     layout = rows_of(valid.cuda(), suppress=True)
     inputs = (token_major(t).to("cuda", torch.bfloat16) for t in (q, k, v))
+    calls = sdpa_calls(monkeypatch)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         out = causal_attention(*inputs, layout, 64**-0.5)
+    assert calls == [(8, 2, True)]  # flash takes the KV heads grouped: no repeat
     expected = token_major(masked_reference(q, k, v, valid))
     read = (torch.arange(64)[None] >= valid.int().argmax(-1)[:, None]).reshape(-1)
     torch.testing.assert_close(out.cpu()[read].double(), expected[read], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_on_cuda_float32_causal_attention_repeats_the_kv_heads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Flash takes no float32: grouped heads would send SDPA to its math backend (the efficient
+    # kernel takes no grouped heads), so the heads are repeated for the efficient kernel.
+    valid = runs([(5, 40), (0, 64), (20, 30)], 64)
+    q, k, v = random_rows(3, 64, seed=6)
+    layout = rows_of(valid.cuda(), suppress=True)
+    calls = sdpa_calls(monkeypatch)
+    out = causal_attention(*(token_major(t).cuda() for t in (q, k, v)), layout, DIM**-0.5)
+    assert calls == [(HEADS, HEADS, False)]
+    expected = token_major(masked_reference(q, k, v, valid))
+    read = (torch.arange(64)[None] >= valid.int().argmax(-1)[:, None]).reshape(-1)
+    torch.testing.assert_close(out.cpu()[read].double(), expected[read], atol=1e-4, rtol=1e-4)
 
 
 def test_the_threshold_is_the_environments_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
