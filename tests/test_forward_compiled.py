@@ -161,6 +161,27 @@ def test_the_compiled_layer_functions_take_the_token_count_as_their_one_runtime_
         assert set(re.findall(r"\bks\d+\b", code)) == {"ks0"}, code
 
 
+def test_a_compiled_mlp_call_projects_and_norms_every_token_at_once(tmp_path: Path) -> None:
+    """model.mlp_chunks: the output projection and the norm over all tokens (one GEMM and one
+    kernel a call), only the SwiGLU's two GEMMs a chunk: each kernel of a compiled call is a
+    launch of host time (the o-projection and the norm a chunk were 36 kernels a call on
+    this CPU's Inductor, now 26)."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = _model("qwen2", tmp_path)
+    family = read_family(model)
+    assert family is not None
+    rope = RopeTable(family.rotary, family.max_positions, torch.float32)
+    forward = Forward(family, rope, compiled=True, fused=True)
+    torch._dynamo.reset()
+    ids, mask, positions = _rows(4, 6, 5, torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        _, codes = run_and_get_code(lambda: forward.hidden_states(ids, mask, positions))
+    (mlp,) = [code for code in codes if "silu" in code]
+    gemms = re.findall(r"extern_kernels\.(?:addmm|mm)\(", mlp)
+    assert len(gemms) == 1 + 2 * generation_model.MLP_CALL_CHUNKS, mlp
+
+
 @pytest.fixture(scope="module")
 def qwen2_forwards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Forward, Forward]:
     """A qwen2's eager forward and its compiled one over fused projections (CUDA's default)."""

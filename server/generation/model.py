@@ -114,7 +114,19 @@ def mlp_block(
     (..., H * D): per token, for any leading dimensions. gate_up: the gate and up projections,
     or one for both (`project`)."""
     x = x + F.linear(attended, *o)
-    gate, up = project(rms_norm(*norm, x), gate_up, gate_up_sizes)
+    return swiglu_residual(x, rms_norm(*norm, x), gate_up, gate_up_sizes, down)
+
+
+def swiglu_residual(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    gate_up: tuple[Linear, ...],
+    gate_up_sizes: tuple[int, int],
+    down: Linear,
+) -> torch.Tensor:
+    """x + the SwiGLU MLP of h (x's post-attention norm): mlp_block's wide part, whose
+    (..., intermediate) temporaries are a layer's largest."""
+    gate, up = project(h, gate_up, gate_up_sizes)
     return x + F.linear(F.silu(gate) * up, *down)
 
 
@@ -155,14 +167,28 @@ MLP_CHUNK_TOKENS = 4096
 MLP_CALL_CHUNKS = 8
 
 
-def mlp_chunks(*args: Any) -> torch.Tensor:
-    """mlp_block over (tokens, ...) inputs (mlp_block's arguments) in MLP_CALL_CHUNKS equal
-    slices of tokens, one after another, so that only one slice's temporaries exist at a time.
-    tokens >= 2 * MLP_CALL_CHUNKS: compiled with dynamic shapes, a slice of 0 or 1 token is
-    specialised (a new graph)."""
-    x, attended, *weights = args
+def mlp_chunks(
+    x: torch.Tensor,
+    attended: torch.Tensor,
+    o: Linear,
+    norm: tuple[torch.Tensor, float],
+    gate_up: tuple[Linear, ...],
+    gate_up_sizes: tuple[int, int],
+    down: Linear,
+) -> torch.Tensor:
+    """mlp_block over (tokens, ...) inputs: the output projection, residual and norm over every
+    token at once (hidden-wide: small), the SwiGLU in MLP_CALL_CHUNKS equal slices of tokens,
+    one after another, so that only one slice's (tokens, intermediate) temporaries exist at a
+    time. Compiled, a chunk is then three kernels (gate/up GEMM, SwiGLU, down GEMM with the
+    residual), not six (the o-projection and the norm were a GEMM and a kernel a chunk): a
+    compiled call's host time is its kernel launches, and a scoring forward batch is
+    host-bound on an H200. tokens >= 2 * MLP_CALL_CHUNKS: compiled with dynamic shapes, a
+    slice of 0 or 1 token is specialised (a new graph)."""
+    x = x + F.linear(attended, *o)
+    h = rms_norm(*norm, x)
     parts = equal_parts(x.shape[0], MLP_CALL_CHUNKS)
-    return torch.cat([mlp_block(x[a:b], attended[a:b], *weights) for a, b in parts])
+    return torch.cat([swiglu_residual(x[a:b], h[a:b], gate_up, gate_up_sizes, down)
+                      for a, b in parts])  # fmt: skip
 
 
 def _at_least(t: torch.Tensor, dim: int, least: int = 2) -> torch.Tensor:
