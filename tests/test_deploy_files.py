@@ -225,6 +225,18 @@ def test_base_image_is_a_pinned_cuda_pytorch(dockerfile: Dockerfile) -> None:
         assert name in ("pytorch/pytorch", "docker.io/pytorch/pytorch"), image
 
 
+def test_the_image_has_a_c_compiler_for_tritons_kernel_launchers(dockerfile: Dockerfile) -> None:
+    # torch.compile on CUDA (the engine's decode step and scoring) builds Triton's launchers with
+    # a C compiler at run time; without one every compiled function runs eager, several times
+    # slower. pytorch/pytorch's runtime base images long shipped none.
+    installs = [
+        instruction.args
+        for instruction in dockerfile.instructions
+        if instruction.keyword == "RUN" and "apt-get install" in instruction.args
+    ]
+    assert any(re.search(r"\bgcc\b", args) and "libc6-dev" in args for args in installs), installs
+
+
 def test_dockerfile_basic_lint(dockerfile: Dockerfile) -> None:
     # hadolint's most useful rules, by hand.
     for instruction in dockerfile.instructions:

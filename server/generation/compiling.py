@@ -8,14 +8,16 @@ fail the request: the function falls back to eager for good, and says so in the 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["COMPILE_ENV", "compiles_by_default", "maybe_compiled"]
+__all__ = ["COMPILE_ENV", "c_compiler", "compiles_by_default", "maybe_compiled"]
 
 _log = logging.getLogger("rollserve.generation")
 COMPILE_ENV = "ROLLSERVE_ENGINE_COMPILE"  # "0": run the engine's functions eagerly
@@ -70,4 +72,29 @@ def compiles_by_default(device: torch.device) -> bool:
     """Whether the engine's forward compiles its functions on `device` unless told: on CUDA
     (there they are bound by small kernels; elsewhere compile time outweighs the gain),
     unless ROLLSERVE_ENGINE_COMPILE=0."""
-    return device.type == "cuda" and os.environ.get(COMPILE_ENV, "1") != "0"
+    compiles = device.type == "cuda" and os.environ.get(COMPILE_ENV, "1") != "0"
+    if compiles and c_compiler() is None:
+        _warn_without_c_compiler()
+    return compiles
+
+
+def c_compiler() -> str | None:
+    """The C compiler Triton (torch.compile's CUDA backend) builds its kernel launchers with,
+    found as Triton finds it: $CC, else gcc, else clang on PATH; None without one."""
+    named = os.environ.get("CC")
+    if named:
+        return shutil.which(named)
+    return shutil.which("gcc") or shutil.which("clang")
+
+
+@functools.cache
+def _warn_without_c_compiler() -> None:
+    """Say once, at the engine's start, what a missing compiler will cost: every compiled
+    function fails its first call and runs eager for good (several times slower on a GPU)."""
+    _log.warning(
+        "no C compiler ($CC, gcc or clang) on PATH: Triton cannot build the kernels of "
+        "torch.compile, so the engine's compiled functions will run eagerly, several times "
+        "slower; install gcc and the libc headers (the Dockerfile does), or set %s=0 to skip "
+        "compiling",
+        COMPILE_ENV,
+    )
