@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import math
+import os
 import re
 import statistics
 import sys
@@ -87,6 +88,7 @@ from rollserve.server.generation.attention import (  # noqa: E402
     decode_attention_variants,
     pick_decode_attention,
 )
+from rollserve.server.generation.compiling import CPP_WRAPPER_ENV  # noqa: E402
 from rollserve.server.generation.model import Forward  # noqa: E402
 from rollserve.server.generation.runner import attention_width, batch_bucket  # noqa: E402
 from rollserve.server.generation.shared_prefix import (  # noqa: E402
@@ -650,6 +652,7 @@ class Scoring:
     whole: Callable[[], object]  # action_log_probs on the engine path
     body: Callable[[], object]  # Forward.hidden_states of the same rows
     body_unshared: Callable[[], object]  # the same, each row's prompt its own (not run once)
+    body_on: Callable[[Forward], object]  # `body` run by another forward of the same model
     body_tflop: float  # of the body's matmuls (attention's left out)
     head_tflop: float  # of lm_head over every action position
     forward: Forward  # the engine's forward that `body` runs (its prefill_backend is read per call)
@@ -673,7 +676,10 @@ def scoring_calls(model: torch.nn.Module, case: Case) -> Scoring:
     def body_unshared() -> object:
         return forward.hidden_states(sequences, mask, positions)
 
-    return Scoring(whole, body, body_unshared, *scoring_tflop(model, case), forward)
+    def body_on(other: Forward) -> object:
+        return other.hidden_states(sequences, mask, positions, case.prompt_len)
+
+    return Scoring(whole, body, body_unshared, body_on, *scoring_tflop(model, case), forward)
 
 
 def scoring_timings(scoring: Scoring, timer: Timer, figures: dict[str, float]) -> None:
@@ -738,8 +744,35 @@ def body_by_setting(scoring: Scoring, timer: Timer, default_ms: float) -> None:
     # A group's prompt run once saves ~30 % of the matmuls here, for a gather and two K/V
     # concatenations a layer: what that buys on this device.
     add("efficient, each row's prompt its own", scoring.body_unshared)
+    # Inductor's C++ wrapper for the compiled calls (ROLLSERVE_ENGINE_CPP_WRAPPER=1): what
+    # launching their kernels without Python saves the host. Its first run here builds them (a
+    # C++ compile each, in the timer's warm call); without a C++ compiler they fall back to
+    # eager, which the row says rather than time.
+    name = "efficient, C++ wrapper"
+    if not scoring.forward.compiled:
+        rows.append([name, "- (the forward runs eager here)", "-", "-"])
+    else:
+        cpp = cpp_wrapper_forward(scoring.forward)
+        add(name, lambda: scoring.body_on(cpp))
+        if not cpp.runs_compiled:
+            rows[-1][1:] = ["failed: fell back to eager (a C++ compiler?)", "-", "-"]
     print("Decoder body by ROLLSERVE_PREFILL_ATTENTION (steady shape, medians):\n")
     print_table(columns, rows)
+
+
+def cpp_wrapper_forward(forward: Forward) -> Forward:
+    """A compiled forward over `forward`'s model with ROLLSERVE_ENGINE_CPP_WRAPPER=1 (read when
+    a Forward is made): Inductor's C++ wrapper for its full-sequence functions."""
+    configured = os.environ.get(CPP_WRAPPER_ENV)
+    os.environ[CPP_WRAPPER_ENV] = "1"
+    try:
+        return Forward(forward.family, forward.rope, compiled=True,
+                       fused=forward.fused_projections > 0)  # fmt: skip
+    finally:
+        if configured is None:
+            del os.environ[CPP_WRAPPER_ENV]
+        else:
+            os.environ[CPP_WRAPPER_ENV] = configured
 
 
 @contextmanager

@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rollserve.server.experience.scoring import position_ids_from_mask
+from rollserve.server.generation import compiling
 from rollserve.server.generation import model as generation_model
 from rollserve.server.generation.families import read_family
 from rollserve.server.generation.model import Forward
@@ -180,6 +181,39 @@ def test_a_compiled_mlp_call_projects_and_norms_every_token_at_once(tmp_path: Pa
     (mlp,) = [code for code in codes if "silu" in code]
     gemms = re.findall(r"extern_kernels\.(?:addmm|mm)\(", mlp)
     assert len(gemms) == 1 + 2 * generation_model.MLP_CALL_CHUNKS, mlp
+
+
+def test_the_cpp_wrapper_switch_compiles_the_same_forward_with_inductors_cpp_wrapper(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ROLLSERVE_ENGINE_CPP_WRAPPER=1 (compiling.full_sequence_options): both full-sequence
+    functions compiled with Inductor's C++ wrapper (its code has an `inductor_entry` and no
+    Python `call`), the same hidden states as eager, the default's functions left alone."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = _model("qwen2", tmp_path)
+    family = read_family(model)
+    assert family is not None
+    rope = RopeTable(family.rotary, family.max_positions, torch.float32)
+    default = Forward(family, rope, compiled=True, fused=True)
+    torch._dynamo.reset()  # compiled code is cached per function: build it here
+    monkeypatch.setenv(compiling.CPP_WRAPPER_ENV, "1")
+    cpp = Forward(family, rope, compiled=True, fused=True)
+    assert Forward(family, rope)._token_mlp is generation_model.mlp_block  # eager: no switch
+    ids, mask, positions = _rows(4, 6, 5, torch.Generator().manual_seed(3))
+    real = mask.bool()
+    with torch.inference_mode():
+        want = Forward(family, rope).hidden_states(ids, mask, positions, 6)
+        got, codes = run_and_get_code(lambda: cpp.hidden_states(ids, mask, positions, 6))
+        assert len(codes) == 2 and all("inductor_entry" in code for code in codes)
+        assert not any("def call(" in code for code in codes)
+        assert torch.allclose(got[real], want[real], atol=1e-5, rtol=1e-4)
+        assert cpp._token_inputs.compiled is not None and cpp._token_mlp.compiled is not None
+        _, codes = run_and_get_code(lambda: default.hidden_states(ids, mask, positions, 6))
+        assert codes and all("def call(" in code for code in codes)  # the Python wrapper
+    monkeypatch.setenv(compiling.CPP_WRAPPER_ENV, "yes")
+    with pytest.raises(ValueError, match=compiling.CPP_WRAPPER_ENV):
+        Forward(family, rope, compiled=True)
 
 
 @pytest.fixture(scope="module")

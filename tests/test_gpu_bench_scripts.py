@@ -5,6 +5,7 @@ sees every phase of a real maker's request and leaves the maker's clock as it wa
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -258,3 +259,35 @@ def test_the_weights_bench_collects_the_clients_cuda_ipc_line_by_version() -> No
     upload._LOG.debug(upload.CUDA_IPC_CLIENT_LINE, 17, 0.0012, 1, 1, 0.0034, 0.0021)
     line = bench_gpu_weights.CLIENT_LINES.by_version[17]
     assert line.startswith("cuda_ipc v17: export and head 0.0012 s") and "call 0.0034 s" in line
+
+
+@pytest.mark.parametrize("configured", [None, "0"])
+def test_the_profiles_cpp_wrapper_forward_compiles_with_it_and_leaves_the_setting(
+    monkeypatch: pytest.MonkeyPatch, configured: str | None
+) -> None:
+    # profile_gpu.py's "C++ wrapper" row runs the scoring body on a forward made with
+    # ROLLSERVE_ENGINE_CPP_WRAPPER=1: its functions are the C++ wrapper's, and the process's own
+    # setting is as it was after (the rows after it, and the server's forwards, keep theirs).
+    from rollserve.server.generation import model as generation_model
+    from rollserve.server.generation.compiling import CPP_WRAPPER_ENV
+    from rollserve.server.generation.families import read_family
+    from rollserve.server.generation.model import Forward
+    from rollserve.server.generation.rotary import RopeTable
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import profile_gpu
+    finally:
+        sys.path.remove(str(BENCH))
+    if configured is None:
+        monkeypatch.delenv(CPP_WRAPPER_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CPP_WRAPPER_ENV, configured)
+    family = read_family(_tiny_qwen2())
+    assert family is not None
+    rope = RopeTable(family.rotary, family.max_positions, torch.float32)
+    cpp = profile_gpu.cpp_wrapper_forward(Forward(family, rope, compiled=True))
+    assert cpp.compiled and cpp.runs_compiled
+    assert cpp._token_inputs.eager is generation_model.cpp_token_inputs
+    assert cpp._token_mlp.eager is generation_model.cpp_mlp_chunks
+    assert os.environ.get(CPP_WRAPPER_ENV) == configured

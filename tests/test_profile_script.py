@@ -52,6 +52,10 @@ def test_cpu_quick_run_prints_every_section_and_its_tables() -> None:
     assert re.search(
         r"^\| efficient, each row's prompt its own \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", out, re.M
     )
+    # ... and with Inductor's C++ wrapper: on CUDA a timed row; the CPU's forward runs eager.
+    assert re.search(
+        r"^\| efficient, C\+\+ wrapper \| - \(the forward runs eager here\) \|", out, re.M
+    )
     # The whole step with the shared-prefix attention against the plain one, per width.
     assert re.search(r"^\| 192 \| [\d.]+ \| [\d.]+ \([\d.]+x\) \|$", out, re.M)
     # The shared-prefix variant timed on the request's grouped cache, and agreeing with sdpa.

@@ -17,10 +17,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["COMPILE_ENV", "c_compiler", "compiles_by_default", "maybe_compiled"]
+from .switches import env_choice
+
+__all__ = [
+    "COMPILE_ENV",
+    "CPP_WRAPPER_ENV",
+    "c_compiler",
+    "compiles_by_default",
+    "full_sequence_options",
+    "maybe_compiled",
+]
 
 _log = logging.getLogger("rollserve.generation")
 COMPILE_ENV = "ROLLSERVE_ENGINE_COMPILE"  # "0": run the engine's functions eagerly
+# "1": the full-sequence layer functions (prefill, scoring) compiled with Inductor's C++ wrapper
+# (`full_sequence_options`); "0" or unset: its Python wrapper.
+CPP_WRAPPER_ENV = "ROLLSERVE_ENGINE_CPP_WRAPPER"
 # Compiled versions kept per function before dynamo silently runs it eagerly. A function here
 # compiles once per (sampling structure, batch-size class: the first size, dynamic, 1), so
 # dynamo's default of 8 would turn the sampler eager after a few kinds of requests.
@@ -38,11 +50,16 @@ def _raise_recompile_limit() -> None:
 class _Compiled:
     """A torch.compile'd function that turns into the eager one after a compiler failure."""
 
-    def __init__(self, fn: Callable[..., Any], dynamic: bool | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        dynamic: bool | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
         self.eager = fn
         _raise_recompile_limit()
         self.compiled: Callable[..., Any] | None = torch.compile(
-            fn, fullgraph=True, dynamic=dynamic
+            fn, fullgraph=True, dynamic=dynamic, options=options
         )
 
     def __call__(self, *args: Any) -> Any:
@@ -60,12 +77,33 @@ class _Compiled:
 
 
 def maybe_compiled(
-    fn: Callable[..., Any], enabled: bool, dynamic: bool | None = None
+    fn: Callable[..., Any],
+    enabled: bool,
+    dynamic: bool | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Callable[..., Any]:
     """fn compiled when enabled (falling back to fn on a compiler failure), else fn. dynamic:
     torch.compile's (True: one code for every size of the inputs' dimensions, except sizes
-    0 and 1, which dynamo specialises)."""
-    return _Compiled(fn, dynamic) if enabled else fn
+    0 and 1, which dynamo specialises); options: Inductor's, for this function. torch.compile
+    keeps one backend's code per code object: a function compiled with two sets of options
+    compiles again at every switch between them, so each set needs a function of its own."""
+    return _Compiled(fn, dynamic, options) if enabled else fn
+
+
+def full_sequence_options() -> dict[str, Any] | None:
+    """Inductor's options for the full-sequence layer functions (model.Forward's
+    `_token_inputs`, `_token_mlp`): its C++ wrapper when ROLLSERVE_ENGINE_CPP_WRAPPER=1, else
+    None (its Python wrapper); ValueError for another value.
+
+    Why a switch: a compiled call's host time is its wrapper launching each kernel (a
+    scoring forward batch was host-bound on an H200, ~30 % of it idle); the C++ wrapper
+    launches them without Python. On this project's 2-core CPU it took the host proxy of that
+    batch (bench/bench_forward_host.py's call structure) from 44.7 to 40.6 ms a forward
+    (medians; minimums 31.4 / 25.9), for ~15 s more compiling per function (a C++ build).
+    Never run on a GPU, where it needs a C++ compiler too (g++; the Docker image has none):
+    bench/profile_gpu.py's body table measures it ("C++ wrapper")."""
+    on = env_choice(CPP_WRAPPER_ENV, ("0", "1"), "0") == "1"
+    return {"cpp_wrapper": True} if on else None
 
 
 def compiles_by_default(device: torch.device) -> bool:

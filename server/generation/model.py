@@ -40,7 +40,7 @@ from .attention import (
     repeat_kv,
 )
 from .causal_rows import CausalRows, SharedPrompts, causal_attention, causal_layout
-from .compiling import maybe_compiled
+from .compiling import full_sequence_options, maybe_compiled
 from .families import Family, Layer
 from .fused import FusedProjection, Linear, fuse
 from .rotary import RopeTable, apply_rope
@@ -191,6 +191,18 @@ def mlp_chunks(
                       for a, b in parts])  # fmt: skip
 
 
+# The full-sequence functions (prefill, scoring) under code objects of their own for Inductor's
+# C++ wrapper (compiling.full_sequence_options): torch.compile keeps one backend's code per code
+# object, so a process that builds forwards both ways would otherwise compile again at every
+# switch.
+def cpp_token_inputs(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return token_inputs(*args)
+
+
+def cpp_mlp_chunks(*args: Any) -> torch.Tensor:
+    return mlp_chunks(*args)
+
+
 def _at_least(t: torch.Tensor, dim: int, least: int = 2) -> torch.Tensor:
     """t with a `dim` of fewer than `least` (default 2) entries repeated up to `least` or more
     (the caller keeps the first results): compiled with dynamic shapes, a size of 1 is
@@ -251,18 +263,36 @@ class Forward:
         # `_tokens_vary`) and is built once, by the warm-up's scoring batch: eager, its
         # RMSNorms, RoPE, SwiGLU and residuals are ~40 % of a scoring forward batch's time on
         # an H100 (bench/RESULTS.md, 16:31 profile).
-        self._token_inputs = maybe_compiled(token_inputs, compiled)
+        options = full_sequence_options() if compiled else None  # ROLLSERVE_ENGINE_CPP_WRAPPER
+        inputs_fn, mlp_fn = (
+            (cpp_token_inputs, cpp_mlp_chunks) if options else (token_inputs, mlp_chunks)
+        )
+        self._token_inputs = maybe_compiled(inputs_fn, compiled, options=options)
         # Compiled, the MLP runs MLP_CALL_CHUNKS token chunks a call (a call is host time);
         # eager, a call per chunk: eager ops cost the same however they are grouped, and more
         # chunks than the memory bound needs are only more of them (a small CPU forward took
         # twice as long in 8 chunks).
-        self._token_mlp = maybe_compiled(mlp_chunks, compiled) if compiled else mlp_block
+        self._token_mlp = (
+            maybe_compiled(mlp_fn, compiled, options=options) if compiled else mlp_block
+        )
         self.decode_attention_variant = DEFAULT_DECODE_ATTENTION
         # The attention decode runs for grouped rows (decode's `shared`): a name of
         # shared_prefix.SHARED_PREFIX_ATTENTION, compiled where the layers are.
         self.shared_attention_variant = "matmul_shared"
         self._compiled = compiled
         self.prefill_backend = prefill_backend()  # ROLLSERVE_PREFILL_ATTENTION, read once
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the layer functions run through torch.compile (the engine on CUDA)."""
+        return self._compiled
+
+    @property
+    def runs_compiled(self) -> bool:
+        """compiled, and neither full-sequence function (prefill, scoring) has turned eager
+        after a compiler failure (compiling.maybe_compiled's fallback)."""
+        functions = (self._token_inputs, self._token_mlp)
+        return self._compiled and all(getattr(f, "compiled", None) is not None for f in functions)
 
     @property
     def decode_attention_variant(self) -> str:
