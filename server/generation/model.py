@@ -109,23 +109,29 @@ def mlp_block(
     gate_up: tuple[Linear, ...],
     gate_up_sizes: tuple[int, int],
     down: Linear,
+    chunks: int = 1,
 ) -> torch.Tensor:
     """x + o_proj(attended), then + the SwiGLU MLP of its norm; x (..., hidden), attended
     (..., H * D): per token, for any leading dimensions. gate_up: the gate and up projections,
-    or one for both (`project`)."""
+    or one for both (`project`). chunks > 1: the SwiGLU, whose (tokens, intermediate)
+    temporaries are a layer's largest, in that many equal slices of the first dimension, one
+    after another (`mlp_chunks`); the output projection, residual and norm over all at once."""
     x = x + F.linear(attended, *o)
-    return swiglu_residual(x, rms_norm(*norm, x), gate_up, gate_up_sizes, down)
+    h = rms_norm(*norm, x)
+    if chunks == 1:
+        return _swiglu_residual(x, h, gate_up, gate_up_sizes, down)
+    return torch.cat([_swiglu_residual(x[a:b], h[a:b], gate_up, gate_up_sizes, down)
+                      for a, b in equal_parts(x.shape[0], chunks)])  # fmt: skip
 
 
-def swiglu_residual(
+def _swiglu_residual(
     x: torch.Tensor,
     h: torch.Tensor,
     gate_up: tuple[Linear, ...],
     gate_up_sizes: tuple[int, int],
     down: Linear,
 ) -> torch.Tensor:
-    """x + the SwiGLU MLP of h (x's post-attention norm): mlp_block's wide part, whose
-    (..., intermediate) temporaries are a layer's largest."""
+    """x + the SwiGLU MLP of h (x's post-attention norm)."""
     gate, up = project(h, gate_up, gate_up_sizes)
     return x + F.linear(F.silu(gate) * up, *down)
 
@@ -167,28 +173,15 @@ MLP_CHUNK_TOKENS = 4096
 MLP_CALL_CHUNKS = 8
 
 
-def mlp_chunks(
-    x: torch.Tensor,
-    attended: torch.Tensor,
-    o: Linear,
-    norm: tuple[torch.Tensor, float],
-    gate_up: tuple[Linear, ...],
-    gate_up_sizes: tuple[int, int],
-    down: Linear,
-) -> torch.Tensor:
-    """mlp_block over (tokens, ...) inputs: the output projection, residual and norm over every
-    token at once (hidden-wide: small), the SwiGLU in MLP_CALL_CHUNKS equal slices of tokens,
-    one after another, so that only one slice's (tokens, intermediate) temporaries exist at a
-    time. Compiled, a chunk is then three kernels (gate/up GEMM, SwiGLU, down GEMM with the
-    residual), not six (the o-projection and the norm were a GEMM and a kernel a chunk): a
+def mlp_chunks(*args: Any) -> torch.Tensor:
+    """mlp_block over (tokens, ...) inputs (its arguments) with the SwiGLU in MLP_CALL_CHUNKS
+    equal slices of tokens, so that only one slice's temporaries exist at a time. Compiled, a
+    chunk is three kernels (gate/up GEMM, SwiGLU, down GEMM with the residual; the output
+    projection and the norm, once for all tokens, were a GEMM and a kernel a chunk before): a
     compiled call's host time is its kernel launches, and a scoring forward batch is
     host-bound on an H200. tokens >= 2 * MLP_CALL_CHUNKS: compiled with dynamic shapes, a
     slice of 0 or 1 token is specialised (a new graph)."""
-    x = x + F.linear(attended, *o)
-    h = rms_norm(*norm, x)
-    parts = equal_parts(x.shape[0], MLP_CALL_CHUNKS)
-    return torch.cat([swiglu_residual(x[a:b], h[a:b], gate_up, gate_up_sizes, down)
-                      for a, b in parts])  # fmt: skip
+    return mlp_block(*args, chunks=MLP_CALL_CHUNKS)
 
 
 # The full-sequence functions (prefill, scoring) under code objects of their own for Inductor's
