@@ -92,6 +92,9 @@ class HealthStatus:
     generation_path: str = ""
     # Tokens the engine's KV cache holds; 0 on the "hf" path.
     kv_cache_tokens: int = 0
+    # The server's functions that torch.compile failed on and that run eagerly since (several
+    # times slower on a GPU; its log says why); () when all compiled or nothing compiles there.
+    eager_fallbacks: tuple[str, ...] = ()
 
     @property
     def serving(self) -> bool:
@@ -106,6 +109,7 @@ class HealthStatus:
             models=tuple(ModelStatus.from_proto(m) for m in msg.models),
             rollout=RolloutProgress.from_proto(msg.rollout),
             weight_transports=tuple(msg.weight_transports),
+            eager_fallbacks=tuple(msg.eager_fallbacks),
         )
 
 

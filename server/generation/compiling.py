@@ -24,6 +24,7 @@ __all__ = [
     "CPP_WRAPPER_ENV",
     "c_compiler",
     "compiles_by_default",
+    "eager_fallbacks",
     "full_sequence_options",
     "maybe_compiled",
 ]
@@ -47,6 +48,17 @@ def _raise_recompile_limit() -> None:
             return
 
 
+# Qualified names of the functions whose compile failed and that run eagerly since: Health's
+# eager_fallbacks (a set's add is atomic: any thread may fail a compile).
+_FALLBACKS: set[str] = set()
+
+
+def eager_fallbacks() -> tuple[str, ...]:
+    """The functions of this process that torch.compile failed on and that run eagerly since
+    (maybe_compiled's fallback), sorted by name."""
+    return tuple(sorted(_FALLBACKS))
+
+
 class _Compiled:
     """A torch.compile'd function that turns into the eager one after a compiler failure."""
 
@@ -67,11 +79,12 @@ class _Compiled:
             try:
                 return self.compiled(*args)
             except Exception as error:  # noqa: BLE001 - any compiler failure: run eager
+                name = str(getattr(self.eager, "__qualname__", self.eager))
                 _log.warning(
-                    "torch.compile of %s failed (%s: %s); running it eagerly",
-                    getattr(self.eager, "__qualname__", self.eager), type(error).__name__,
-                    str(error).splitlines()[0] if str(error) else "",
+                    "torch.compile of %s failed (%s: %s); running it eagerly", name,
+                    type(error).__name__, str(error).splitlines()[0] if str(error) else "",
                 )  # fmt: skip
+                _FALLBACKS.add(name)
                 self.compiled = None
         return self.eager(*args)
 

@@ -25,6 +25,7 @@ from ...v1 import rollout_pb2_grpc
 from ..continuous import ContinuousRollout, RolloutStats, serve_subscribe
 from ..engine.runtime import Runtime
 from ..generation import GenerationSettings, built_engine, engine_path
+from ..generation.compiling import eager_fallbacks
 from ..state import Phase, ServerState
 from ..weights import WeightUpdates
 from ..weights.planes import offered_transports
@@ -173,6 +174,7 @@ def health_response(
     response.vocab_size = models.vocab_size
     response.max_context_tokens = models.max_context_tokens
     response.generation_path, response.kv_cache_tokens = generation_facts(state)
+    response.eager_fallbacks.extend(eager_fallbacks())
     for model in models.loaded():
         response.models.add(
             role=_ROLE[model.role],

@@ -577,7 +577,7 @@ class ModelInfo(_message.Message):
     def __init__(self, role: _Optional[_Union[ModelRole, str]] = ..., source: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., num_parameters: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "policy_version", "models", "device", "queue_depth", "uptime_s", "server_version", "default_preset", "vocab_size", "max_context_tokens", "rollout", "shm_host_id", "weight_transports", "generation_path", "kv_cache_tokens")
+    __slots__ = ("status", "policy_version", "models", "device", "queue_depth", "uptime_s", "server_version", "default_preset", "vocab_size", "max_context_tokens", "rollout", "shm_host_id", "weight_transports", "generation_path", "kv_cache_tokens", "eager_fallbacks")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -593,6 +593,7 @@ class HealthResponse(_message.Message):
     WEIGHT_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_PATH_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EAGER_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     status: ServingStatus
     policy_version: int
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
@@ -608,4 +609,5 @@ class HealthResponse(_message.Message):
     weight_transports: _containers.RepeatedScalarFieldContainer[str]
     generation_path: str
     kv_cache_tokens: int
-    def __init__(self, status: _Optional[_Union[ServingStatus, str]] = ..., policy_version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., device: _Optional[str] = ..., queue_depth: _Optional[int] = ..., uptime_s: _Optional[float] = ..., server_version: _Optional[str] = ..., default_preset: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., rollout: _Optional[_Union[RolloutProgress, _Mapping]] = ..., shm_host_id: _Optional[str] = ..., weight_transports: _Optional[_Iterable[str]] = ..., generation_path: _Optional[str] = ..., kv_cache_tokens: _Optional[int] = ...) -> None: ...
+    eager_fallbacks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[_Union[ServingStatus, str]] = ..., policy_version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., device: _Optional[str] = ..., queue_depth: _Optional[int] = ..., uptime_s: _Optional[float] = ..., server_version: _Optional[str] = ..., default_preset: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., rollout: _Optional[_Union[RolloutProgress, _Mapping]] = ..., shm_host_id: _Optional[str] = ..., weight_transports: _Optional[_Iterable[str]] = ..., generation_path: _Optional[str] = ..., kv_cache_tokens: _Optional[int] = ..., eager_fallbacks: _Optional[_Iterable[str]] = ...) -> None: ...
