@@ -569,6 +569,21 @@ class Forward:
         masks = self._prefill_masks(
             valid, dtype, first_query=width, parts=1 if head_rows is not None else 2
         )
+        # The keys of each query row, as indices into the row of tokens: a prompt's own tokens;
+        # a row's rest, its group's prompt and then its own. Gathered with each KV head repeated
+        # for its query heads (`keys`): one copy a K or V, where the prompt's keys taken for
+        # every row, a concatenation and the heads' repeat were three.
+        device = valid.device
+        head_keys = torch.arange(head_tokens, device=device).view(groups, width, 1)
+        own = head_tokens + torch.arange(rows * rest, device=device).view(rows, rest, 1)
+        rest_keys = torch.cat([head_keys[of_row], own], dim=1)  # (rows, columns, 1)
+        group = self.family.num_heads // self.family.num_kv_heads
+        kv_head_of = torch.arange(self.family.num_heads, device=device) // group  # per query head
+
+        def keys(t: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+            """Token-major k or v (tokens, Hkv, D) -> (n, heads, len, D) of `tokens` (n, len,
+            1), a heads-first view of one gather."""
+            return t[tokens, kv_head_of].transpose(1, 2)
 
         def parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """Token-major (tokens, heads, D) -> the prompts' (groups, heads, width, D) and
@@ -578,14 +593,15 @@ class Forward:
             return head.transpose(1, 2), tail.transpose(1, 2)
 
         def attend(layer: Layer, *inputs: torch.Tensor) -> torch.Tensor:
-            (q_head, q), (k_head, k), (v_head, v) = (parts(t) for t in inputs)
+            q_head, q = parts(inputs[0])
+            _, k_tokens, v_tokens = inputs
             if head_rows is not None:
                 heads = causal_attention(*(t[:head_tokens] for t in inputs), head_rows, scale)
                 out_head = heads.view(groups, width, *heads.shape[1:]).transpose(1, 2)
             else:
+                k_head, v_head = keys(k_tokens, head_keys), keys(v_tokens, head_keys)
                 out_head = self._attend(q_head, k_head, v_head, head_masks, layer.window)
-            k = torch.cat([k_head[of_row], k], dim=2)  # (rows, Hkv, columns, D)
-            v = torch.cat([v_head[of_row], v], dim=2)
+            k, v = keys(k_tokens, rest_keys), keys(v_tokens, rest_keys)  # (rows, heads, columns, D)
             out = self._attend(q, k, v, masks, layer.window)
             attended = out.new_empty(inputs[0].shape[0], out.shape[1] * out.shape[3])
             attended_head, attended_rest = parts(attended.view(-1, *out.shape[1::2]))
