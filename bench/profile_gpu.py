@@ -36,6 +36,8 @@ on, exit status 1):
    New prefill shapes: the first prefill of a prompt count the process never ran against its
    repeat, with SDPA's own pick and (CUDA) without its cuDNN backend (the default): what a request
    pays for a new shape, and whether the attention's per-shape plans are that cost.
+   Scoring body, C++ wrapper: the decoder body with Inductor's C++ wrapper for its compiled
+   calls (ROLLSERVE_ENGINE_CPP_WRAPPER=1) against the default, last (it compiles C++).
 5. Summary: the lines to read first.
 
 Times are CUDA-event medians on CUDA (launch gaps included: an eager step's time is what it
@@ -101,8 +103,9 @@ GB = 1e9
 SETUP, COPY, DECODE, SAMPLER = "## Setup", "## Copy ceiling", "## Decode step", "## Sampler alone"
 DECODE_KERNELS, SCORING, SCORING_KERNELS = "## Decode kernels", "## Scoring", "## Scoring kernels"
 NEW_SHAPES, SUMMARY = "## New prefill shapes", "## Summary"
+CPP_WRAPPER = "## Scoring body, C++ wrapper"
 SECTIONS = (SETUP, COPY, DECODE, SAMPLER, DECODE_KERNELS, SCORING, SCORING_KERNELS, NEW_SHAPES,
-            SUMMARY)  # fmt: skip
+            CPP_WRAPPER, SUMMARY)  # fmt: skip
 # Distinct prompt counts no earlier part prefills (the decode case runs 64, scoring 8), three per
 # attention variant: each is a shape the process has not seen.
 NEW_PROMPT_COUNTS = (3, 5, 7, 11, 13, 17)
@@ -744,19 +747,36 @@ def body_by_setting(scoring: Scoring, timer: Timer, default_ms: float) -> None:
     # A group's prompt run once saves ~30 % of the matmuls here, for a gather and two K/V
     # concatenations a layer: what that buys on this device.
     add("efficient, each row's prompt its own", scoring.body_unshared)
-    # Inductor's C++ wrapper for the compiled calls (ROLLSERVE_ENGINE_CPP_WRAPPER=1): what
-    # launching their kernels without Python saves the host. Its first run here builds them (a
-    # C++ compile each, in the timer's warm call); without a C++ compiler they fall back to
-    # eager, which the row says rather than time.
-    name = "efficient, C++ wrapper"
+    print("Decoder body by ROLLSERVE_PREFILL_ATTENTION (steady shape, medians):\n")
+    print_table(columns, rows)
+
+
+def cpp_wrapper_body(scoring: Scoring, timer: Timer) -> None:
+    """The scoring case's decoder body with Inductor's C++ wrapper for its compiled calls
+    (ROLLSERVE_ENGINE_CPP_WRAPPER=1) against the default's Python wrapper: what launching
+    their kernels without Python saves the host. Its first run builds them (a C++ compile
+    each, tens of seconds, in the timer's warm call: the last part of the run, so that a
+    budget it overruns loses nothing else); without a C++ compiler they fall back to eager,
+    which the row says rather than time."""
+    columns = ["wrapper", "body ms", "host ms", "vs the default"]
+    default_ms = timer.median_ms(scoring.body)
+    rows = [["Python (the default)", f"{default_ms:.2f}", f"{timer.host_ms(scoring.body):.2f}",
+             "1.00x"]]  # fmt: skip
     if not scoring.forward.compiled:
-        rows.append([name, "- (the forward runs eager here)", "-", "-"])
+        rows.append(["C++", "- (the forward runs eager here)", "-", "-"])
     else:
         cpp = cpp_wrapper_forward(scoring.forward)
-        add(name, lambda: scoring.body_on(cpp))
-        if not cpp.runs_compiled:
-            rows[-1][1:] = ["failed: fell back to eager (a C++ compiler?)", "-", "-"]
-    print("Decoder body by ROLLSERVE_PREFILL_ATTENTION (steady shape, medians):\n")
+
+        def body() -> object:
+            return scoring.body_on(cpp)
+
+        ms = timer.median_ms(body)
+        if cpp.runs_compiled:
+            rows.append(
+                ["C++", f"{ms:.2f}", f"{timer.host_ms(body):.2f}", f"{ms / default_ms:.2f}x"]
+            )
+        else:
+            rows.append(["C++", "failed: fell back to eager (a C++ compiler?)", "-", "-"])
     print_table(columns, rows)
 
 
@@ -965,6 +985,8 @@ def profile_all(args: argparse.Namespace, model: torch.nn.Module, parts: Parts) 
     header(NEW_SHAPES, f"{cases.scoring.prompt_len}-token prompts, engine forward, wall ms")
     parts.run("the new prefill shapes",
               lambda: new_shape_costs(model, cases.scoring, device, figures))  # fmt: skip
+    header(CPP_WRAPPER, "the scoring case's decoder body, medians")
+    parts.run("the C++ wrapper", lambda: cpp_wrapper_body(scoring, timer))
     return figures
 
 

@@ -21,6 +21,7 @@ SECTIONS = (
     "## Scoring",
     "## Scoring kernels",
     "## New prefill shapes",
+    "## Scoring body, C++ wrapper",
     "## Summary",
 )
 
@@ -52,10 +53,9 @@ def test_cpu_quick_run_prints_every_section_and_its_tables() -> None:
     assert re.search(
         r"^\| efficient, each row's prompt its own \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", out, re.M
     )
-    # ... and with Inductor's C++ wrapper: on CUDA a timed row; the CPU's forward runs eager.
-    assert re.search(
-        r"^\| efficient, C\+\+ wrapper \| - \(the forward runs eager here\) \|", out, re.M
-    )
+    # Inductor's C++ wrapper against the default: on CUDA a timed row; the CPU's forward is eager.
+    assert re.search(r"^\| Python \(the default\) \| [\d.]+ \| [\d.]+ \| 1\.00x \|$", out, re.M)
+    assert re.search(r"^\| C\+\+ \| - \(the forward runs eager here\) \|", out, re.M)
     # The whole step with the shared-prefix attention against the plain one, per width.
     assert re.search(r"^\| 192 \| [\d.]+ \| [\d.]+ \([\d.]+x\) \|$", out, re.M)
     # The shared-prefix variant timed on the request's grouped cache, and agreeing with sdpa.

@@ -114,7 +114,7 @@ def full_sequence_options() -> dict[str, Any] | None:
     batch (bench/bench_forward_host.py's call structure) from 44.7 to 40.6 ms a forward
     (medians; minimums 31.4 / 25.9), for ~15 s more compiling per function (a C++ build).
     Never run on a GPU, where it needs a C++ compiler too (g++; the Docker image has none):
-    bench/profile_gpu.py's body table measures it ("C++ wrapper")."""
+    bench/profile_gpu.py's last part measures it ("Scoring body, C++ wrapper")."""
     on = env_choice(CPP_WRAPPER_ENV, ("0", "1"), "0") == "1"
     return {"cpp_wrapper": True} if on else None
 
