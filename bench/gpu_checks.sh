@@ -25,8 +25,8 @@
 # (260 + 90 and 90 + 280 s of bounds, ~820 s with the installs and one start: the profile got
 # 30 s more on 2026-11-27 for the shared-prefix steps it compiles and captures, two forms x the
 # first layer's view and the others'; update-latency gave its 40 s: bench-weights measures the
-# same lanes on the bench model; the gpu tests, in pytest-randomly's order, may end at their
-# bound before the last few). bench-gpu
+# same lanes on the bench model; the gpu tests, those that never ran on a GPU first, may end at
+# their bound before the last few). bench-gpu
 # gets 260 s: its full run was estimated at ~190 s without the small request (the 17:11 UTC
 # figures: HF first call 16 s, the engine's warm-up 28 s, the server process's start 38 s, the
 # scoring section's six lanes), and a run whose budget ends inside the gRPC lane (the last of
@@ -86,8 +86,20 @@ step() {  # step NAME SECONDS COMMAND...: run with a time bound, log to $OUT/NAM
 
 # TEST_GPU_FILES, PROFILE_ARGS, WEIGHTS_ARGS and BENCH_GPU_ARGS narrow a rerun (e.g. BENCH_GPU_ARGS="--skip generation");
 # SKIP_STEPS="bench-gpu profile" leaves whole steps out (a lease split into two shorter calls).
+# The gpu tests in a fixed order (not pytest-randomly's), the files whose gpu tests never ran on a
+# GPU first (TEST_GPU_FIRST; bench/RESULTS.md lists them): a bound that ends the step early then
+# cuts tests that passed on a GPU before, not new ones.
+first=${TEST_GPU_FIRST:-"tests/test_causal_rows.py tests/test_prefill_attention.py
+    tests/test_forward_compiled.py tests/test_cuda_ipc.py tests/test_update_timings.py
+    tests/test_weight_transports_gpu.py tests/test_weights_staging.py
+    tests/test_weights_device_staging.py"}
+gpu_test_files=$(echo $first)
+for file in tests/test_*.py; do
+    case " $gpu_test_files " in *" $file "*) ;; *) gpu_test_files="$gpu_test_files $file" ;; esac
+done
 # shellcheck disable=SC2086
-step test-gpu "${TEST_GPU_S:-140}" python3 -m pytest -v -m gpu --durations=10 -p no:cacheprovider ${TEST_GPU_FILES:-tests}
+step test-gpu "${TEST_GPU_S:-140}" python3 -m pytest -v -m gpu --durations=10 -p no:cacheprovider \
+    -p no:randomly ${TEST_GPU_FILES:-$gpu_test_files}
 profile=${PROFILE_GPU_S:-60}  # profile_gpu.py starts no part after its budget, 10 s before the bound
 # shellcheck disable=SC2086
 TAIL_LINES=${PROFILE_TAIL_LINES:-12} step profile "$profile" python3 bench/profile_gpu.py --budget-s $((profile - 10)) ${PROFILE_ARGS:-}
