@@ -190,10 +190,13 @@ def test_health_says_hf_with_no_kv_cache_on_the_cpu_by_default(client: RolloutCl
     assert health.generation_path == "hf" and health.kv_cache_tokens == 0
 
 
-def test_health_lists_the_functions_that_fell_back_to_eager(client: RolloutClient) -> None:
+def test_health_and_metrics_name_the_functions_that_fell_back_to_eager(
+    server: RolloutServer, client: RolloutClient
+) -> None:
     # A GPU server whose compiler fails (no C compiler for Triton, an Inductor bug) runs those
-    # functions eagerly, several times slower: Health names them. Here a function whose
-    # compile really fails (fullgraph cannot trace .item()), in the server's process.
+    # functions eagerly, several times slower: Health names them, and /metrics has a gauge of
+    # each (an alert's hook). Here a function whose compile really fails (fullgraph cannot
+    # trace .item()), in the server's process.
     from rollserve.server.generation.compiling import maybe_compiled
 
     def health_probe_data_dependent(x: torch.Tensor) -> torch.Tensor:
@@ -201,10 +204,13 @@ def test_health_lists_the_functions_that_fell_back_to_eager(client: RolloutClien
 
     name = health_probe_data_dependent.__qualname__
     assert name not in client.health().eager_fallbacks
+    gauge = server.metrics.registry.get_sample_value
+    assert gauge("rollserve_eager_fallback", {"function": name}) is None
     fn = maybe_compiled(health_probe_data_dependent, True)
     assert torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))  # eager, right
     fallbacks = client.health().eager_fallbacks
     assert name in fallbacks and list(fallbacks) == sorted(fallbacks)
+    assert gauge("rollserve_eager_fallback", {"function": name}) == 1
 
 
 def test_the_flags_are_the_one_source_of_the_generation_settings() -> None:

@@ -57,6 +57,7 @@ from ...client.protocol.codec import decode_tensor
 from ...client.protocol.roles import ROLE_NAMES as _ROLE_NAMES
 from ...v1 import rollout_pb2 as pb
 from ..experience.timing import PHASES, phase_key
+from ..generation.compiling import eager_fallbacks
 from ..state import Phase, ServerState
 
 if TYPE_CHECKING:
@@ -295,6 +296,14 @@ class _StateCollector(Collector):
             phases.add_metric([phase.value], 1.0 if state.phase is phase else 0.0)
         yield phases
         yield GaugeMetricFamily("rollserve_uptime_seconds", "since start", value=state.uptime_s)
+        fallbacks = GaugeMetricFamily(
+            "rollserve_eager_fallback",
+            "1 for each function torch.compile failed on, which runs eagerly since (slower)",
+            labels=["function"],
+        )
+        for name in eager_fallbacks():
+            fallbacks.add_metric([name], 1.0)
+        yield fallbacks
         if models is not None:
             memory = device_memory_bytes(models.device)
             if memory:
