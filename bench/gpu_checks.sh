@@ -58,8 +58,14 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install -q --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 \
-    || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
+# The project, unless python3 already imports this checkout (a developer's editable install,
+# which a plain install would replace with a copy of the files as they are now).
+if python3 -c "import pathlib, rollserve.server as s, sys; sys.exit(pathlib.Path(s.__file__).resolve().parents[1] != pathlib.Path.cwd().resolve())" 2>/dev/null; then
+    echo "rollserve: this checkout is already installed (editable)" >"$OUT/install.log"
+else
+    python3 -m pip install -q --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 \
+        || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
