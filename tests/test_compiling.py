@@ -26,7 +26,7 @@ def bare_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A PATH of one empty directory and no $CC: no compiler anywhere."""
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
-    compiling._warn_without_c_compiler.cache_clear()
+    compiling._check_c_compiler.cache_clear()
     return tmp_path
 
 
@@ -59,7 +59,7 @@ def test_a_cuda_engine_without_a_compiler_is_told_once(
     assert "no C compiler" in record.getMessage() and COMPILE_ENV in record.getMessage()
     caplog.clear()
     _executable(bare_path, "gcc")
-    compiling._warn_without_c_compiler.cache_clear()
+    compiling._check_c_compiler.cache_clear()
     with caplog.at_level(logging.WARNING, logger="rollserve.generation"):
         assert compiles_by_default(cuda) is True
         monkeypatch.setenv(COMPILE_ENV, "0")

@@ -157,14 +157,11 @@ def prefill_attention(
     the backends a surrounding prefill_backends allows. mask None: causal, q == s (SDPA's
     is_causal: no mask, flash attention; causal_rows.py), with the K/V heads grouped, not
     repeated, where the kernel takes them so (`_grouped_causal`)."""
-    if mask is None:
-        if _grouped_causal(q, k, v):
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=True
-            )
-        k, v = repeat_kv(q.shape[1], k, v)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if mask is None and _grouped_causal(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     k, v = repeat_kv(q.shape[1], k, v)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 

@@ -124,8 +124,8 @@ def compiles_by_default(device: torch.device) -> bool:
     (there they are bound by small kernels; elsewhere compile time outweighs the gain),
     unless ROLLSERVE_ENGINE_COMPILE=0."""
     compiles = device.type == "cuda" and os.environ.get(COMPILE_ENV, "1") != "0"
-    if compiles and c_compiler() is None:
-        _warn_without_c_compiler()
+    if compiles:
+        _check_c_compiler()
     return compiles
 
 
@@ -139,9 +139,12 @@ def c_compiler() -> str | None:
 
 
 @functools.cache
-def _warn_without_c_compiler() -> None:
-    """Say once, at the engine's start, what a missing compiler will cost: every compiled
-    function fails its first call and runs eager for good (several times slower on a GPU)."""
+def _check_c_compiler() -> None:
+    """Once a process (PATH is looked through once, at the first engine's start): without a C
+    compiler, say what it will cost: every compiled function fails its first call and runs
+    eager for good (several times slower on a GPU)."""
+    if c_compiler() is not None:
+        return
     _log.warning(
         "no C compiler ($CC, gcc or clang) on PATH: Triton cannot build the kernels of "
         "torch.compile, so the engine's compiled functions will run eagerly, several times "
