@@ -63,6 +63,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -783,16 +784,9 @@ def cpp_wrapper_body(scoring: Scoring, timer: Timer) -> None:
 def cpp_wrapper_forward(forward: Forward) -> Forward:
     """A compiled forward over `forward`'s model with ROLLSERVE_ENGINE_CPP_WRAPPER=1 (read when
     a Forward is made): Inductor's C++ wrapper for its full-sequence functions."""
-    configured = os.environ.get(CPP_WRAPPER_ENV)
-    os.environ[CPP_WRAPPER_ENV] = "1"
-    try:
+    with mock.patch.dict(os.environ, {CPP_WRAPPER_ENV: "1"}):  # the process's own after
         return Forward(forward.family, forward.rope, compiled=True,
                        fused=forward.fused_projections > 0)  # fmt: skip
-    finally:
-        if configured is None:
-            del os.environ[CPP_WRAPPER_ENV]
-        else:
-            os.environ[CPP_WRAPPER_ENV] = configured
 
 
 @contextmanager
