@@ -91,7 +91,10 @@ from rollserve.server.generation.attention import (  # noqa: E402
     decode_attention_variants,
     pick_decode_attention,
 )
-from rollserve.server.generation.compiling import CPP_WRAPPER_ENV  # noqa: E402
+from rollserve.server.generation.compiling import (  # noqa: E402
+    CPP_WRAPPER_ENV,
+    cpp_wrapper_missing,
+)
 from rollserve.server.generation.model import Forward  # noqa: E402
 from rollserve.server.generation.runner import attention_width, batch_bucket  # noqa: E402
 from rollserve.server.generation.shared_prefix import (  # noqa: E402
@@ -763,8 +766,11 @@ def cpp_wrapper_body(scoring: Scoring, timer: Timer) -> None:
     default_ms = timer.median_ms(scoring.body)
     rows = [["Python (the default)", f"{default_ms:.2f}", f"{timer.host_ms(scoring.body):.2f}",
              "1.00x"]]  # fmt: skip
+    missing = cpp_wrapper_missing(scoring.forward.family.embed.weight.device.type)
     if not scoring.forward.compiled:
         rows.append(["C++", "- (the forward runs eager here)", "-", "-"])
+    elif missing is not None:
+        rows.append(["C++", f"- (not built: {missing})", "-", "-"])
     else:
         cpp = cpp_wrapper_forward(scoring.forward)
 
@@ -777,7 +783,7 @@ def cpp_wrapper_body(scoring: Scoring, timer: Timer) -> None:
                 ["C++", f"{ms:.2f}", f"{timer.host_ms(body):.2f}", f"{ms / default_ms:.2f}x"]
             )
         else:
-            rows.append(["C++", "failed: fell back to eager (a C++ compiler?)", "-", "-"])
+            rows.append(["C++", "failed: fell back to eager (the log says why)", "-", "-"])
     print_table(columns, rows)
 
 

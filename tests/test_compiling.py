@@ -1,17 +1,28 @@
-"""compiling.py's start-up check: torch.compile on CUDA needs a C compiler at run time (Triton
+"""compiling.py's start-up checks: torch.compile on CUDA needs a C compiler at run time (Triton
 builds its kernel launchers with one); without it the engine's compiled functions run eagerly,
-and the server says so once, before any request pays for it."""
+and the server says so once, before any request pays for it. Inductor's C++ wrapper
+(ROLLSERVE_ENGINE_CPP_WRAPPER=1) needs a C++ compiler, and on CUDA the CUDA toolkit: where one
+is missing the switch is ignored, with a warning, rather than every full-sequence function
+failing its build and running eagerly for good."""
 
 from __future__ import annotations
 
 import logging
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from rollserve.server.generation import compiling
-from rollserve.server.generation.compiling import COMPILE_ENV, c_compiler, compiles_by_default
+from rollserve.server.generation.compiling import (
+    COMPILE_ENV,
+    CPP_WRAPPER_ENV,
+    c_compiler,
+    compiles_by_default,
+    cpp_wrapper_missing,
+    full_sequence_options,
+)
 
 
 def _executable(directory: Path, name: str) -> Path:
@@ -65,3 +76,54 @@ def test_a_cuda_engine_without_a_compiler_is_told_once(
         monkeypatch.setenv(COMPILE_ENV, "0")
         assert compiles_by_default(cuda) is False
     assert not caplog.records
+
+
+@pytest.fixture
+def cpp_lookups() -> Iterator[None]:
+    """cpp_wrapper_missing and its warning are looked up once a process: anew for each test."""
+    compiling.cpp_wrapper_missing.cache_clear()
+    compiling._warn_cpp_wrapper_missing.cache_clear()
+    yield
+    compiling.cpp_wrapper_missing.cache_clear()
+    compiling._warn_cpp_wrapper_missing.cache_clear()
+
+
+def test_the_cpp_wrapper_needs_a_cpp_compiler_and_on_cuda_the_toolkit(
+    bare_path: Path, cpp_lookups: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.utils import cpp_extension
+
+    monkeypatch.delenv("CXX", raising=False)
+    assert "no C++ compiler (g++" in str(cpp_wrapper_missing("cpu"))
+    _executable(bare_path, "g++")
+    compiling.cpp_wrapper_missing.cache_clear()
+    assert cpp_wrapper_missing("cpu") is None
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    assert "no CUDA toolkit" in str(cpp_wrapper_missing("cuda"))
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(bare_path))
+    compiling.cpp_wrapper_missing.cache_clear()
+    assert cpp_wrapper_missing("cuda") is None
+    monkeypatch.setenv("CXX", "clang++-19")  # $CXX before g++, as Inductor looks
+    compiling.cpp_wrapper_missing.cache_clear()
+    assert "clang++-19" in str(cpp_wrapper_missing("cpu"))
+
+
+def test_the_cpp_wrapper_switch_is_ignored_with_a_warning_where_it_cannot_be_built(
+    bare_path: Path,
+    cpp_lookups: None,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CXX", raising=False)
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(CPP_WRAPPER_ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger="rollserve.generation"):
+        assert full_sequence_options(cpu) is None  # off: nothing looked up, nothing said
+        monkeypatch.setenv(CPP_WRAPPER_ENV, "1")
+        assert full_sequence_options(cpu) is None  # no g++ on this PATH
+        assert full_sequence_options(cpu) is None
+    (record,) = caplog.records  # once
+    assert CPP_WRAPPER_ENV in record.getMessage() and "no C++ compiler" in record.getMessage()
+    _executable(bare_path, "g++")
+    compiling.cpp_wrapper_missing.cache_clear()
+    assert full_sequence_options(cpu) == {"cpp_wrapper": True}

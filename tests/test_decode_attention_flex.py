@@ -149,7 +149,9 @@ def test_small_head_dims_run_flex_eagerly_on_the_cpu(head_dim: int) -> None:
     mask = torch.zeros((ROWS, 200))
     mask[:, 150:] = float("-inf")
     assert not attention.flex_compiles_correctly(torch.device("cpu"), head_dim)
-    assert attention.flex_compiles_correctly(torch.device("cuda"), head_dim)
+    assert attention.flex_compiles_correctly(torch.device("cuda"), head_dim) == (
+        head_dim >= attention.CUDA_FLEX_MIN_HEAD_DIM
+    )
     before = compiled_graphs()
     with torch.inference_mode():
         out = decode_attention_flex(q, k, v, mask, head_dim**-0.5)
@@ -286,3 +288,35 @@ def test_cuda_flex_is_timed_matches_sdpa_and_captures() -> None:
         graph.replay()
         torch.cuda.synchronize(device)
         assert_agrees(captured, decode_attention(q, k, v, mask, 0.125))
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_head_dim_flex_refuses_runs_the_matmul_form_and_captures() -> None:
+    """Below CUDA_FLEX_MIN_HEAD_DIM Inductor's CUDA flex kernel refuses the shape and flex's
+    eager form cannot be captured (it copies from host memory): the "flex" variant runs the
+    matmul one there, which a CUDA graph captures, compiling nothing."""
+    device = torch.device("cuda")
+    head_dim = 8
+    assert head_dim < attention.CUDA_FLEX_MIN_HEAD_DIM
+    g = torch.Generator(device=device).manual_seed(8)
+    q = torch.randn((ROWS, 4, head_dim), generator=g, device=device).bfloat16()
+    k, v = (torch.randn((ROWS + 3, 2, 240, head_dim), generator=g, device=device).bfloat16()[
+        :ROWS, :, :200] for _ in range(2))  # fmt: skip
+    mask = torch.zeros((ROWS, 200), device=device, dtype=torch.bfloat16)
+    mask[:, 150:] = float("-inf")
+    before = compiled_graphs()
+    with torch.inference_mode():
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            decode_attention_flex(q, k, v, mask, head_dim**-0.5)  # warm, off the capture
+        torch.cuda.current_stream(device).wait_stream(side)
+        with torch.cuda.graph(graph):
+            captured = decode_attention_flex(q, k, v, mask, head_dim**-0.5)
+        k.normal_()
+        graph.replay()
+        torch.cuda.synchronize(device)
+        assert_agrees(captured, decode_attention(q, k, v, mask, head_dim**-0.5))
+    assert compiled_graphs() == before

@@ -367,6 +367,8 @@ def decode_attention_flex(
     b, heads, dim = q.shape
     grouped = q.view(b, k.shape[1], heads // k.shape[1], dim)
     if not flex_compiles_correctly(q.device, dim):
+        if q.is_cuda:  # flex's eager form cannot be captured in a CUDA graph: the matmul one
+            return decode_attention_matmul(q, k, v, mask, scale)
         return _flex_grouped(grouped, k, v, mask, scale).reshape(b, heads, dim)
     mark_widths_dynamic(k, v, mask)
     return _flex_compiled()(grouped, k, v, mask, scale).reshape(b, heads, dim)
@@ -386,11 +388,17 @@ def mark_widths_dynamic(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) ->
 # 2.13 on an AVX2 AMD EPYC: outputs up to 0.6 off sdpa's; 24 and up agreed), as NATTEN found
 # for compiled flex below 32. Below this head_dim the CPU runs flex's eager reference instead.
 CPU_FLEX_MIN_HEAD_DIM = 32
+# Inductor's CUDA flex_attention kernel refuses a head_dim under 16 ("NYI: embedding dimension
+# of the query, key, and value must be at least 16", torch 2.11 on an H200, 2026-11-27), and
+# flex's eager fallback cannot be captured in a CUDA graph (it copies from unpinned host memory).
+CUDA_FLEX_MIN_HEAD_DIM = 16
 
 
 def flex_compiles_correctly(device: torch.device, head_dim: int) -> bool:
-    """Whether flex_attention's compiled kernel may serve this head_dim on `device` (every
-    head_dim on CUDA; CPU_FLEX_MIN_HEAD_DIM and up on the CPU)."""
+    """Whether flex_attention's compiled kernel may serve this head_dim on `device`
+    (CUDA_FLEX_MIN_HEAD_DIM and up on CUDA, CPU_FLEX_MIN_HEAD_DIM on the CPU)."""
+    if device.type == "cuda":
+        return head_dim >= CUDA_FLEX_MIN_HEAD_DIM
     return device.type != "cpu" or head_dim >= CPU_FLEX_MIN_HEAD_DIM
 
 

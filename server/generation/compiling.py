@@ -24,6 +24,7 @@ __all__ = [
     "CPP_WRAPPER_ENV",
     "c_compiler",
     "compiles_by_default",
+    "cpp_wrapper_missing",
     "eager_fallbacks",
     "full_sequence_options",
     "maybe_compiled",
@@ -103,20 +104,56 @@ def maybe_compiled(
     return _Compiled(fn, dynamic, options) if enabled else fn
 
 
-def full_sequence_options() -> dict[str, Any] | None:
+def full_sequence_options(device: torch.device) -> dict[str, Any] | None:
     """Inductor's options for the full-sequence layer functions (model.Forward's
-    `_token_inputs`, `_token_mlp`): its C++ wrapper when ROLLSERVE_ENGINE_CPP_WRAPPER=1, else
-    None (its Python wrapper); ValueError for another value.
+    `_token_inputs`, `_token_mlp`) on `device`: its C++ wrapper when
+    ROLLSERVE_ENGINE_CPP_WRAPPER=1 and this host can build it (`cpp_wrapper_missing`; if not,
+    a warning once and None), else None (its Python wrapper); ValueError for another value.
 
     Why a switch: a compiled call's host time is its wrapper launching each kernel (a
     scoring forward batch was host-bound on an H200, ~30 % of it idle); the C++ wrapper
     launches them without Python. On this project's 2-core CPU it took the host proxy of that
     batch (bench/bench_forward_host.py's call structure) from 44.7 to 40.6 ms a forward
     (medians; minimums 31.4 / 25.9), for ~15 s more compiling per function (a C++ build).
-    Never run on a GPU, where it needs a C++ compiler too (g++; the Docker image has none):
-    bench/profile_gpu.py's last part measures it ("Scoring body, C++ wrapper")."""
+    Never run on a GPU: bench/profile_gpu.py's last part measures it ("Scoring body, C++
+    wrapper"). Why the check: a build that fails at the first call turns the function eager
+    for good (maybe_compiled), several times slower than the Python wrapper it was to beat."""
     on = env_choice(CPP_WRAPPER_ENV, ("0", "1"), "0") == "1"
-    return {"cpp_wrapper": True} if on else None
+    if not on:
+        return None
+    missing = cpp_wrapper_missing(device.type)
+    if missing is not None:
+        _warn_cpp_wrapper_missing(missing)
+        return None
+    return {"cpp_wrapper": True}
+
+
+@functools.cache
+def cpp_wrapper_missing(device_type: str) -> str | None:
+    """What this host lacks for Inductor's C++ wrapper on `device_type`, as Inductor looks for
+    it (None: nothing): a C++ compiler ($CXX, else g++ on PATH: the Docker image installs
+    only gcc), and for CUDA the toolkit's headers and libraries (torch.utils.cpp_extension's
+    CUDA_HOME: $CUDA_HOME or $CUDA_PATH, nvcc on PATH, /usr/local/cuda), which its CUDA
+    build includes and links (pip's torch wheels ship neither). Looked up once a process."""
+    compiler = os.environ.get("CXX") or "g++"
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}: $CXX, else g++) on PATH"
+    if device_type == "cuda":
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if CUDA_HOME is None:
+            return "no CUDA toolkit ($CUDA_HOME, nvcc on PATH or /usr/local/cuda)"
+    return None
+
+
+@functools.cache
+def _warn_cpp_wrapper_missing(missing: str) -> None:
+    _log.warning(
+        "%s=1 ignored: Inductor's C++ wrapper cannot be built here (%s); the full-sequence "
+        "functions keep the Python wrapper",
+        CPP_WRAPPER_ENV,
+        missing,
+    )
 
 
 def compiles_by_default(device: torch.device) -> bool:

@@ -256,7 +256,9 @@ class Forward:
         # `_tokens_vary`) and is built once, by the warm-up's scoring batch: eager, its
         # RMSNorms, RoPE, SwiGLU and residuals are ~40 % of a scoring forward batch's time on
         # an H100 (bench/RESULTS.md, 16:31 profile).
-        options = full_sequence_options() if compiled else None  # ROLLSERVE_ENGINE_CPP_WRAPPER
+        options = (  # ROLLSERVE_ENGINE_CPP_WRAPPER
+            full_sequence_options(family.embed.weight.device) if compiled else None
+        )
         inputs_fn, mlp_fn = (
             (cpp_token_inputs, cpp_mlp_chunks) if options else (token_inputs, mlp_chunks)
         )

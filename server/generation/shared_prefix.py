@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-from .attention import DecodeAttention, mark_widths_dynamic
+from .attention import DecodeAttention, flex_compiles_correctly, mark_widths_dynamic
 from .compiling import maybe_compiled
 from .switches import env_choice
 
@@ -191,13 +191,6 @@ _FORMS: dict[str, tuple[Callable[..., torch.Tensor], bool]] = {
 }
 
 
-# Inductor's CUDA flex_attention kernel for the shared part's query blocks refuses a head_dim
-# under 16 ("NYI: embedding dimension of the query, key, and value must be at least 16", torch
-# 2.11 on an H200, 2026-11-27), and flex's eager fallback cannot be captured in a CUDA graph (it
-# copies from unpinned host memory): below it the "flex" form runs the "matmul" one.
-CUDA_FLEX_MIN_HEAD_DIM = 16
-
-
 @functools.cache
 def _compiled(form: str) -> Callable[..., torch.Tensor]:
     """The form's cascade compiled whole (one per process and form): fullgraph; static shapes
@@ -231,8 +224,8 @@ def shared_prefix_decode_attention(
     by_group = _by_group(grouped, samples).contiguous()
     shared = (k[::samples, :, :prefix], v[::samples, :, :prefix], mask[::samples, :prefix])
     own = (k[:, :, prefix:], v[:, :, prefix:], mask[:, prefix:])
-    if form == "flex" and q.is_cuda and dim < CUDA_FLEX_MIN_HEAD_DIM:
-        form = "matmul"  # a trace-time choice: the head_dim is static
+    if form == "flex" and q.is_cuda and not flex_compiles_correctly(q.device, dim):
+        form = "matmul"  # CUDA's flex kernel refuses it (a trace-time choice: head_dim is static)
     cascade, compiles_on_cpu = _FORMS[form]
     if compiled and (compiles_on_cpu or q.is_cuda):
         mark_widths_dynamic(*own)  # the shared part's width is the prefix: fixed
