@@ -95,6 +95,65 @@ def test_graphs_replay_equal_eager(model) -> None:
     assert eager.stopped.any() and not eager.stopped.all()
 
 
+def test_a_capture_leaves_other_threads_free_to_synchronise_and_allocate(model) -> None:
+    """While the engine captures a request's first shape, an UpdateWeights stages on a handler
+    thread: it synchronises events and streams and allocates device memory. In CUDA's default
+    "global" capture mode that fails the stager and invalidates the capture; the engine
+    captures thread-locally (attention.CAPTURE_ERROR_MODE), so both go on: the graphs
+    captured then replay the eager steps' tokens."""
+    import threading
+
+    rows = prompts(8)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    ids, mask = left_pad(rows, PAD, torch.device("cuda"))
+    engine = Engine(model, read_family(model))
+    capturing, staged = threading.Event(), threading.Event()
+    failures: list[BaseException] = []
+    decode = engine.forward.decode
+
+    def decode_meeting_the_stager(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing() and not capturing.is_set():
+            capturing.set()  # the stager works now, inside this capture
+            assert staged.wait(60), "the stager never finished"
+        return decode(*args, **kwargs)
+
+    def stage() -> None:
+        try:
+            assert capturing.wait(120), "no capture began"
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                arena = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # cudaMalloc
+                arena.fill_(1)
+                done = torch.cuda.Event()
+                done.record(stream)
+            done.synchronize()
+            stream.synchronize()
+            assert int(arena[-1]) == 1
+        except BaseException as error:  # noqa: BLE001 - reported by the test's thread
+            failures.append(error)
+        finally:
+            staged.set()
+
+    engine.forward.decode = decode_meeting_the_stager
+    stager = threading.Thread(target=stage)
+    stager.start()
+    try:
+        g = torch.Generator(device="cuda")
+        captured = engine.generate(ids, mask, params, pad_token_id=PAD, generator=g)
+    finally:
+        staged.set()
+        stager.join(120)
+        engine.forward.decode = decode
+    assert capturing.is_set() and not failures, failures
+    eager = Engine(model, read_family(model), cuda_graphs=False)
+    g = torch.Generator(device="cuda")
+    plain = eager.generate(ids, mask, params, pad_token_id=PAD, generator=g)
+    assert torch.equal(captured.response, plain.response)
+    g = torch.Generator(device="cuda")
+    replayed = engine.generate(ids, mask, params, pad_token_id=PAD, generator=g)
+    assert torch.equal(replayed.response, plain.response)
+
+
 def test_recorded_log_probs_match_rescoring(model) -> None:
     rows = prompts(16, samples=4)
     out = run(model, rows, SamplingParams(max_new_tokens=48, temperature=1.0))

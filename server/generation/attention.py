@@ -34,6 +34,7 @@ from .compiling import compiles_by_default, maybe_compiled
 from .switches import env_choice
 
 __all__ = [
+    "CAPTURE_ERROR_MODE",
     "COMPILED_DECODE_ATTENTION",
     "DECODE_ATTENTION",
     "DEFAULT_DECODE_ATTENTION",
@@ -447,6 +448,14 @@ def decode_attention_variant(name: str) -> DecodeAttention:
         raise ValueError(f"unknown decode attention variant {name!r} (known: {names})") from None
 
 
+# How a CUDA graph capture (the engine's decode steps, the pick's timings) holds other threads:
+# "thread_local" forbids the capturing thread alone the calls a capture cannot record. CUDA's
+# default, "global", forbids them to every thread of the process: an UpdateWeights staging on a
+# gRPC handler thread (event and stream synchronisations, cudaMalloc, opening a CUDA IPC
+# handle) while the engine captures a request's first shape would fail, and invalidate the
+# capture with it. Nothing the engine captures runs on another thread.
+CAPTURE_ERROR_MODE = "thread_local"
+
 # Calls of a variant per timed CUDA graph: a call is tens of microseconds on an H100, of the
 # order of a graph launch's overhead, which a replay of several calls amortises.
 _GRAPH_CALLS = 8
@@ -493,7 +502,7 @@ def _cuda_ms(call: Callable[[], object], device: torch.device, warmup: int, repe
             call()
     current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
         for _ in range(_GRAPH_CALLS):
             call()
     graph.replay()  # the first replay uploads the graph

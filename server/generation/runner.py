@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import decode_attention_variants, pick_decode_attention
+from .attention import CAPTURE_ERROR_MODE, decode_attention_variants, pick_decode_attention
 from .compiling import compiles_by_default
 from .families import Family
 from .fused import fuses_by_default
@@ -698,7 +698,7 @@ class Engine:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_ERROR_MODE):
             self.decode_step(ws, b, attend)
         ws.graphs[key] = graph
 
