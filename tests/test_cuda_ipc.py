@@ -34,7 +34,13 @@ from rollserve.server.config import ServerConfig
 from rollserve.server.models import ModelSet, load_models
 from rollserve.server.models.default_model import TinyModelSpec, save_tiny_causal_lm
 from rollserve.server.serving.app import RolloutServer
-from rollserve.server.weights.cuda_ipc import KEPT_UPDATES, KeptIpcBuffers, keeps_buffers
+from rollserve.server.weights.cuda_ipc import (
+    CUDA_MALLOC_HANDLE,
+    KEPT_UPDATES,
+    KeptIpcBuffers,
+    keepable,
+    keeps_buffers,
+)
 from rollserve.server.weights.planes import Planes, offered_transports
 from rollserve.v1 import rollout_pb2 as pb
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -676,6 +682,25 @@ def test_kept_buffers_are_found_by_role_and_key_and_go_when_no_kept_update_names
         assert in_use is critics and not StorageWeakRef(in_use).expired()
     finally:
         kept.release()
+
+
+def test_only_buffers_of_cudamalloc_memory_without_an_event_are_kept() -> None:
+    """torch's handle of an expandable segment (type 'e': file descriptors, whose numbers may
+    come back the same for new pages) must not find a kept mapping of the old pages."""
+    malloc = CUDA_MALLOC_HANDLE + b"\x07" * 64
+    assert keepable(pb.CudaIpcBuffer(handle=malloc))
+    assert not keepable(pb.CudaIpcBuffer(handle=b"\x02e" + b"\x07" * 64))
+    assert not keepable(pb.CudaIpcBuffer(handle=malloc, event_sync_required=True))
+    assert not keepable(pb.CudaIpcBuffer(handle=b"\x03c" + b"\x07" * 64))  # another version
+
+
+@pytest.mark.gpu
+def test_torch_hands_out_cudamalloc_handles_that_are_kept() -> None:
+    """The handle format keepable reads (CUDACachingAllocator's shareIpcHandle) is this
+    torch's: a plain allocation's storage is described as cudaMalloc memory."""
+    storage = torch.zeros(1 << 20, device="cuda").untyped_storage()
+    handle = storage._share_cuda_()[1]
+    assert handle[:2] == CUDA_MALLOC_HANDLE, handle[:2]
 
 
 def test_kept_buffers_go_after_keep_s_without_an_update() -> None:

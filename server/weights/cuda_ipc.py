@@ -35,7 +35,10 @@ depend on the update (SGLang and UCX keep opened handles for the same reason). `
 keeps the storages of each role's last KEPT_UPDATES successful updates open, keyed by what names
 the memory (this process's device, the handle, the storage's offset and size: a CUDA IPC handle
 names one allocation, and a new allocation gets a new handle even at the same address), so the
-next update of the same buffers (or of a trainer alternating two) opens nothing. They are closed
+next update of the same buffers (or of a trainer alternating two) opens nothing. Only memory of
+cudaMalloc is kept (`keepable`): a handle of a trainer's expandable segments
+(expandable_segments:True) may come out byte for byte the same for new pages, so those are
+opened and closed per update. They are closed
 when the role's later updates no longer name them, after KEEP_S without a CUDA IPC update, and
 at shutdown. A storage that may be
 kept is opened without torch's ref counter, and every counter an update brings is given back
@@ -91,12 +94,14 @@ __all__ = [
     "KEEP_S",
     "KEPT_UPDATES",
     "PIECE_BYTES",
+    "CUDA_MALLOC_HANDLE",
     "BufferKey",
     "CudaIpcPlane",
     "KeptIpcBuffers",
     "buffer_key",
     "can_open_cuda_ipc",
     "check_source",
+    "keepable",
     "keeps_buffers",
 ]
 
@@ -113,6 +118,22 @@ KEEP_ENV = "ROLLSERVE_CUDA_IPC_KEEP"  # "0": open and close every buffer per upd
 # Kept buffers are closed after this long without a CUDA IPC update (as a shared-memory file's
 # mapping is: shared_memory.py), so the memory of a trainer that stopped sending goes back soon.
 KEEP_S = 30.0
+
+# torch's shareable handle (CUDACachingAllocator's shareIpcHandle) begins with a version byte
+# and a type: 'c' for memory of cudaMalloc (a cudaIpcMemHandle, which names one allocation: a
+# new one gets a new handle even at the same address), 'e' for an expandable segment's pages
+# (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; exported as file descriptors, whose
+# numbers, and so the handle's bytes, may come out the same after the trainer's allocator
+# released its pages and mapped new ones). Only the first kind is kept open across updates.
+CUDA_MALLOC_HANDLE = b"\x02c"
+
+
+def keepable(buffer: pb.CudaIpcBuffer) -> bool:
+    """Whether `buffer` may stay open for later updates (see the module): its handle names one
+    allocation for the allocation's life (CUDA_MALLOC_HANDLE), and there is no event of the
+    trainer's to wait for at every update."""
+    return not buffer.event_sync_required and buffer.handle[:2] == CUDA_MALLOC_HANDLE
+
 
 # (this process's device index, handle, storage offset, storage bytes): one storage of one
 # allocation of the trainer's.
@@ -333,6 +354,7 @@ class CudaIpcPlane:
         self._indices: list[int] = []  # this process's device index of each buffer
         self._opened: list[torch.UntypedStorage | None] = []  # by buffer, once opened
         self._reused: set[int] = set()  # buffers whose storage was kept open by an earlier update
+        self._counted: set[int] = set()  # buffers opened with their counter (not to be kept)
         self._views: dict[int, dict] = {}  # buffer -> where stream.py remembers in-place views
         self._timings = UpdateTimings()  # the update's, once receive has its stager
         self._released: list[bool] = [False] * len(source.buffers)  # counter given back
@@ -358,20 +380,21 @@ class CudaIpcPlane:
         for number in opened:
             # Opened with its counter (buffers not kept): torch's deleter decrements it when
             # the storage closes. Opened without (kept, see the module): given back below.
-            self._released[number] = self._kept is None
+            self._released[number] = number in self._counted
         keeper = self._kept if error is None else None  # a failed update keeps nothing
+        buffers = self._source.buffers
+        kept = [n for n in opened if keeper is not None and keepable(buffers[n])]
         if keeper is not None and opened:
-            buffers = self._source.buffers
             keeper.keep(self._role, {
-                buffer_key(buffers[n], self._indices[n]): (storage, self._views.get(n, {}))
-                for n, storage in opened.items() if not buffers[n].event_sync_required
+                buffer_key(buffers[n], self._indices[n]): (opened[n], self._views.get(n, {}))
+                for n in kept
             })  # fmt: skip
         self._views = {}
         # The last references here: dropping them closes the handles that are not kept
         # (torch's deleter syncs the device's current stream, decrements the trainer's counter,
         # closes the mapping).
         closing_s = time.perf_counter()
-        closed = 0 if keeper is not None else len(opened) - len(self._reused)
+        closed = len(opened) - len(kept)
         opened.clear()
         self._opened = []
         if closed:
@@ -433,7 +456,7 @@ class CudaIpcPlane:
         dict kept with the buffer's open storage (the views of an update whose head and memory
         are the last one's are then not made again: ~300 views per update), a new one for the
         kept set (buffers kept), or None (every update makes its views)."""
-        if self._kept is None or self._source.buffers[number].event_sync_required:
+        if self._kept is None or not keepable(self._source.buffers[number]):
             return None
         key = buffer_key(self._source.buffers[number], self._device_index())
         views = self._kept.views(self._role, key)
@@ -473,7 +496,8 @@ class CudaIpcPlane:
             zip(self._source.buffers, self._indices, strict=True)
         ):
             kept = None
-            if self._kept is not None and not buffer.event_sync_required:
+            may_keep = self._kept is not None and keepable(buffer)
+            if may_keep:
                 kept = self._kept.take(self._role, buffer_key(buffer, index))
             if kept is not None:
                 self._opened[number] = kept
@@ -493,8 +517,8 @@ class CudaIpcPlane:
                     buffer.storage_bytes,
                     buffer.storage_offset,
                     # Kept storages hold no counter: the update gives it back (_release_counters).
-                    buffer.ref_counter_handle if self._kept is None else b"",
-                    buffer.ref_counter_offset if self._kept is None else 0,
+                    b"" if may_keep else buffer.ref_counter_handle,
+                    0 if may_keep else buffer.ref_counter_offset,
                     buffer.event_handle,
                     False,  # the event is waited for above
                 )
@@ -508,6 +532,8 @@ class CudaIpcPlane:
                     "exit or free the tensors?)"
                 ) from None
             self._opened[number] = storage
+            if not may_keep:
+                self._counted.add(number)  # torch's deleter gives its counter back
         opened = len(self._opened) - len(self._reused)
         if opened:
             self._timings.add("ipc_event_wait", events_s, opened)
