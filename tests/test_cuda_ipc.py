@@ -134,6 +134,51 @@ def test_a_cpu_server_neither_lists_nor_takes_cuda_ipc(
     assert state_hash(cpu_models.actor.module) == before
 
 
+def test_an_update_refused_before_it_is_staged_gives_back_the_trainers_counters(
+    cpu_models: ModelSet, cpu_server: RolloutServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch keeps a shared CUDA storage's memory while its ref counter (set to 1 by the
+    trainer's `_share_cuda_`) is above 0, and the client hands each counter over once: an
+    update refused before its plane opened anything still gives it back, or the trainer's
+    memory stays pinned for its life. Here on a server whose models are not on CUDA, on one
+    that does not take cuda_ipc, and as the third update at once (the plane's own refusals
+    after it is entered: the gpu tests)."""
+    from rollserve.server.weights import cuda_ipc
+
+    released: list[tuple[object, ...]] = []
+    # torch's own call needs a CUDA build (a counter is a host file of the trainer's)
+    monkeypatch.setattr(
+        torch.UntypedStorage,
+        "_release_ipc_counter",
+        lambda *args, device=None: released.append(args),
+    )
+    before = state_hash(cpu_models.actor.module)
+    update, data_start = _update(cpu_models)
+    source = _source(update, data_start)
+    error = _refused(cpu_server, update, source)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
+    assert released == [(b"/torch_1_2_3", 0)]
+    released.clear()
+    monkeypatch.setattr(cuda_ipc, "can_open_cuda_ipc", lambda device: True)  # as on CUDA
+    error = _refused(cpu_server, update, source)  # ... whose --weight-transports lack it
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, error.details()
+    assert "does not accept" in error.details() and released == [(b"/torch_1_2_3", 0)]
+    released.clear()
+    assert cpu_server.updates is not None
+    planes = cpu_server.updates.planes
+    monkeypatch.setattr(planes, "sources", planes.sources | {"cuda_ipc"})
+    slots = cpu_server.updates._update_slots  # one update streaming, one waiting
+    assert slots.acquire(blocking=False) and slots.acquire(blocking=False)
+    try:
+        error = _refused(cpu_server, update, source)
+    finally:
+        slots.release()
+        slots.release()
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+    assert released == [(b"/torch_1_2_3", 0)]
+    assert state_hash(cpu_models.actor.module) == before
+
+
 def _tiled(update: UpdateFile, data_start: int, cuts: list[tuple[int, int]]) -> pb.CudaIpcSource:
     """A source whose spans are `cuts` ((begin, end) relative to the data section), one
     buffer."""

@@ -55,10 +55,13 @@ starting "cuda_ipc: ", like every refusal that says this plane cannot work here 
 
 torch's producer-side ref counter: `_share_cuda_` sets a counter in a shared-memory file of the
 trainer to 1, and the trainer's allocator keeps the storage's memory until it is back to 0. A
-storage opened here decrements it when dropped (torch's deleter); a buffer never opened (a
-refusal after step 2) is released in `__exit__` (`_release_ipc_counter`), so a refused update
-does not pin the trainer's memory. The counter's file name and slot are checked in step 1: the
-release writes to that slot. A buffer without a counter (a storage the trainer handed over
+storage opened here decrements it when dropped (torch's deleter); a buffer never opened is
+released in `__exit__` (`_release_ipc_counter`; a refusal after step 2), or by `refused` (a
+server whose models are not on CUDA, one that does not take cuda_ipc, a third update at once),
+so a refused update does not pin the trainer's memory. Not given back: a header the server
+never read (UNAVAILABLE while it loads or stops), or one of another host (its file is not
+here). The counter's file name and slot are checked in step 1: the release writes to that
+slot. A buffer without a counter (a storage the trainer handed over
 before, whose counter an earlier update gave back) has nothing to give back: torch's deleter
 finds no file of that (empty) name and does nothing.
 """
@@ -336,15 +339,11 @@ class CudaIpcPlane:
         source = header.cuda_ipc
         check_source(source, header.total_bytes)
         if not host_id or source.host_id != host_id:
+            # Its counters' files are another host's (or namespace's): nothing to give back.
             raise FailedPrecondition(
                 f"{_REFUSED}the trainer is on another host or PID namespace (host_id "
                 f"{source.host_id!r}, this server's Health.shm_host_id {host_id!r}): CUDA IPC "
                 "works between processes of one host only; use 'shm', 'grpc' or 'dist'"
-            )
-        if not can_open_cuda_ipc(device):
-            raise FailedPrecondition(
-                f"{_REFUSED}this server's models are on {device}: it opens CUDA IPC handles "
-                "only when they are on a CUDA device; use 'shm', 'grpc' or 'dist'"
             )
         self._source = source
         self._total_bytes = header.total_bytes
@@ -358,6 +357,12 @@ class CudaIpcPlane:
         self._views: dict[int, dict] = {}  # buffer -> where stream.py remembers in-place views
         self._timings = UpdateTimings()  # the update's, once receive has its stager
         self._released: list[bool] = [False] * len(source.buffers)  # counter given back
+        if not can_open_cuda_ipc(device):
+            self.refused()
+            raise FailedPrecondition(
+                f"{_REFUSED}this server's models are on {device}: it opens CUDA IPC handles "
+                "only when they are on a CUDA device; use 'shm', 'grpc' or 'dist'"
+            )
 
     def __enter__(self) -> CudaIpcPlane:
         return self
@@ -403,6 +408,13 @@ class CudaIpcPlane:
 
     def finished(self, response: pb.UpdateWeightsResponse) -> None:
         return None
+
+    def refused(self) -> None:
+        """Refused before it was entered (DataPlane.refused): nothing was opened; every
+        counter the header brings is given back, so the trainer's allocator may free that
+        memory once it drops the tensors (torch keeps a shared storage's memory while its
+        counter is above 0)."""
+        self._release_counters()
 
     def receive(self, stager: UpdateStager, requests: Iterator[Request]) -> None:
         """The head from the stream, then every span device to device into the stager."""
@@ -553,7 +565,8 @@ class CudaIpcPlane:
                 torch.UntypedStorage._release_ipc_counter(
                     buffer.ref_counter_handle,
                     buffer.ref_counter_offset,
-                    device=self._indices[number] if self._indices else self._device_index(),
+                    # torch ignores it (a counter is host memory); not looked up on a CPU server
+                    device=self._indices[number] if self._indices else None,
                 )
             except Exception as error:  # the trainer is gone: nothing to give back
                 _LOG.debug("cuda_ipc: buffers[%d]: ref counter not released: %s", number, error)

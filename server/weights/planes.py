@@ -63,6 +63,12 @@ class DataPlane(Protocol):
 
     def finished(self, response: pb.UpdateWeightsResponse) -> None: ...
 
+    def refused(self) -> None:
+        """The update was refused before the plane was entered (its turn: a third update at
+        once): give back what the header handed this server (cuda_ipc: the trainer's ref
+        counters), as __exit__ would have."""
+        ...
+
 
 class _Plane:
     """Nothing to set up or clean up."""
@@ -76,6 +82,11 @@ class _Plane:
         return None
 
     def finished(self, response: pb.UpdateWeightsResponse) -> None:
+        return None
+
+    def refused(self) -> None:
+        # dist: a rank refused without its turn casts no vote (a collective outside the
+        # update lock could meet another update's); the group's ranks fail at their timeout.
         return None
 
 
@@ -204,6 +215,7 @@ class Planes:
                 header, device=self.device, host_id=self.host_id, kept=self.kept_ipc
             )
             if not self.accepts(source):
+                plane.refused()
                 raise FailedPrecondition(
                     "cuda_ipc: this server does not accept that transport (--weight-transports)"
                 )

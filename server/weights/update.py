@@ -84,7 +84,7 @@ class WeightUpdates:
         if isinstance(plane, Follower):
             return plane.follow(requests)
         timings.lap("header")
-        with self._update_turn():
+        with self._update_turn(plane):
             timings.lap("turn")
             started_s = time.monotonic()
             with plane:
@@ -179,14 +179,16 @@ class WeightUpdates:
                 stager = staged = None
 
     @contextlib.contextmanager
-    def _update_turn(self) -> Iterator[None]:
-        """The update lock; a third concurrent stream is refused rather than queued.
+    def _update_turn(self, plane: DataPlane) -> Iterator[None]:
+        """The update lock; a third concurrent stream is refused rather than queued (and its
+        `plane` told: it gives back what its header handed over).
 
         Every stream waiting for the lock holds a gRPC handler thread: stalled uploads would
         take all of them, and Health and MakeExperience would hang until each stall had timed
         out in turn (tests/test_cut_streams.py).
         """
         if not self._update_slots.acquire(blocking=False):
+            plane.refused()
             raise ResourceExhausted(
                 "UpdateWeights: one update is streaming and another is waiting for it; retry "
                 "once they finish"
