@@ -12,16 +12,17 @@ plane's own use of it (one span on the model's GPU) runs in tests/test_cuda_ipc.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from helpers_weights import perturbed, state_hash, tiny_llama
-from rollserve.client.protocol.errors import InvalidArgument
+from rollserve.client.protocol.errors import Cancelled, DeadlineExceeded, InvalidArgument
 from rollserve.client.weights.update_file import prepare_update
 from rollserve.server.config import ServerConfig
 from rollserve.server.state import ServerState
 from rollserve.server.weights import UpdateStager, WeightUpdates
+from rollserve.server.weights import update as update_module
 from rollserve.server.weights.arena import StagingArena, set_staging_arena
 from rollserve.server.weights.pipeline import SlotRing
 from rollserve.v1 import rollout_pb2 as pb
@@ -264,7 +265,10 @@ class HeldMemoryPlane:
         lane = stager.lane(0, stager.options.total_bytes)
         lane.feed(0, self._head)
         self.in_place = lane.file_data.in_place
-        lane.place(self._source)
+        if self.in_place:
+            lane.place(self._source)
+        else:  # the stager took no offer (a host arena): its bytes are staged as a copy
+            lane.feed_tensor(len(self._head), self._source)
 
     def finished(self, response: object) -> None:
         return None
@@ -323,3 +327,60 @@ def test_no_reference_to_the_memory_outlives_the_plane(no_garbage_collector: Non
         assert plane.in_place
         assert plane.referenced_at_exit is False, f"v{version}: the memory outlived the plane"
     assert state_hash(model) == state_hash(trainer)
+
+
+class EndingCall:
+    """An update's gRPC call (update.Call) whose end the test decides: `at_swap` says how it
+    stands once the update's swap comes (active, seconds left)."""
+
+    def __init__(self) -> None:
+        self.active, self.remaining = True, 60.0
+        self.at_swap = (True, 60.0)
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def time_remaining(self) -> float:
+        return self.remaining
+
+    def swap(self, role: str, apply: Callable[[], object]) -> object:
+        """WeightUpdates' swap: the wait for the engine, during which the call may end."""
+        self.active, self.remaining = self.at_swap
+        return apply()
+
+
+@pytest.mark.parametrize("arena", ["cpu", None], ids=["in place", "staged copy"])
+def test_an_update_whose_call_ends_before_its_swap_is_not_applied(arena: str | None) -> None:
+    """The swap waits for the experience job then running; the trainer's call may end
+    meanwhile (its deadline, a cancel). It was told the update failed: the weights must not
+    change behind its back, and staged in place the bytes are its memory, which it may now
+    reuse: with too little time left for apply's reads, nothing is applied either."""
+    model, trainer = tiny_llama(0), tiny_llama(1)
+    set_staging_arena(model, _arena(arena))
+    call, state = EndingCall(), ServerState(ServerConfig())
+    updates = WeightUpdates({"actor": model}, state, OnePlane(None), call.swap)  # type: ignore[arg-type]
+    weights = {name: t.detach().clone() for name, t in trainer.state_dict().items()}
+    header, head, data = _file(weights)
+    before = state_hash(model)
+
+    def update(at_swap: tuple[bool, float]) -> object:
+        plane = HeldMemoryPlane(head, data)
+        updates.planes = OnePlane(plane)  # type: ignore[assignment]
+        call.active, call.remaining, call.at_swap = True, 60.0, at_swap
+        try:
+            return updates.update(iter([pb.UpdateWeightsRequest(header=header)]), call)
+        finally:
+            assert plane.in_place == (arena is not None)
+
+    with pytest.raises(Cancelled, match="call ended"):
+        update((False, 0.0))
+    assert state_hash(model) == before and state.policy_version("actor") == 0
+    short = (True, update_module.IN_PLACE_MARGIN_S / 2)
+    if arena is not None:
+        with pytest.raises(DeadlineExceeded, match="staged in place"):
+            update(short)
+        assert state_hash(model) == before and state.policy_version("actor") == 0
+        update((True, 60.0))
+    else:
+        update(short)  # a staged copy is the server's own memory: time enough
+    assert state_hash(model) == state_hash(trainer) and state.policy_version("actor") == 1

@@ -145,8 +145,18 @@ def refusal(call: grpc.UnaryUnaryMultiCallable, request: object) -> grpc.RpcErro
 
 
 def test_a_whole_update_in_one_call_lands_bit_exact_and_versioned(
-    models: ModelSet, channel: grpc.Channel
+    models: ModelSet, channel: grpc.Channel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from rollserve.server.weights import update as update_module
+
+    # The update is handed its call (update.check_call: applied only while the call is alive).
+    calls: list[object] = []
+    check_call = update_module.check_call
+    monkeypatch.setattr(
+        update_module,
+        "check_call",
+        lambda call, staged: (calls.append(call), check_call(call, staged)),
+    )
     stub = rollout_pb2_grpc.RolloutStub(channel)
     actor = models.actor.module
     weights = perturbed(actor, seed=1)
@@ -160,6 +170,8 @@ def test_a_whole_update_in_one_call_lands_bit_exact_and_versioned(
     assert (reply.version, reply.transport, reply.tensors) == (1, "grpc", len(weights))
     assert all(torch.equal(actor.state_dict()[name], t) for name, t in weights.items())
     assert stub.Health(pb.HealthRequest(), timeout=WAIT_S).policy_version == 1
+    (call,) = calls
+    assert isinstance(call, grpc.ServicerContext) and 0 < call.time_remaining() <= WAIT_S
 
 
 def test_refused_calls_change_nothing(models: ModelSet, channel: grpc.Channel) -> None:

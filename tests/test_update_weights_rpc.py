@@ -311,6 +311,25 @@ def test_a_client_iterator_that_raises_mid_stream_changes_nothing(
     assert client.update_weights(perturbed(models.actor.module, 9), version=1).version == 1
 
 
+def test_the_update_is_handed_its_call(
+    models: ModelSet, client: RolloutClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """update.check_call applies an update only while its call is alive (its cases:
+    tests/test_in_place_staging.py); here the servicer hands the stream's context over."""
+    from rollserve.server.weights import update as update_module
+
+    calls: list[object] = []
+    check_call = update_module.check_call
+    monkeypatch.setattr(
+        update_module,
+        "check_call",
+        lambda call, staged: (calls.append(call), check_call(call, staged)),
+    )
+    assert client.update_weights(perturbed(models.actor.module, 15), version=1).version == 1
+    (call,) = calls
+    assert isinstance(call, grpc.ServicerContext) and call.time_remaining() > 0
+
+
 @pytest.mark.parametrize("cut_at", CUT_POINTS)
 def test_a_cancelled_call_mid_stream_changes_nothing(
     models: ModelSet, client: RolloutClient, stub, cut_at: int

@@ -89,7 +89,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         # A stalled uploader must not hold the update lock and staging memory forever.
         idle_s = self._state.config.update_idle_timeout_s
         with IdleDeadline(context, idle_s, "UpdateWeights") as deadline:
-            response = self._loaded(self._updates).update(deadline.wrap(request_iterator))
+            response = self._loaded(self._updates).update(deadline.wrap(request_iterator), context)
         self._metrics.observe_weight_update(response)
         return response
 
@@ -104,7 +104,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 "an UpdateWeightsAtOnceRequest with no message (what a client sends to learn "
                 "whether this server has the method)"
             )
-        response = self._loaded(self._updates).update(iter(request))
+        response = self._loaded(self._updates).update(iter(request), context)
         self._metrics.observe_weight_update(response)
         return response
 

@@ -6,7 +6,8 @@
     -> target and version, checked before any bulk byte is received
     -> the target's staging arena, leased until the swap (staged tensors are its views)
     -> an UpdateStager fed by the plane -> finish (verify)
-    -> the swap callable: `apply` on the engine thread, between two experience jobs
+    -> the swap callable: `apply` on the engine thread, between two experience jobs (not when
+       the call ended while it waited: `check_call`)
     -> the reply (and, for a parallel update, the same reply to every part)
 
 Versions are held by ServerState (state.py): read here before receiving, and read again and
@@ -20,10 +21,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol
 
 import torch
 
-from ...client.protocol.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from ...client.protocol.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
 from ...client.protocol.roles import ROLE_NAMES
 from ...v1 import rollout_pb2 as pb
 from ..models import ModelSet
@@ -35,13 +43,49 @@ from .planes import DataPlane, Follower, Planes
 from .staging import AppliedUpdate, Request, StagedUpdate, UpdateStager, read_header
 from .timings import PhaseObserver, UpdateTimings
 
-__all__ = ["Swap", "WeightUpdates"]
+__all__ = ["IN_PLACE_MARGIN_S", "Call", "Swap", "WeightUpdates", "check_call"]
 
 _LOG = logging.getLogger(__name__)
 
 # swap(role, apply): run `apply` where no experience job can see it half done (the engine, between
 # batches), plus whatever must follow a swap there; return what `apply` returned.
 Swap = Callable[[str, Callable[[], AppliedUpdate]], AppliedUpdate]
+
+
+class Call(Protocol):
+    """What an update asks of its gRPC call (grpc.ServicerContext's methods)."""
+
+    def is_active(self) -> bool: ...
+
+    def time_remaining(self) -> float: ...
+
+
+# An update staged in place (the trainer's CUDA IPC memory, read by apply itself) is applied
+# only with at least this long left before the call's deadline: apply's reads (device copies:
+# milliseconds) must end before the trainer may reuse that memory, which it may once the call
+# has ended (rollout.proto), whether or not the reply reached it.
+IN_PLACE_MARGIN_S = 0.5
+
+
+def check_call(call: Call | None, staged: StagedUpdate) -> None:
+    """Before apply (after the swap's wait, which lasts as long as the experience job then
+    running): an update whose call has ended is not applied, Cancelled or DeadlineExceeded (the
+    trainer was told it failed: its weights must not change behind its back); one staged in
+    place, neither within IN_PLACE_MARGIN_S of its deadline. None: no call to ask (tests)."""
+    if call is None:
+        return
+    if not call.is_active():
+        raise Cancelled(
+            "UpdateWeights: the call ended while the update waited for its swap; nothing was "
+            "applied"
+        )
+    remaining = call.time_remaining()
+    if staged.in_place and remaining is not None and remaining < IN_PLACE_MARGIN_S:
+        raise DeadlineExceeded(
+            f"UpdateWeights: {remaining:.3f} s left of the call when its swap came, under the "
+            f"{IN_PLACE_MARGIN_S} s an update staged in place (read from the trainer's memory "
+            "by the swap itself) needs; nothing was applied"
+        )
 
 
 class WeightUpdates:
@@ -76,8 +120,11 @@ class WeightUpdates:
         targets = {model.role: model.module for model in models.loaded()}
         return cls(targets, state, Planes.from_config(state.config, models.device), swap)
 
-    def update(self, requests: Iterator[Request]) -> pb.UpdateWeightsResponse:
-        """Stage and verify on this thread, then swap between batches; the reply."""
+    def update(
+        self, requests: Iterator[Request], call: Call | None = None
+    ) -> pb.UpdateWeightsResponse:
+        """Stage and verify on this thread, then swap between batches; the reply. `call`: the
+        gRPC call's context (check_call), None where there is none."""
         timings = UpdateTimings()
         header = read_header(requests)
         plane = self.planes.pick(header)
@@ -88,7 +135,9 @@ class WeightUpdates:
             timings.lap("turn")
             started_s = time.monotonic()
             with plane:
-                role, staged_where, applied = self._stage_and_swap(header, requests, plane, timings)
+                role, staged_where, applied = self._stage_and_swap(
+                    header, requests, plane, timings, call
+                )
             seconds = time.monotonic() - started_s
             timings.lap("close")
         response = pb.UpdateWeightsResponse(
@@ -137,6 +186,7 @@ class WeightUpdates:
         requests: Iterator[Request],
         plane: DataPlane,
         timings: UpdateTimings,
+        call: Call | None,
     ) -> tuple[str, str, AppliedUpdate]:
         """Check target and version, receive into the target's arena, verify, swap; the role,
         where it was staged (StagedUpdate.where), what apply did."""
@@ -163,6 +213,7 @@ class WeightUpdates:
                 def apply() -> AppliedUpdate:  # on the engine thread, while this one waits
                     timings.lap("swap_wait")
                     assert staged is not None
+                    check_call(call, staged)
                     applied = self._apply(role, module, staged)
                     timings.lap("apply")
                     return applied

@@ -93,7 +93,9 @@ class RolloutServicer:
         """Replaces the weights of one model. The client sends one header, then the bytes of one
         safetensors file in order as chunks. The new weights serve only after every byte arrived
         and verified; any failure (bad name, shape, dtype, checksum, a cut stream, a deadline)
-        leaves the old weights serving bit for bit. Never retried automatically.
+        leaves the old weights serving bit for bit. A call that ends (cancelled, its deadline)
+        while its verified update waits for the swap (between two experience jobs) is not applied
+        either. Never retried automatically.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
