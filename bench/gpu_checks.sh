@@ -98,7 +98,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a time bound, log to $OUT/NAM
 first=${TEST_GPU_FIRST:-"tests/test_causal_rows.py tests/test_prefill_attention.py
     tests/test_forward_compiled.py tests/test_cuda_ipc.py tests/test_update_timings.py
     tests/test_weight_transports_gpu.py tests/test_weights_staging.py
-    tests/test_weights_device_staging.py"}
+    tests/test_weights_device_staging.py tests/test_generation_engine_gpu.py
+    tests/test_decode_attention_flex.py"}
 gpu_test_files=$(echo $first)
 for file in tests/test_*.py; do
     case " $gpu_test_files " in *" $file "*) ;; *) gpu_test_files="$gpu_test_files $file" ;; esac
