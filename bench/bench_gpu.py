@@ -160,6 +160,18 @@ def memory(device: str) -> str:
     return f"{allocated:.1f}/{torch.cuda.max_memory_reserved() / GIB:.1f} GiB"
 
 
+def phases_peak(device: str, peaks: dict[str, PhaseMemory]) -> str:
+    """The device memory a lane measured with phase_memory peaked at: its phases' largest peak
+    (phase_memory resets the allocator's peak at each phase, so `memory` would read the last
+    phase's alone), and what the allocator holds now."""
+    if not device.startswith("cuda") or not peaks:
+        return "peak alloc/reserved -"
+    top = max(m.peak for m in peaks.values())
+    return f"peak alloc {top / GIB:.1f} GiB (its phases'), reserved now " + (
+        f"{torch.cuda.memory_reserved() / GIB:.1f} GiB"
+    )
+
+
 def reset_memory(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -720,7 +732,7 @@ def in_process_lanes(
             lane = measure("in-process", on_this_thread, reps=args.reps, **common)
         lane.memory = peaks
         lane.note = "; ".join(filter(None, (
-            f"server start to SERVING {start_s:.1f} s; peak alloc/reserved {memory(device)} "
+            f"server start to SERVING {start_s:.1f} s; {phases_peak(device, peaks)} "
             "(this process: the generation lanes' model and engine included)", lane.note,
         )))  # fmt: skip
         lanes.append(print_lane(lane, case))

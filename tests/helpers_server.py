@@ -144,12 +144,13 @@ def serve_in_process(models: ModelSet, **config: object) -> RolloutServer:
     return server
 
 
-def run_script(script: Path, *args: str, timeout_s: float = 170.0) -> str:
-    """Run a bench script with this interpreter from the repository root; its stdout, after
-    asserting it exited 0 (the failure shows the ends of both streams)."""
+def run_script(script: Path, *args: str, timeout_s: float = 170.0, cwd: Path | None = None) -> str:
+    """Run a bench script with this interpreter from the repository root (`cwd`; default: the
+    script's folder's parent); its stdout, after asserting it exited 0 (the failure shows the
+    ends of both streams)."""
     result = subprocess.run(
         [sys.executable, str(script), *args],
-        cwd=script.resolve().parents[1],
+        cwd=cwd or script.resolve().parents[1],
         capture_output=True,
         text=True,
         timeout=timeout_s,

@@ -13,8 +13,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "bench_update_latency.py"
 
 
-def test_cpu_run_prints_both_lanes_and_the_head_is_reused_only_when_it_repeats() -> None:
-    out = run_script(SCRIPT, "--layers", "2", "--updates", "2", "--phases")
+def test_cpu_run_prints_both_lanes_and_the_head_is_reused_only_when_it_repeats(
+    tmp_path: Path,
+) -> None:
+    # As on a 16-core GPU node, where the client's default streams are 4 (its grpc lane had
+    # come back as "grpc-parallel", and the script stopped at its first lane).
+    sixteen_cores = tmp_path / "sixteen_cores.py"
+    sixteen_cores.write_text(
+        "import os, runpy, sys\n"
+        "os.cpu_count = lambda: 16\n"
+        f"sys.argv[0] = {str(SCRIPT)!r}\n"
+        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+    )
+    out = run_script(sixteen_cores, "--updates", "2", "--phases", cwd=ROOT)  # 291 tensors, 3.8 MB
     assert re.search(r"Health round trip [\d.]+ ms", out)
     for lane in ("grpc", "shm"):
         assert re.search(

@@ -21,8 +21,8 @@ SECTIONS = (
     "## Scoring",
     "## Scoring kernels",
     "## New prefill shapes",
-    "## Scoring body, C++ wrapper",
     "## Summary",
+    "## Scoring body, C++ wrapper",
 )
 
 
