@@ -16,11 +16,15 @@
 # second right after the first (the machine stays warm ~30 s: no second start; a start costs
 # ~60-120 s of the 15 minutes of device time per task, starts and idle included):
 #
-#     SKIP_STEPS="bench-weights bench-gpu update-latency" TEST_GPU_S=260 PROFILE_GPU_S=90 \
+#     SKIP_STEPS="bench-weights bench-gpu update-latency" TEST_GPU_S=220 PROFILE_GPU_S=85 \
 #         bash bench/gpu_checks.sh
-#     SKIP_STEPS="test-gpu update-latency profile" BENCH_WEIGHTS_S=90 \
-#         WEIGHTS_ARGS="--no-cpu-reference --baseline per-tensor" BENCH_GPU_S=260 \
+#     SKIP_STEPS="test-gpu update-latency profile" BENCH_WEIGHTS_S=80 \
+#         WEIGHTS_ARGS="--no-cpu-reference --baseline per-tensor" BENCH_GPU_S=250 \
 #         BENCH_GPU_ARGS="--skip small" bash bench/gpu_checks.sh
+#
+# (2026-11-28 12:00: bounds cut so the worst case fits 900 s of device time: each bound can
+# overrun by its SIGINT grace (~15 s), the installs ~30 s a call, the start 45-120 s; call 2's
+# BENCH_GPU_S may be set from `status`'s budget_left_s less ~60 s.)
 #
 # (260 + 90 and 90 + 280 s of bounds, ~820 s with the installs and one start: the profile got
 # 30 s more on 2026-11-27 for the shared-prefix steps it compiles and captures, two forms x the
