@@ -458,6 +458,20 @@ def test_warm_up_covers_every_bucket_and_width_a_request_runs(llama) -> None:
     assert (again.response[:, actions:] == PAD).all()
 
 
+def test_warm_up_covers_the_widths_of_shorter_prompts_in_its_layout(llama) -> None:
+    """Prompts shorter than the warm-up's share its layout (prompt + new tokens, rounded up to
+    WIDTH_QUANTUM) and so its workspace, and read narrower widths: those are built too."""
+    engine = Engine(llama, read_family(llama))
+    params = SamplingParams(max_new_tokens=20, temperature=1.0)
+    engine.warm_up(params, len(PROMPTS), 100, pad_token_id=PAD)  # layout 128, widths 128
+    (ws,) = engine._workspaces.values()
+    assert ws.shapes == {(b, w) for b in (8, 4, 2, 1) for w in (64, 128)}
+    warmed = set(ws.shapes)
+    ids, mask = pad_prompts(PROMPTS, PAD, torch.device("cpu"))  # width 7: reads 64 columns
+    engine.generate(ids, mask, params, pad_token_id=PAD, generator=torch.Generator())
+    assert list(engine._workspaces.values()) == [ws] and ws.shapes == warmed
+
+
 def test_a_warm_up_over_its_budget_stops_after_the_first_bucket(llama) -> None:
     engine = Engine(llama, read_family(llama))
     params = SamplingParams(max_new_tokens=4, temperature=0.0)

@@ -415,7 +415,8 @@ class Engine:
         and min_new_tokens are values, so any request of the structure reuses it), and the
         decode step of every batch bucket up to rows' (the bucket a batch starts at and the
         smaller ones its finished rows move it to) at every attention width the request steps
-        through, compiled and (CUDA) captured. One step per (bucket, width) on dummy prompts,
+        through, and those a request of shorter prompts in the same layout would, compiled and
+        (CUDA) captured. One step per (bucket, width) on dummy prompts,
         not a whole request. No bucket is started after budget_s (counted from the first bucket,
         after the decode attention pick); returns the seconds, the pick included."""
         start = time.perf_counter()
@@ -428,6 +429,13 @@ class Engine:
             for step in range(1, steps):
                 attend = attention_width(prompt_width + step, ws.width)
                 first_step.setdefault(attend, step)
+            # A request of shorter prompts shares the layout (and so this workspace) and also
+            # reads the widths below the first one here: their plain steps too (shared-prefix
+            # steps are keyed by the prompt width: those of another width build on first use).
+            below = sorted(
+                {attention_width(live, ws.width) for live in range(1, prompt_width + 1)}
+                - set(first_step)
+            )
             if self.device.type == "cuda" and not self._attention_settled and first_step:
                 if self._pick_decode_attention(ws, top, max(first_step)):
                     self.invalidate()  # graphs captured with the old variant
@@ -451,6 +459,10 @@ class Engine:
                         ws.step.fill_(step)
                         self._run(ws, b, attend)
                 ws.shared = None
+                for attend in below:
+                    ws.prompt_width.fill_(attend - 1)  # its K/V column inside what it reads
+                    ws.step.fill_(1)
+                    self._run(ws, b, attend)
                 covered.append(b)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -459,7 +471,7 @@ class Engine:
             "engine warm-up in %.2f s: batch buckets %s%s x attention widths %s, %d graphs, "
             "decode attention %s, shared-prefix attention %s",
             seconds, covered, f" (not {buckets[len(covered):]}: over {budget_s:.0f} s)"
-            if len(covered) < len(buckets) else "", sorted(first_step), len(ws.graphs),
+            if len(covered) < len(buckets) else "", sorted({*first_step, *below}), len(ws.graphs),
             self.decode_attention, self.shared_attention or "off",
         )  # fmt: skip
         return seconds
