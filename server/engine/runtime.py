@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+import torch
+
 from ...client.protocol.errors import FailedPrecondition, Unavailable
 from ...client.protocol.experience import experience_to_proto
 from ...v1 import rollout_pb2 as pb
@@ -41,6 +43,11 @@ class Runtime:
         self.maker = maker
         self.engine = Engine(max_queue_depth=state.config.max_queue_depth)
         state.watch_queue(lambda: self.engine.queue_depth)
+        device = maker.models.device
+        if device.type == "cuda" and device.index is not None:
+            # The engine thread's current device is the models' (a thread starts on cuda:0):
+            # what CUDA calls without a device (a stream, an event, a synchronize) use there.
+            self.engine.call(lambda: torch.cuda.set_device(device))
 
     def stream_experience(
         self, request: pb.MakeExperienceRequest, cancelled: threading.Event

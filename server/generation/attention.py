@@ -495,22 +495,25 @@ def _cuda_ms(call: Callable[[], object], device: torch.device, warmup: int, repe
     calls on a side stream, as the engine's capture does), _GRAPH_CALLS calls per replay, timed
     by CUDA events between back-to-back replays (no launch gap, no host in the measure). A
     variant that cannot be captured raises here: the engine could not use it either."""
-    current, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    # A stream of the high-priority pool on `device`, as the engine's captures (runner.py,
+    # Engine._capture_stream: not torch's default capture stream, made on the current device).
+    current, side = torch.cuda.current_stream(device), torch.cuda.Stream(device, priority=-1)
     side.wait_stream(current)
     with torch.cuda.stream(side):
         for _ in range(warmup):
             call()
     current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_ERROR_MODE):
+    with torch.cuda.graph(graph, stream=side, capture_error_mode=CAPTURE_ERROR_MODE):
         for _ in range(_GRAPH_CALLS):
             call()
-    graph.replay()  # the first replay uploads the graph
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
-    events[0].record()
-    for event in events[1:]:
-        graph.replay()
-        event.record()
+    with torch.cuda.device(device):  # replays and events on `device`'s current stream
+        graph.replay()  # the first replay uploads the graph
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+        events[0].record()
+        for event in events[1:]:
+            graph.replay()
+            event.record()
     torch.cuda.synchronize(device)
     spans = [start.elapsed_time(end) for start, end in zip(events, events[1:], strict=False)]
     return statistics.median(spans) / _GRAPH_CALLS

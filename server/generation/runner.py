@@ -289,6 +289,7 @@ class Engine:
         self._cache_generation = self.cache.generation
         self._fingerprint = self._parameter_addresses()
         self._pool = None
+        self._graph_stream: torch.cuda.Stream | None = None  # _capture_stream's, once made
         # One request at a time: the KV cache, the workspaces and the graphs are shared.
         self._lock = threading.Lock()
 
@@ -702,7 +703,7 @@ class Engine:
         # The first run is a real step, eager on a side stream (it warms up the kernels the
         # capture records); the capture itself executes nothing.
         current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        side = self._capture_stream()
         side.wait_stream(current)
         with torch.cuda.stream(side):
             self.decode_step(ws, b, attend)
@@ -710,9 +711,23 @@ class Engine:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=CAPTURE_ERROR_MODE):
+        with torch.cuda.graph(
+            graph, pool=self._pool, stream=side, capture_error_mode=CAPTURE_ERROR_MODE
+        ):
             self.decode_step(ws, b, attend)
         ws.graphs[key] = graph
+
+    def _capture_stream(self) -> torch.cuda.Stream:
+        """The stream this engine captures its graphs on (and runs their warm-up steps on),
+        made once, on its device. Not torch's default capture stream: that one is made on the
+        current device (cuda:0 on the engine thread of a server on cuda:1, where nothing of the
+        step would be captured), and from the pool of low-priority streams, which hands its 32
+        streams out in turn, so a weight stager's copy stream can be the same stream, and its
+        copies, launched on another thread during a capture, would be recorded into the graph.
+        Nothing else here takes a stream of the high-priority pool."""
+        if self._graph_stream is None:
+            self._graph_stream = torch.cuda.Stream(self.device, priority=-1)
+        return self._graph_stream
 
     def _compact(self, ws: _Workspace, b: int, smaller: int, columns: int) -> int:
         """Move the live rows of the first b to the front of a `smaller` bucket; fill the rest
