@@ -420,6 +420,26 @@ def test_a_compiler_failure_falls_back_to_eager() -> None:
     assert maybe_compiled(data_dependent, False) is data_dependent
 
 
+def test_running_out_of_memory_is_no_compiler_failure() -> None:
+    """A compiled function whose run fails for want of memory (a batch too large) raises it
+    and keeps its compiled code: turning eager for good would make every later call slower
+    and need as much memory."""
+    from rollserve.server.generation.compiling import maybe_compiled
+
+    fn = maybe_compiled(lambda x: x * 2, True)
+    compiled = fn.compiled
+
+    def out_of_memory(*args: object) -> object:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    fn.compiled = out_of_memory  # what the compiled code raises on a run that needs too much
+    with pytest.raises(torch.OutOfMemoryError):
+        fn(torch.ones(3))
+    assert fn.compiled is out_of_memory  # not eager
+    fn.compiled = compiled
+    assert torch.equal(fn(torch.ones(3)), torch.full((3,), 2.0)) and fn.compiled is compiled
+
+
 def test_warm_up_builds_the_workspace_later_requests_reuse(llama) -> None:
     engine = Engine(llama, read_family(llama))
     params = SamplingParams(max_new_tokens=12, temperature=1.0)

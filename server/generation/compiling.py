@@ -80,6 +80,8 @@ class _Compiled:
             try:
                 return self.compiled(*args)
             except Exception as error:  # noqa: BLE001 - any compiler failure: run eager
+                if _a_run_failed(error):
+                    raise
                 name = str(getattr(self.eager, "__qualname__", self.eager))
                 _log.warning(
                     "torch.compile of %s failed (%s: %s); running it eagerly", name,
@@ -88,6 +90,16 @@ class _Compiled:
                 _FALLBACKS.add(name)
                 self.compiled = None
         return self.eager(*args)
+
+
+def _a_run_failed(error: Exception) -> bool:
+    """Whether `error` is the compiled code failing to run, not the compiler failing to build
+    it: out of device memory (a large batch: the caller decides; eager would need as much),
+    or raised inside a CUDA graph capture (the capture failed: eager cannot be captured
+    either). The function keeps its compiled code."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def maybe_compiled(
