@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import flex_attention
 
+from ..capture_guard import apart_from_captures
 from .compiling import compiles_by_default, maybe_compiled
 from .switches import env_choice
 
@@ -504,7 +505,10 @@ def _cuda_ms(call: Callable[[], object], device: torch.device, warmup: int, repe
             call()
     current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side, capture_error_mode=CAPTURE_ERROR_MODE):
+    with (
+        apart_from_captures(device),
+        torch.cuda.graph(graph, stream=side, capture_error_mode=CAPTURE_ERROR_MODE),
+    ):
         for _ in range(_GRAPH_CALLS):
             call()
     with torch.cuda.device(device):  # replays and events on `device`'s current stream

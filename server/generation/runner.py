@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..capture_guard import apart_from_captures
 from .attention import CAPTURE_ERROR_MODE, decode_attention_variants, pick_decode_attention
 from .compiling import compiles_by_default
 from .families import Family
@@ -711,8 +712,11 @@ class Engine:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(
-            graph, pool=self._pool, stream=side, capture_error_mode=CAPTURE_ERROR_MODE
+        with (
+            apart_from_captures(self.device),  # no weight update's device work meanwhile
+            torch.cuda.graph(
+                graph, pool=self._pool, stream=side, capture_error_mode=CAPTURE_ERROR_MODE
+            ),
         ):
             self.decode_step(ws, b, attend)
         ws.graphs[key] = graph

@@ -89,6 +89,7 @@ from ...client.protocol.cuda_ipc import (
 from ...client.protocol.errors import FailedPrecondition, InvalidArgument
 from ...client.protocol.transports import CUDA_IPC
 from ...v1 import rollout_pb2 as pb
+from ..capture_guard import apart_from_captures
 from .header import PREFIX_BYTES
 from .staging import Request, UpdateStager, receive_head_only
 from .timings import UpdateTimings
@@ -196,7 +197,7 @@ class KeptIpcBuffers:
             self._last_kept_s = time.monotonic()
             if self._timer is None and self._by_role:  # one timer, not a thread per update
                 self._arm(self._keep_s)
-        dropped.clear()  # outside the lock: closing synchronises the device
+        _close(dropped)  # outside the lock: closing synchronises the device
 
     def _find(self, role: int, key: BufferKey) -> _Kept | None:
         with self._lock:
@@ -211,7 +212,7 @@ class KeptIpcBuffers:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-        dropped.clear()
+        _close(dropped)
 
     def __len__(self) -> int:
         with self._lock:
@@ -231,6 +232,13 @@ class KeptIpcBuffers:
                 self._arm(self._keep_s - idle_s)
                 return
             dropped, self._by_role = self._by_role, {}
+        _close(dropped)
+
+
+def _close(dropped: list | dict) -> None:
+    """Drop kept storages (each closes once nothing else refers to it), apart from any CUDA
+    graph capture (capture_guard.py)."""
+    with apart_from_captures(torch.device("cuda")):
         dropped.clear()
 
 
@@ -375,7 +383,15 @@ class CudaIpcPlane:
     ) -> None:
         """Keep the opened buffers for the next update (after a success, when buffers are
         kept) or close them (drop the storages), and give back every counter no storage's
-        deleter gives back; before the reply, whatever happened."""
+        deleter gives back; before the reply, whatever happened (apart from any CUDA graph
+        capture: closing synchronises with the device, capture_guard.py)."""
+        with apart_from_captures(self._device):
+            try:
+                self._close_or_keep(error)
+            finally:
+                self._release_counters()
+
+    def _close_or_keep(self, error: BaseException | None) -> None:
         opened = {n: s for n, s in enumerate(self._opened) if s is not None}
         if error is not None and opened:
             # Copies of a failed update may still be in flight on the stager's stream: they
@@ -404,7 +420,6 @@ class CudaIpcPlane:
         self._opened = []
         if closed:
             self._timings.add("ipc_handle_close", time.perf_counter() - closing_s, closed)
-        self._release_counters()
 
     def finished(self, response: pb.UpdateWeightsResponse) -> None:
         return None

@@ -34,6 +34,7 @@ from ...client.protocol.errors import (
 )
 from ...client.protocol.roles import ROLE_NAMES
 from ...v1 import rollout_pb2 as pb
+from ..capture_guard import apart_from_captures
 from ..models import ModelSet
 from ..state import ServerState
 from .arena import staging_arena
@@ -65,6 +66,11 @@ class Call(Protocol):
 # milliseconds) must end before the trainer may reuse that memory, which it may once the call
 # has ended (rollout.proto), whether or not the reply reached it.
 IN_PLACE_MARGIN_S = 0.5
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    parameter = next(module.parameters(), None)
+    return torch.device("cpu") if parameter is None else parameter.device
 
 
 def check_call(call: Call | None, staged: StagedUpdate) -> None:
@@ -205,10 +211,13 @@ class WeightUpdates:
                     arena=arena,
                     timings=timings,
                 )
-                plane.receive(stager, requests)
-                timings.lap("receive")
-                staged = stager.finish()
-                timings.lap("finish")
+                # No CUDA graph capture meanwhile (capture_guard.py): receiving and verifying
+                # synchronise with the device; the swap below does not hold it.
+                with apart_from_captures(_device_of(module)):
+                    plane.receive(stager, requests)
+                    timings.lap("receive")
+                    staged = stager.finish()
+                    timings.lap("finish")
 
                 def apply() -> AppliedUpdate:  # on the engine thread, while this one waits
                     timings.lap("swap_wait")
