@@ -96,11 +96,12 @@ def test_graphs_replay_equal_eager(model) -> None:
 
 
 def test_a_capture_leaves_other_threads_free_to_synchronise_and_allocate(model) -> None:
-    """While the engine captures a request's first shape, an UpdateWeights stages on a handler
-    thread: it synchronises events and streams and allocates device memory. In CUDA's default
-    "global" capture mode that fails the stager and invalidates the capture; the engine
-    captures thread-locally (attention.CAPTURE_ERROR_MODE), so both go on: the graphs
-    captured then replay the eager steps' tokens."""
+    """Another thread synchronising an event and a stream of its own and allocating device
+    memory while the engine captures a request's first shape. In CUDA's default "global"
+    capture mode that fails it and invalidates the capture; the engine captures thread-locally
+    (attention.CAPTURE_ERROR_MODE), so both go on: the graphs captured then replay the eager
+    steps' tokens. (A weight update's staging does not even overlap a capture: both hold
+    capture_guard.py's lock, which this thread does not take.)"""
     import threading
 
     rows = prompts(8)
