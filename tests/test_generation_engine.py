@@ -478,6 +478,19 @@ def test_warm_up_covers_every_bucket_and_width_a_request_runs(llama) -> None:
     assert (again.response[:, actions:] == PAD).all()
 
 
+def test_a_smaller_batch_of_a_warmed_layout_replays_the_warm_workspace(llama) -> None:
+    """A request's last, smaller generation batch (or a smaller request) runs in the warm-up's
+    workspace of more rows, whose buckets cover it: no workspace of its own to build."""
+    engine = Engine(llama, read_family(llama))
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    engine.warm_up(params, 4 * len(PROMPTS), 7, pad_token_id=PAD)  # 20 rows: bucket 24
+    (ws,) = engine._workspaces.values()
+    warmed = set(ws.shapes)
+    ids, mask = pad_prompts(PROMPTS, PAD, torch.device("cpu"))  # 5 rows of the same layout
+    engine.generate(ids, mask, params, pad_token_id=PAD, generator=torch.Generator())
+    assert list(engine._workspaces.values()) == [ws] and ws.shapes == warmed
+
+
 def test_warm_up_covers_the_widths_of_shorter_prompts_in_its_layout(llama) -> None:
     """Prompts shorter than the warm-up's share its layout (prompt + new tokens, rounded up to
     WIDTH_QUANTUM) and so its workspace, and read narrower widths: those are built too."""

@@ -528,7 +528,10 @@ class Engine:
 
         Keyed by the layout and the sampling structure only: requests that differ in
         temperature, top-p or min_new_tokens replay the same graphs (the values are device
-        tensors the step reads)."""
+        tensors the step reads). A workspace of more rows serves a smaller batch of its layout
+        (its buckets' graphs read the first rows): a request's last, smaller generation batch
+        or a smaller request replays what the warm-up built, instead of capturing it all again
+        in a workspace of its own. Kept by last use (MAX_WORKSPACES)."""
         layout_width = _round_up(prompt_width + params.max_new_tokens, WIDTH_QUANTUM)
         rows = batch_bucket(batch, self.cache.rows_for(layout_width))
         if self.cache.grows_for(rows, layout_width):
@@ -536,16 +539,18 @@ class Engine:
         k, v = self.cache.view(rows, layout_width)
         self.forward.refresh_fused()  # before the address check: a repair restores them
         self._check_storages()
-        key = (rows, layout_width, sampler_structure(params, self.family.vocab), pad_token_id)
-        ws = self._workspaces.get(key)
+        shape = (layout_width, sampler_structure(params, self.family.vocab), pad_token_id)
+        larger = [key for key in self._workspaces if key[1:] == shape and key[0] >= rows]
+        key = min(larger) if larger else (rows, *shape)
+        ws = self._workspaces.pop(key, None)
         if ws is None:
             if len(self._workspaces) >= MAX_WORKSPACES:
-                self._workspaces.pop(next(iter(self._workspaces)))  # the oldest
+                self._workspaces.pop(next(iter(self._workspaces)))  # the least recently used
             sampler = Sampler(params, self.family.vocab, self.device, compiled=self.compiled)
             ws = _Workspace.allocate(k, v, layout_width, sampler, pad_token_id)
-            self._workspaces[key] = ws
         else:
             ws.sampler.load(params)
+        self._workspaces[key] = ws  # the most recently used: last
         return ws
 
     def _batch(
