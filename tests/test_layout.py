@@ -27,6 +27,7 @@ SERVER_FLOORS = [
     "config",
     "models",
     "state",
+    "capture_guard",
     "generation",
     "experience",
     "weights",
