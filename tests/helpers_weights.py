@@ -26,6 +26,7 @@ from rollserve.server.weights import DEFAULT_MAX_HEADER_BYTES, Planes, WeightUpd
 from rollserve.v1 import rollout_pb2 as pb
 
 __all__ = [
+    "calls_checked",
     "in_place_updates",
     "tiny_llama",
     "perturbed",
@@ -33,6 +34,21 @@ __all__ = [
     "update_in_place",
     "update_weights_requests",
 ]
+
+
+def calls_checked(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The calls the server's updates hand update.check_call from now on (an update is applied
+    only while its gRPC call is alive), in order; check_call still runs."""
+    from rollserve.server.weights import update as update_module
+
+    calls: list[object] = []
+    check_call = update_module.check_call
+    monkeypatch.setattr(
+        update_module,
+        "check_call",
+        lambda call, staged: (calls.append(call), check_call(call, staged)),
+    )
+    return calls
 
 
 def update_weights_requests(

@@ -16,7 +16,13 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from helpers_weights import in_place_updates, perturbed, state_hash, update_weights_requests
+from helpers_weights import (
+    calls_checked,
+    in_place_updates,
+    perturbed,
+    state_hash,
+    update_weights_requests,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rollserve.client.protocol.wire import (
@@ -147,16 +153,7 @@ def refusal(call: grpc.UnaryUnaryMultiCallable, request: object) -> grpc.RpcErro
 def test_a_whole_update_in_one_call_lands_bit_exact_and_versioned(
     models: ModelSet, channel: grpc.Channel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rollserve.server.weights import update as update_module
-
-    # The update is handed its call (update.check_call: applied only while the call is alive).
-    calls: list[object] = []
-    check_call = update_module.check_call
-    monkeypatch.setattr(
-        update_module,
-        "check_call",
-        lambda call, staged: (calls.append(call), check_call(call, staged)),
-    )
+    calls = calls_checked(monkeypatch)  # the update is handed its call
     stub = rollout_pb2_grpc.RolloutStub(channel)
     actor = models.actor.module
     weights = perturbed(actor, seed=1)

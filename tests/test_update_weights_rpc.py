@@ -23,7 +23,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers_weights import perturbed, state_hash, update_weights_requests
+from helpers_weights import calls_checked, perturbed, state_hash, update_weights_requests
 from rollserve.client.channel import open_channel
 from rollserve.client.client import RolloutClient
 from rollserve.client.protocol.errors import FailedPrecondition
@@ -316,15 +316,7 @@ def test_the_update_is_handed_its_call(
 ) -> None:
     """update.check_call applies an update only while its call is alive (its cases:
     tests/test_in_place_staging.py); here the servicer hands the stream's context over."""
-    from rollserve.server.weights import update as update_module
-
-    calls: list[object] = []
-    check_call = update_module.check_call
-    monkeypatch.setattr(
-        update_module,
-        "check_call",
-        lambda call, staged: (calls.append(call), check_call(call, staged)),
-    )
+    calls = calls_checked(monkeypatch)
     assert client.update_weights(perturbed(models.actor.module, 15), version=1).version == 1
     (call,) = calls
     assert isinstance(call, grpc.ServicerContext) and call.time_remaining() > 0
