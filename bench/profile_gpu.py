@@ -518,7 +518,7 @@ def shared_step_timings(decode: Decode, timer: Timer, figures: dict[str, float])
                 # goes, or this one would replay it (the H200's 12:59 rows did).
                 key = _step_key(decode.rows, attend, decode.shared)
                 ws.graphs.pop(key, None)
-                engine._run(ws, decode.rows, attend)  # on CUDA: the eager step, then the capture
+                engine._run(ws, decode.rows, attend, wait_to_capture=True)  # eager step, capture
                 graph = ws.graphs.get(key)
                 ms = timer.median_ms(graph.replay if graph else decode.step(attend), reset)
                 figures[f"shared_step_ms@{attend}:{name}"] = ms

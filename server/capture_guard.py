@@ -10,10 +10,12 @@ copy: llama.cpp#14033, TensorRT#2888, and ROCm's measurements of CUDA, rocm-syst
 capture then fails, and with it the request that made it, or the update whose call broke it.
 
 So the two never overlap: each holds `apart_from_captures(device)`, one process-wide lock (a
-no-op off CUDA). A capture holds it for tens of milliseconds, on a shape's first use only; an
-update while it receives and verifies its bytes, and while its plane closes what it opened, but
-never while it waits for its swap: the swap runs on the engine thread, whose running job may be
-about to capture.
+no-op off CUDA). An update holds it while it receives and verifies its bytes (waits for the
+network and its peers included: seconds), and while its plane closes what it opened, but never
+while it waits for its swap: the swap runs on the engine thread, whose running job may be about
+to capture. The engine never waits for it on a request's path: a step whose graph is not
+captured yet captures only if the lock is free (`captures_now`), else it has run as an eager
+step and captures at a later use; a capture holds it for tens of milliseconds.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["apart_from_captures"]
+__all__ = ["apart_from_captures", "captures_now"]
 
 # Reentrant: a plane's exit may run inside an update's hold on the same thread.
 _LOCK = threading.RLock()
@@ -38,3 +40,18 @@ def apart_from_captures(device: torch.device) -> Iterator[None]:
         return
     with _LOCK:
         yield
+
+
+@contextmanager
+def captures_now(device: torch.device, *, wait: bool) -> Iterator[bool]:
+    """For a capture on `device`: whether it may capture now (inside, the lock is held); with
+    `wait` false it does not wait for an update's device work, and says False while one runs."""
+    if device.type != "cuda":
+        yield True
+        return
+    held = _LOCK.acquire(blocking=wait)
+    try:
+        yield held
+    finally:
+        if held:
+            _LOCK.release()

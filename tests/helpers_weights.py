@@ -46,7 +46,7 @@ def calls_checked(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     monkeypatch.setattr(
         update_module,
         "check_call",
-        lambda call, staged: (calls.append(call), check_call(call, staged)),
+        lambda call, in_place: (calls.append(call), check_call(call, in_place)),
     )
     return calls
 

@@ -23,7 +23,7 @@ from helpers_weights import (
 )
 from rollserve.client.protocol.errors import InvalidArgument
 from rollserve.server import capture_guard
-from rollserve.server.capture_guard import apart_from_captures
+from rollserve.server.capture_guard import apart_from_captures, captures_now
 from rollserve.server.weights import update as update_module
 
 WAIT_S = 30.0
@@ -53,6 +53,34 @@ def test_the_guard_excludes_other_threads_for_cuda_work_only() -> None:
         assert held_by_another_thread()
         with apart_from_captures(CUDA):  # reentrant: a plane's exit inside an update's hold
             assert held_by_another_thread()
+    assert not held_by_another_thread()
+
+
+def test_a_capture_never_waits_for_an_update_on_a_requests_path() -> None:
+    """captures_now(wait=False): the engine's step captures only while no update holds the
+    guard (else it has run eagerly, and captures at a later use); the warm-up waits."""
+    with captures_now(torch.device("cpu"), wait=False) as now:
+        assert now
+    with captures_now(CUDA, wait=False) as now:
+        assert now and held_by_another_thread()
+    held, release = threading.Event(), threading.Event()
+
+    def update() -> None:
+        with apart_from_captures(CUDA):
+            held.set()
+            release.wait(WAIT_S)
+
+    updating = threading.Thread(target=update)
+    updating.start()
+    try:
+        assert held.wait(WAIT_S)
+        with captures_now(CUDA, wait=False) as now:
+            assert not now
+    finally:
+        release.set()
+        updating.join(WAIT_S)
+    with captures_now(CUDA, wait=True) as now:
+        assert now
     assert not held_by_another_thread()
 
 

@@ -155,6 +155,47 @@ def test_a_capture_leaves_other_threads_free_to_synchronise_and_allocate(model) 
     assert torch.equal(replayed.response, plain.response)
 
 
+def test_a_step_does_not_wait_for_an_update_to_capture(model) -> None:
+    """While a weight update holds the capture guard (capture_guard.py), a request's new step
+    shapes run eagerly and capture nothing (no wait for the update); once it ends, a later
+    request captures them. Same tokens throughout."""
+    import threading
+
+    from rollserve.server.capture_guard import apart_from_captures
+
+    rows = prompts(8)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    ids, mask = left_pad(rows, PAD, torch.device("cuda"))
+    engine = Engine(model, read_family(model))
+    plain = Engine(model, read_family(model), cuda_graphs=False)
+
+    def generate(runner: Engine):
+        g = torch.Generator(device="cuda")
+        return runner.generate(ids, mask, params, pad_token_id=PAD, generator=g).response
+
+    expected = generate(plain)
+    held, release = threading.Event(), threading.Event()
+
+    def update() -> None:
+        with apart_from_captures(torch.device("cuda")):
+            held.set()
+            release.wait(120)
+
+    updating = threading.Thread(target=update)
+    updating.start()
+    try:
+        assert held.wait(60)
+        assert torch.equal(generate(engine), expected)
+        assert engine._workspaces and not any(ws.graphs for ws in engine._workspaces.values()), (
+            "a step captured while an update held the guard"
+        )
+    finally:
+        release.set()
+        updating.join(120)
+    assert torch.equal(generate(engine), expected)
+    assert any(ws.graphs for ws in engine._workspaces.values())
+
+
 def test_recorded_log_probs_match_rescoring(model) -> None:
     rows = prompts(16, samples=4)
     out = run(model, rows, SamplingParams(max_new_tokens=48, temperature=1.0))

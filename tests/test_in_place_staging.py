@@ -327,6 +327,18 @@ def test_no_reference_to_the_memory_outlives_the_plane(no_garbage_collector: Non
         assert plane.in_place
         assert plane.referenced_at_exit is False, f"v{version}: the memory outlived the plane"
     assert state_hash(model) == state_hash(trainer)
+    # ... nor an update refused at its swap because its call had ended (update.check_call).
+    ended = EndingCall()
+    ended.active = False
+    header, head, data = _file(perturbed(model, seed=4))
+    header.version = 4  # type: ignore[attr-defined]
+    plane = HeldMemoryPlane(head, data)
+    updates.planes = OnePlane(plane)  # type: ignore[assignment]
+    with pytest.raises(Cancelled) as refusal:
+        updates.update(iter([pb.UpdateWeightsRequest(header=header)]), ended)
+    assert refusal.value is not None and plane.in_place
+    assert plane.referenced_at_exit is False, "the ended call's refusal kept the memory"
+    assert state_hash(model) == state_hash(trainer)
 
 
 class EndingCall:

@@ -168,7 +168,9 @@ def test_a_whole_update_in_one_call_lands_bit_exact_and_versioned(
     assert all(torch.equal(actor.state_dict()[name], t) for name, t in weights.items())
     assert stub.Health(pb.HealthRequest(), timeout=WAIT_S).policy_version == 1
     (call,) = calls
-    assert isinstance(call, grpc.ServicerContext) and 0 < call.time_remaining() <= WAIT_S
+    assert (
+        isinstance(call, grpc.ServicerContext) and 0 < call.time_remaining() <= WAIT_S + 1
+    )  # sent rounded up
 
 
 def test_refused_calls_change_nothing(models: ModelSet, channel: grpc.Channel) -> None:

@@ -99,7 +99,8 @@ def _a_run_failed(error: Exception) -> bool:
     either). The function keeps its compiled code."""
     if isinstance(error, torch.OutOfMemoryError):
         return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    # is_initialized: a CPU model's failure must not start CUDA (a context on the GPU) to ask.
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def maybe_compiled(

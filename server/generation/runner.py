@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..capture_guard import apart_from_captures
+from ..capture_guard import captures_now
 from .attention import CAPTURE_ERROR_MODE, decode_attention_variants, pick_decode_attention
 from .compiling import compiles_by_default
 from .families import Family
@@ -459,12 +459,12 @@ class Engine:
                     ws.shared = shared  # the dummy rows share one prompt: any grouping holds
                     for attend, step in first_step.items():
                         ws.step.fill_(step)
-                        self._run(ws, b, attend)
+                        self._run(ws, b, attend, wait_to_capture=True)
                 ws.shared = None
                 for attend in below:
                     ws.prompt_width.fill_(attend - 1)  # its K/V column inside what it reads
                     ws.step.fill_(1)
-                    self._run(ws, b, attend)
+                    self._run(ws, b, attend, wait_to_capture=True)
                 covered.append(b)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -695,8 +695,10 @@ class Engine:
         ws.positions[:b] += 1
         ws.step += 1
 
-    def _run(self, ws: _Workspace, b: int, attend: int) -> None:
-        """decode_step, replayed from a CUDA graph on CUDA (captured on first use)."""
+    def _run(self, ws: _Workspace, b: int, attend: int, *, wait_to_capture: bool = False) -> None:
+        """decode_step, replayed from a CUDA graph on CUDA (captured on first use, unless a
+        weight update's device work runs then and not `wait_to_capture`: capture_guard.py;
+        the step has run eagerly, and a later use captures)."""
         key = _step_key(b, attend, ws.shared)
         ws.shapes.add(key)
         if not self.use_graphs:
@@ -716,14 +718,14 @@ class Engine:
         current.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with (
-            apart_from_captures(self.device),  # no weight update's device work meanwhile
-            torch.cuda.graph(
+        with captures_now(self.device, wait=wait_to_capture) as now:
+            if not now:  # an update is staging: the step ran above; capture at a later use
+                return
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(
                 graph, pool=self._pool, stream=side, capture_error_mode=CAPTURE_ERROR_MODE
-            ),
-        ):
-            self.decode_step(ws, b, attend)
+            ):
+                self.decode_step(ws, b, attend)
         ws.graphs[key] = graph
 
     def _capture_stream(self) -> torch.cuda.Stream:

@@ -207,12 +207,15 @@ class KeptIpcBuffers:
             return None
 
     def release(self) -> None:
+        """Close every kept buffer (server stop). Not apart from captures (capture_guard.py):
+        the engine has closed by then, and an update stuck in a collective may hold the guard
+        for its timeout, past the stop's bound."""
         with self._lock:
             dropped, self._by_role = self._by_role, {}
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-        _close(dropped)
+        dropped.clear()
 
     def __len__(self) -> int:
         with self._lock:
@@ -393,15 +396,15 @@ class CudaIpcPlane:
 
     def _close_or_keep(self, error: BaseException | None) -> None:
         opened = {n: s for n, s in enumerate(self._opened) if s is not None}
+        for number in opened:
+            # Opened with its counter (buffers not kept): torch's deleter decrements it when
+            # the storage closes. Opened without (kept, see the module): given back below.
+            self._released[number] = number in self._counted
         if error is not None and opened:
             # Copies of a failed update may still be in flight on the stager's stream: they
             # must end before the trainer may free the memory.
             for index in {self._device_index(), *self._indices}:
                 torch.cuda.synchronize(index)
-        for number in opened:
-            # Opened with its counter (buffers not kept): torch's deleter decrements it when
-            # the storage closes. Opened without (kept, see the module): given back below.
-            self._released[number] = number in self._counted
         keeper = self._kept if error is None else None  # a failed update keeps nothing
         buffers = self._source.buffers
         kept = [n for n in opened if keeper is not None and keepable(buffers[n])]
@@ -415,7 +418,7 @@ class CudaIpcPlane:
         # (torch's deleter syncs the device's current stream, decrements the trainer's counter,
         # closes the mapping).
         closing_s = time.perf_counter()
-        closed = len(opened) - len(kept)
+        closed = sum(1 for n in opened if n not in kept and n not in self._reused)
         opened.clear()
         self._opened = []
         if closed:

@@ -57,6 +57,7 @@ from ...client.protocol.process_group import (
     shut_down,
 )
 from ...v1 import rollout_pb2 as pb
+from ..capture_guard import apart_from_captures
 from .staging import Request, UpdateStager, receive_head_only
 from .stream import Lane
 from .timings import UpdateTimings
@@ -483,7 +484,9 @@ class GroupUpdate:
 
     def __exit__(self, exc_type: object, error: BaseException | None, tb: object) -> None:
         if error is not None and not self._voted:
-            self._vote(_REFUSED)
+            # A collective on the group's device (NCCL: on the GPU): apart from any capture.
+            with apart_from_captures(self._group.device):
+                self._vote(_REFUSED)
 
     def receive(self, stager: UpdateStager, requests: Iterator[Request]) -> None:
         """The head from the stream, the vote, then the data section by broadcast."""

@@ -73,7 +73,7 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu") if parameter is None else parameter.device
 
 
-def check_call(call: Call | None, staged: StagedUpdate) -> None:
+def check_call(call: Call | None, in_place: bool) -> None:
     """Before apply (after the swap's wait, which lasts as long as the experience job then
     running): an update whose call has ended is not applied, Cancelled or DeadlineExceeded (the
     trainer was told it failed: its weights must not change behind its back); one staged in
@@ -86,7 +86,7 @@ def check_call(call: Call | None, staged: StagedUpdate) -> None:
             "applied"
         )
     remaining = call.time_remaining()
-    if staged.in_place and remaining is not None and remaining < IN_PLACE_MARGIN_S:
+    if in_place and remaining is not None and remaining < IN_PLACE_MARGIN_S:
         raise DeadlineExceeded(
             f"UpdateWeights: {remaining:.3f} s left of the call when its swap came, under the "
             f"{IN_PLACE_MARGIN_S} s an update staged in place (read from the trainer's memory "
@@ -222,7 +222,9 @@ class WeightUpdates:
                 def apply() -> AppliedUpdate:  # on the engine thread, while this one waits
                     timings.lap("swap_wait")
                     assert staged is not None
-                    check_call(call, staged)
+                    # Not `staged` itself: the refusal's frame would keep its views (in place,
+                    # the trainer's CUDA IPC memory) past the plane's exit.
+                    check_call(call, staged.in_place)
                     applied = self._apply(role, module, staged)
                     timings.lap("apply")
                     return applied
