@@ -35,10 +35,7 @@ _LOCK = threading.RLock()
 @contextmanager
 def apart_from_captures(device: torch.device) -> Iterator[None]:
     """Hold the capture lock while inside, for device work on `device` (nothing off CUDA)."""
-    if device.type != "cuda":
-        yield
-        return
-    with _LOCK:
+    with captures_now(device, wait=True):
         yield
 
 

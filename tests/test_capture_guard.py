@@ -2,8 +2,8 @@
 and an update does not hold the guard while it waits for its swap (the engine's running job may
 be about to capture: holding it there would deadlock the two).
 
-Off CUDA the guard is a no-op; here the server's update path is told its model is on CUDA
-(update._device_of), so it takes the guard as on a GPU server, and a probe thread says whether
+Off CUDA the guard is a no-op; here the server's update path is told its models are on CUDA
+(its planes' device), so it takes the guard as on a GPU server, and a probe thread says whether
 someone else holds it. The engine's side (runner.py, attention.py: each capture under the guard)
 runs in the gpu tests that capture.
 """
@@ -24,7 +24,6 @@ from helpers_weights import (
 from rollserve.client.protocol.errors import InvalidArgument
 from rollserve.server import capture_guard
 from rollserve.server.capture_guard import apart_from_captures, captures_now
-from rollserve.server.weights import update as update_module
 
 WAIT_S = 30.0
 CUDA = torch.device("cuda")  # a device name: nothing runs there
@@ -88,7 +87,6 @@ def test_an_update_holds_it_while_it_receives_and_not_while_it_waits_for_its_swa
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model, trainer = tiny_llama(0), tiny_llama(1)
-    monkeypatch.setattr(update_module, "_device_of", lambda module: CUDA)
     seen: dict[str, bool] = {}
 
     def at_swap() -> None:
@@ -101,6 +99,7 @@ def test_an_update_holds_it_while_it_receives_and_not_while_it_waits_for_its_swa
             yield message
 
     updates = in_place_updates(model, before_apply=at_swap)
+    monkeypatch.setattr(updates.planes, "device", CUDA)  # as a CUDA server's
     assert updates.update(requests()).version == 1
     assert seen == {"receive": True, "swap": False}
     assert not held_by_another_thread()  # given back after the update

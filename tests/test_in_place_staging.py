@@ -277,6 +277,8 @@ class HeldMemoryPlane:
 class OnePlane:
     """Planes that pick one plane for every update."""
 
+    device = CPU  # the models'
+
     def __init__(self, plane: HeldMemoryPlane) -> None:
         self.plane = plane
 

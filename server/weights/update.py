@@ -68,11 +68,6 @@ class Call(Protocol):
 IN_PLACE_MARGIN_S = 0.5
 
 
-def _device_of(module: torch.nn.Module) -> torch.device:
-    parameter = next(module.parameters(), None)
-    return torch.device("cpu") if parameter is None else parameter.device
-
-
 def check_call(call: Call | None, in_place: bool) -> None:
     """Before apply (after the swap's wait, which lasts as long as the experience job then
     running): an update whose call has ended is not applied, Cancelled or DeadlineExceeded (the
@@ -213,7 +208,7 @@ class WeightUpdates:
                 )
                 # No CUDA graph capture meanwhile (capture_guard.py): receiving and verifying
                 # synchronise with the device; the swap below does not hold it.
-                with apart_from_captures(_device_of(module)):
+                with apart_from_captures(self.planes.device):  # the models' device
                     plane.receive(stager, requests)
                     timings.lap("receive")
                     staged = stager.finish()
