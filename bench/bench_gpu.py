@@ -166,10 +166,8 @@ def phases_peak(device: str, peaks: dict[str, PhaseMemory]) -> str:
     phase's alone), and what the allocator holds now."""
     if not device.startswith("cuda") or not peaks:
         return "peak alloc/reserved -"
-    top = max(m.peak for m in peaks.values())
-    return f"peak alloc {top / GIB:.1f} GiB (its phases'), reserved now " + (
-        f"{torch.cuda.memory_reserved() / GIB:.1f} GiB"
-    )
+    top, reserved = max(m.peak for m in peaks.values()), torch.cuda.memory_reserved()
+    return f"peak alloc {top / GIB:.1f} GiB (its phases'), reserved now {reserved / GIB:.1f} GiB"
 
 
 def reset_memory(device: str) -> None:

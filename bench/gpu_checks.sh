@@ -22,16 +22,14 @@
 #         WEIGHTS_ARGS="--no-cpu-reference --baseline per-tensor" BENCH_GPU_S=250 \
 #         BENCH_GPU_ARGS="--skip small" bash bench/gpu_checks.sh
 #
-# (2026-11-28 12:00: bounds cut so the worst case fits 900 s of device time: each bound can
-# overrun by its SIGINT grace (~15 s), the installs ~30 s a call, the start 45-120 s; call 2's
-# BENCH_GPU_S may be set from `status`'s budget_left_s less ~60 s.)
-#
-# (260 + 90 and 90 + 280 s of bounds, ~820 s with the installs and one start: the profile got
+# (220 + 85 and 80 + 250 s of bounds: the worst case fits 900 s of device time, each bound
+# overrunning by its SIGINT grace (~15 s), the installs ~30 s a call, the start 45-120 s; call
+# 2's BENCH_GPU_S may be set from `status`'s budget_left_s less ~60 s. The profile got
 # 30 s more on 2026-11-27 for the shared-prefix steps it compiles and captures, two forms x the
 # first layer's view and the others'; update-latency gave its 40 s: bench-weights measures the
 # same lanes on the bench model; the gpu tests, those that never ran on a GPU first, may end at
 # their bound before the last few). bench-gpu
-# gets 260 s: its full run was estimated at ~190 s without the small request (the 17:11 UTC
+# gets 250 s: its full run was estimated at ~190 s without the small request (the 17:11 UTC
 # figures: HF first call 16 s, the engine's warm-up 28 s, the server process's start 38 s, the
 # scoring section's six lanes), and a run whose budget ends inside the gRPC lane (the last of
 # the end-to-end lanes) has no gRPC figures: the diagnostic lanes (scoring, engine thread, gRPC
